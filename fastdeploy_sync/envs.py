@@ -1,0 +1,55 @@
+"""Every environment variable fastdeploy_sync reads, in one place.
+
+Values are read when a TaskQueue / TaskClient is constructed (not at import), so a
+test or a launcher can set them per process before building the objects.
+"""
+
+import os
+import tempfile
+
+__all__ = [
+    "async_task_comm_enabled",
+    "ipc_dir",
+    "attach_timeout_s",
+    "barrier_spin_us",
+]
+
+
+def _flag(name: str, default: str = "0") -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 0 or 1")
+
+
+def async_task_comm_enabled() -> bool:
+    """``DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM`` (default ``0``).
+
+    ``0``: each worker runs a background prefetch thread (the fast path).
+    ``1``: no thread; the event loop receives from the engine itself at step time
+    (for debugging, and the baseline the benchmarks compare against).
+    """
+    return not _flag("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM")
+
+
+def ipc_dir() -> str:
+    """``FD_SYNC_IPC_DIR``: where default ``ipc://`` socket files live (default: the temp dir).
+
+    Keep it short: a unix socket path is limited to 107 bytes.
+    """
+    return os.environ.get("FD_SYNC_IPC_DIR") or tempfile.gettempdir()
+
+
+def attach_timeout_s() -> float:
+    """``FD_SYNC_ATTACH_TIMEOUT`` (seconds, default 120): how long a TP rank other than 0
+    waits in its constructor for rank 0 to create the group's shared-memory segment."""
+    return float(os.environ.get("FD_SYNC_ATTACH_TIMEOUT", "120"))
+
+
+def barrier_spin_us() -> float:
+    """``FD_SYNC_BARRIER_SPIN_US`` (default 50): how long ``barrier()`` spins on shared memory
+    before blocking on a semaphore. Spinning gives sub-microsecond release when ranks arrive
+    together; blocking costs ~30 us of wake-up but no CPU while a rank is late."""
+    return float(os.environ.get("FD_SYNC_BARRIER_SPIN_US", "50"))

@@ -1,0 +1,49 @@
+"""Exceptions that are part of the public API."""
+
+__all__ = [
+    "TaskSyncError",
+    "PrefetchError",
+    "ProtocolError",
+    "EngineRejectedError",
+    "BarrierTimeoutError",
+    "GroupInUseError",
+    "EndpointInUseError",
+    "ClosedError",
+]
+
+
+class TaskSyncError(RuntimeError):
+    """Base class of every error fastdeploy_sync raises on purpose."""
+
+
+class PrefetchError(TaskSyncError):
+    """The worker's background prefetch thread failed; ``__cause__`` holds the original error.
+
+    Raised by the next ``exist_tasks()``, ``barrier()``, ``get_tasks()``, ``num_tasks()`` or
+    ``sync_step()`` after the failure, and by every call after that: the client is unusable.
+    """
+
+
+class ProtocolError(TaskSyncError):
+    """The step protocol was broken: a gap in sequence numbers, or ranks that disagree on
+    what they have taken (e.g. ``get_tasks()`` called on some ranks of a step but not others)."""
+
+
+class EngineRejectedError(TaskSyncError):
+    """The engine refused this worker (wrong tp_size or name, or a rank restarted mid-stream)."""
+
+
+class BarrierTimeoutError(TaskSyncError, TimeoutError):
+    """``barrier()`` timed out or a rank of the group exited; the message names the ranks."""
+
+
+class GroupInUseError(TaskSyncError):
+    """Another live process already owns this (name, dp_id) TP group's shared memory."""
+
+
+class EndpointInUseError(TaskSyncError):
+    """A live TaskQueue is already bound to this ipc endpoint."""
+
+
+class ClosedError(TaskSyncError):
+    """The object was used after ``close()``."""

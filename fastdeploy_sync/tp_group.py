@@ -1,0 +1,399 @@
+"""Coordination of the TP ranks of one group on one node: shared-memory watermarks,
+generation-indexed step decisions and a spin-then-block barrier.
+
+Layout of the group's segment (int64 slots; each rank's block is one 64-byte cache line
+so that a rank writing its own watermarks never invalidates another rank's line)::
+
+    header      MAGIC, VERSION, TP_SIZE, OWNER_PID, READY
+    rank r      RECEIVED  highest seq the rank holds locally (contiguous from 1)
+                CONSUMED  highest seq the rank has taken
+                ARRIVED   the barrier generation the rank last arrived at
+                SLEEPING  the generation the rank is blocked on in a semaphore, else 0
+                PID
+    decisions   a ring of DECISION_RING entries (GEN, FROM, TO), written by rank 0 only
+
+The step protocol (the invariant: every rank takes the same batches at the same step):
+  * rank 0's ``exist_tasks()`` reads every rank's RECEIVED; if the minimum is past what
+    the group has taken, it writes the decision "take (FROM, TO]" into the ring entry of
+    the *next* barrier generation, then arrives at that barrier.
+  * after the barrier of generation G, every rank reads the entry tagged G. An entry
+    tagged otherwise means "no decision this step". Indexing by generation is what makes
+    a fast rank 0, already deciding for G+1, unable to change what a slow rank takes at G;
+    the barrier bounds the skew to one generation, so a ring of 8 is plenty.
+
+Memory ordering: rank 0 writes the decision before its ARRIVED slot, and readers read
+ARRIVED before the decision; x86-64 keeps store->store and load->load order, so a rank
+that saw the arrival sees the decision. The only store->load (Dekker) patterns, "I sleep"
+vs "you arrived", have a bounded fallback (semaphore waits time out and re-check), so a
+theoretically lost wake-up costs at most one fallback interval, never a hang.
+
+The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
+rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
+"""
+
+import logging
+import os
+import time
+import weakref
+
+import posix_ipc
+
+from . import envs
+from .errors import BarrierTimeoutError, GroupInUseError
+from .shm import Segment, pid_alive, unlink_segment, unlink_semaphore
+
+__all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x46445359_4E430001  # "FDSYNC", layout 1
+VERSION = 1
+H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY = range(5)
+RANK_BASE = 8
+RANK_STRIDE = 8  # 64 bytes: one cache line per rank
+R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID = range(5)
+DECISION_RING = 8
+D_GEN, D_FROM, D_TO = range(3)
+D_STRIDE = 4
+
+# A blocked barrier waiter re-checks this often even without a post: the fallback for a
+# lost wake-up (see module docstring) and the pace at which it notices a dead peer.
+_FALLBACK_WAIT_S = 0.01
+_ATTACH_POLL_S = 0.01
+
+
+def group_shm_name(name: str, dp_id: int) -> str:
+    return f"/fdsync.{name}.dp{dp_id}"
+
+
+def _layout_slots(tp_size: int) -> int:
+    return RANK_BASE + tp_size * RANK_STRIDE + DECISION_RING * D_STRIDE
+
+
+class SoloGroup:
+    """The degenerate group of TP=1: no shared memory, no barrier.
+
+    FastDeploy does not call the barrier at TP=1, so the decision is not indexed by
+    generation here: ``get_tasks()`` takes whatever the last ``exist_tasks()`` latched.
+    """
+
+    tp_size = 1
+    gen = 0
+
+    def __init__(self):
+        self._received = 0
+        self._consumed = 0
+        self._decision = None
+
+    def publish_received(self, seq):
+        self._received = seq
+
+    def min_received(self):
+        return self._received
+
+    def latch(self, gen, from_seq, to_seq):
+        self._decision = (from_seq, to_seq)
+
+    def decision(self, gen):
+        return self._decision
+
+    def publish_consumed(self, seq):
+        self._consumed = seq
+
+    def all_consumed(self, seq):
+        return self._consumed >= seq
+
+    def barrier(self, timeout=None, service=None):
+        pass
+
+    def close(self):
+        pass
+
+
+class ShmTPGroup:
+    """One rank's handle on the node-local coordination of a TP group.
+
+    Construction: rank 0 creates the segment and semaphores (reclaiming a crashed run's
+    leftovers, raising ``GroupInUseError`` if a live rank 0 of the same name exists).
+    Other ranks block until rank 0 has published the segment, up to ``attach_timeout``
+    seconds (``FD_SYNC_ATTACH_TIMEOUT``), then raise ``TimeoutError``.
+
+    Not thread-safe: use one instance from the event loop thread; only
+    ``publish_received`` may be called from the prefetch thread (it writes one slot).
+    """
+
+    def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int,
+                 attach_timeout: float = None):
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.gen = 0  # barrier generations this rank has passed
+        self.shm_name = group_shm_name(name, dp_id)
+        self._sem_names = [f"{self.shm_name}.w{r}" for r in range(tp_size)]
+        self._spin_s = envs.barrier_spin_us() * 1e-6
+        self._size = _layout_slots(tp_size) * 8
+        if attach_timeout is None:
+            attach_timeout = envs.attach_timeout_s()
+        if tp_rank == 0:
+            self._seg = self._create()
+        else:
+            self._seg = self._attach(attach_timeout)
+        self._sems = [posix_ipc.Semaphore(n) for n in self._sem_names]
+        v = self._view = self._seg.view
+        self._my = RANK_BASE + tp_rank * RANK_STRIDE
+        self._ranks = [RANK_BASE + r * RANK_STRIDE for r in range(tp_size)]
+        self._received_slots = [b + R_RECEIVED for b in self._ranks]
+        self._consumed_slots = [b + R_CONSUMED for b in self._ranks]
+        self._arrived_slots = [b + R_ARRIVED for b in self._ranks]
+        self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
+        v[self._my + R_PID] = os.getpid()
+        self._closed = False
+        # Process exit without close(): the owner still removes its names.
+        self._finalizer = weakref.finalize(
+            self, _release, self._seg, self._sems, tp_rank == 0, self.shm_name, self._sem_names)
+
+    # -- creation / attachment ---------------------------------------------------------
+
+    def _create(self) -> Segment:
+        try:
+            seg = Segment.create(self.shm_name, self._size)
+        except FileExistsError:
+            self._reclaim_stale()
+            try:
+                seg = Segment.create(self.shm_name, self._size)
+            except FileExistsError:
+                raise GroupInUseError(
+                    f"{self.shm_name}: another rank 0 created this group concurrently") from None
+        for sem_name in self._sem_names:
+            unlink_semaphore(sem_name)  # a crashed run's leftover would carry a stale count
+            posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, initial_value=0).close()
+        v = seg.view
+        v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
+        v[H_OWNER_PID] = os.getpid()
+        v[H_READY] = 1  # last: an attacher that sees READY sees everything above
+        return seg
+
+    def _reclaim_stale(self) -> None:
+        seg = Segment.attach(self.shm_name)
+        try:
+            v = seg.view
+            owner = v[H_OWNER_PID] if seg.size >= self._header_bytes() else 0
+        finally:
+            seg.close()
+        if owner and owner != os.getpid() and pid_alive(owner):
+            raise GroupInUseError(
+                f"TP group {self.shm_name} is owned by live process {owner} (its rank 0): "
+                f"two groups cannot share a name and dp_id")
+        unlink_segment(self.shm_name)
+        log.warning("reclaimed stale shared memory %s left by exited process %s",
+                    self.shm_name, owner or "unknown")
+
+    @staticmethod
+    def _header_bytes():
+        return RANK_BASE * 8
+
+    def _attach(self, timeout: float) -> Segment:
+        deadline = time.monotonic() + timeout
+        why = "it does not exist yet"
+        while True:
+            try:
+                seg = Segment.attach(self.shm_name)
+            except FileNotFoundError:
+                seg = None
+            if seg is not None:
+                why = self._usable(seg)
+                if why is None:
+                    return seg
+                seg.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"rank {self.tp_rank}: TP group {self.shm_name} not ready after {timeout:.1f}s "
+                    f"({why}); is rank 0 of this group running? (FD_SYNC_ATTACH_TIMEOUT)")
+            time.sleep(_ATTACH_POLL_S)
+
+    def _usable(self, seg: Segment):
+        """None if ``seg`` is a live, ready segment of our shape, else why not."""
+        if seg.size < self._header_bytes():
+            return "rank 0 is creating it"
+        v = seg.view
+        if v[H_READY] != 1 or v[H_MAGIC] != MAGIC:
+            return "rank 0 is creating it"
+        if not pid_alive(v[H_OWNER_PID]):
+            return f"a stale segment of exited process {v[H_OWNER_PID]} waits for rank 0 to reclaim it"
+        if v[H_TP_SIZE] != self.tp_size or seg.size != self._size:
+            raise ValueError(f"rank {self.tp_rank} was built with tp_size={self.tp_size} but "
+                             f"rank 0 of {self.shm_name} uses tp_size={v[H_TP_SIZE]}")
+        return None
+
+    # -- watermarks ----------------------------------------------------------------------
+
+    def publish_received(self, seq: int) -> None:
+        self._view[self._my + R_RECEIVED] = seq
+
+    def min_received(self) -> int:
+        v = self._view
+        return min([v[s] for s in self._received_slots])
+
+    def publish_consumed(self, seq: int) -> None:
+        self._view[self._my + R_CONSUMED] = seq
+
+    def all_consumed(self, seq: int) -> bool:
+        v = self._view
+        for s in self._consumed_slots:
+            if v[s] < seq:
+                return False
+        return True
+
+    def received(self):
+        """Every rank's RECEIVED, for error messages and stats."""
+        return [self._view[s] for s in self._received_slots]
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def latch(self, gen: int, from_seq: int, to_seq: int) -> None:
+        """Rank 0: the barrier of generation ``gen`` releases a step that takes (from, to]."""
+        base = self._decision_base + (gen % DECISION_RING) * D_STRIDE
+        v = self._view
+        v[base + D_FROM] = from_seq
+        v[base + D_TO] = to_seq
+        v[base + D_GEN] = gen
+
+    def decision(self, gen: int):
+        """(from, to) latched for generation ``gen``, or None if rank 0 latched nothing."""
+        base = self._decision_base + (gen % DECISION_RING) * D_STRIDE
+        v = self._view
+        if v[base + D_GEN] != gen:
+            return None
+        return v[base + D_FROM], v[base + D_TO]
+
+    # -- barrier -------------------------------------------------------------------------
+
+    def _all_arrived(self, gen: int) -> bool:
+        v = self._view
+        for s in self._arrived_slots:
+            if v[s] < gen:
+                return False
+        return True
+
+    def _wake_sleepers(self, gen: int) -> None:
+        v = self._view
+        for r, base in enumerate(self._ranks):
+            if v[base + R_SLEEPING] == gen:
+                self._sems[r].release()
+
+    def barrier(self, timeout: float = None, service=None) -> None:
+        """Block until every rank of the group has called ``barrier()`` for this generation.
+
+        Waits by spinning on shared memory for ``FD_SYNC_BARRIER_SPIN_US`` (sub-µs release
+        when ranks arrive together), then blocking on this rank's semaphore (GIL released,
+        no CPU; ~30 µs wake-up when the last rank arrives).
+
+        ``timeout`` (seconds, None = forever): raises ``BarrierTimeoutError`` naming the
+        ranks that did not arrive. It is raised early if one of them has exited. After a
+        timeout, calling ``barrier()`` again resumes the same generation.
+
+        ``service``: a callable run while blocked, at least every 0.5 ms (sync mode uses it
+        to keep receiving from the engine while it waits).
+        """
+        gen = self.gen + 1
+        v = self._view
+        v[self._my + R_ARRIVED] = gen
+        if not self._all_arrived(gen):
+            self._wait(gen, timeout, service)
+        self._wake_sleepers(gen)
+        self.gen = gen
+
+    def _wait(self, gen, timeout, service):
+        now = time.perf_counter()
+        spin_end = now + self._spin_s
+        while now < spin_end:
+            if self._all_arrived(gen):
+                return
+            now = time.perf_counter()
+        deadline = None if timeout is None else now + timeout - self._spin_s
+        sem = self._sems[self.tp_rank]
+        wait_s = 0.0005 if service is not None else _FALLBACK_WAIT_S
+        sleeping_slot = self._my + R_SLEEPING
+        v = self._view
+        next_liveness = now
+        try:
+            while True:
+                v[sleeping_slot] = gen
+                if self._all_arrived(gen):  # re-check after announcing: see module docstring
+                    return
+                if service is not None:
+                    service()
+                try:
+                    sem.acquire(wait_s)
+                except posix_ipc.BusyError:
+                    pass
+                if self._all_arrived(gen):
+                    return
+                now = time.perf_counter()
+                if now >= next_liveness:
+                    next_liveness = now + 0.1
+                    self._check_peers(gen)
+                if deadline is not None and now >= deadline:
+                    raise BarrierTimeoutError(
+                        f"rank {self.tp_rank}: barrier generation {gen} timed out after "
+                        f"{timeout:.3f}s; {self._describe_missing(gen)}")
+        finally:
+            v[sleeping_slot] = 0
+
+    def _missing(self, gen):
+        v = self._view
+        return [(r, v[b + R_PID]) for r, b in enumerate(self._ranks) if v[b + R_ARRIVED] < gen]
+
+    def _describe_missing(self, gen):
+        parts = []
+        for r, pid in self._missing(gen):
+            if pid == 0:
+                parts.append(f"rank {r} (never attached)")
+            else:
+                parts.append(f"rank {r} (pid {pid}, {'alive' if pid_alive(pid) else 'exited'})")
+        return "waiting for " + ", ".join(parts)
+
+    def _check_peers(self, gen):
+        dead = [(r, pid) for r, pid in self._missing(gen) if pid and not pid_alive(pid)]
+        if dead:
+            raise BarrierTimeoutError(
+                f"rank {self.tp_rank}: barrier generation {gen} cannot complete: "
+                + ", ".join(f"rank {r} (pid {pid}) exited" for r, pid in dead))
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap and close; rank 0 also unlinks the names (peers keep their mappings).
+        A non-zero rank whose rank 0 has exited unlinks the leftovers too. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        owner = self._view[H_OWNER_PID]
+        unlink = self.tp_rank == 0 or (not pid_alive(owner) and self._owned_by(owner))
+        self._view = None
+        self._finalizer.detach()
+        _release(self._seg, self._sems, unlink, self.shm_name, self._sem_names)
+
+    def _owned_by(self, owner: int) -> bool:
+        """True if the segment now under our name is still the one ``owner`` created
+        (and not a new run's, which we must not unlink)."""
+        try:
+            seg = Segment.attach(self.shm_name)
+        except FileNotFoundError:
+            return False
+        try:
+            return seg.size >= self._header_bytes() and seg.view[H_OWNER_PID] == owner
+        finally:
+            seg.close()
+
+
+def _release(seg, sems, unlink, shm_name, sem_names):
+    for sem in sems:
+        try:
+            sem.close()
+        except posix_ipc.ExistentialError:
+            pass
+    seg.close()
+    if unlink:
+        unlink_segment(shm_name)
+        for name in sem_names:
+            unlink_semaphore(name)

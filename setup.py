@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fastdeploy_sync",
+    version="0.1.0",
+    description="Engine -> tensor-parallel worker task sync off the worker's critical path "
+                "(background prefetch, shared-memory TP barrier, ZeroMQ transport)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fastdeploy_sync", "fastdeploy_sync.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "pyzmq>=25",
+        "numpy>=1.22",
+        "posix_ipc>=1.1",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2"],
+        "paddle": ["paddlepaddle>=2.6"],
+    },
+    entry_points={"console_scripts": ["fastdeploy-sync=fastdeploy_sync.cli:main"]},
+)

@@ -1,0 +1,46 @@
+import glob
+import multiprocessing
+import os
+import uuid
+
+import pytest
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def name():
+    """A unique group name per test; after the test, nothing of it may remain on disk."""
+    n = "t" + uuid.uuid4().hex[:12]
+    yield n
+    leftovers = glob.glob(f"/dev/shm/*{n}*") + glob.glob(f"/tmp/fdsync-{n}-*")
+    for path in leftovers:  # clean up so one failure does not cascade, then fail
+        os.unlink(path)
+    assert not leftovers, f"left behind: {leftovers}"
+
+
+@pytest.fixture
+def procs():
+    """Start processes through this list; every one is killed and joined after the test."""
+    started = []
+
+    def start(target, *args, **kwargs):
+        p = SPAWN.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+@pytest.fixture
+def results():
+    q = SPAWN.Queue()
+    yield q
+    q.close()
+    q.join_thread()

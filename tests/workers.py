@@ -1,0 +1,170 @@
+"""Worker-process bodies for the tests (module-level so that spawn can import them).
+
+Each reports to a multiprocessing queue as ``(tag, rank, payload)``; an exception is
+reported as ``("error", rank, repr)`` rather than lost in a child's stderr.
+"""
+
+import functools
+import logging
+import os
+import random
+import time
+import traceback
+
+from fastdeploy_sync import TaskClient
+
+
+def _report_errors(fn):
+    @functools.wraps(fn)  # keeps the qualified name, so spawn can pickle the wrapper
+    def wrapper(out, rank, *args, **kwargs):
+        try:
+            fn(out, rank, *args, **kwargs)
+        except BaseException as exc:
+            out.put(("error", rank, f"{exc!r}\n{traceback.format_exc()}"))
+    return wrapper
+
+
+@_report_errors
+def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_every=0,
+                     max_step_ms=2.0, deadline_s=90.0):
+    """A FastDeploy-shaped loop with random step times.
+
+    Records, per barrier step, the batch ids taken. With ``skip_every`` > 0, every
+    ``skip_every``-th step calls exist_tasks() on rank 0 but no rank calls get_tasks()
+    (FastDeploy's loop does that when it is not ready to take), decided identically on
+    every rank from the step index.
+    """
+    rng = random.Random(seed * 1000 + rank)
+    steps = []  # (step index, [batch ids])
+    taken = 0
+    deadline = time.monotonic() + deadline_s
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
+        step = 0
+        while taken < n_batches:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches")
+            skip = skip_every and step % skip_every == skip_every - 1
+            if rank == 0:
+                client.exist_tasks()
+            client.barrier(timeout=30)
+            if not skip:
+                # a slow rank: the others may already be at the next step's check
+                if rng.random() < 0.2:
+                    time.sleep(rng.random() * max_step_ms / 1000)
+                tasks, _ = client.get_tasks()
+                if tasks:
+                    ids = []
+                    for batch_id, tokens in tasks:
+                        assert int(tokens[0]) == batch_id and len(tokens) == 64 + batch_id % 7
+                        ids.append(batch_id)
+                    steps.append((step, ids))
+                    taken += len(ids)
+            time.sleep(rng.random() * max_step_ms / 1000)  # the model step
+            step += 1
+        out.put(("steps", rank, steps))
+
+
+@_report_errors
+def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=None,
+                deadline_s=60.0):
+    """sync_step() until n batches are taken; report the batches (as given) in order."""
+    got = []
+    deadline = time.monotonic() + deadline_s
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint) as client:
+        out.put(("ready", rank, os.getpid()))
+        while len(got) < n_batches:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: took {len(got)}/{n_batches} batches")
+            tasks = client.sync_step(timeout=30)
+            got.extend(tasks)
+            if not tasks:
+                time.sleep(0.0005)
+        out.put(("taken", rank, got))
+
+
+@_report_errors
+def failing_prefetch_rank(out, rank, name, tp, async_prefetch):
+    """Steps until the client raises; report the exception types and how often it logged."""
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logging.getLogger("fastdeploy_sync").addHandler(Collect(level=logging.ERROR))
+    deadline = time.monotonic() + 30
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
+        raised = []
+        while len(raised) < 2 and time.monotonic() < deadline:
+            try:
+                client.sync_step(timeout=10)
+            except Exception as exc:
+                raised.append((type(exc).__name__, type(exc.__cause__).__name__
+                               if exc.__cause__ else None, str(exc)))
+            time.sleep(0.001)
+        out.put(("raised", rank, (raised, len(records))))
+
+
+@_report_errors
+def idle_rank(out, rank, name, tp, seconds):
+    """Build a client, stay idle, report the prefetch thread's and process's CPU seconds."""
+    with TaskClient(name, tp, rank, async_prefetch=True) as client:
+        time.sleep(0.3)  # let start-up settle
+        tid = client._thread.native_id
+        t0, p0, w0 = _thread_cpu(tid), time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        out.put(("cpu", rank, (_thread_cpu(tid) - t0, time.process_time() - p0,
+                               time.monotonic() - w0)))
+
+
+def _thread_cpu(tid):
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@_report_errors
+def hold_group_rank(out, rank, name, tp, seconds):
+    """Join the group, say so, then stay until killed or ``seconds`` pass."""
+    with TaskClient(name, tp, rank):
+        out.put(("ready", rank, os.getpid()))
+        time.sleep(seconds)
+
+
+@_report_errors
+def barrier_once_rank(out, rank, name, tp, delay_s, timeout):
+    with TaskClient(name, tp, rank) as client:
+        out.put(("ready", rank, os.getpid()))
+        time.sleep(delay_s)
+        client.barrier(timeout=timeout)
+        out.put(("passed", rank, None))
+
+
+def collect(queue, tag, count, timeout=60.0):
+    """Wait for ``count`` messages tagged ``tag``; return {rank: payload}.
+
+    Fails at once with the child's traceback if a child reported an error, and with a
+    clear message if the messages do not arrive within ``timeout`` seconds.
+    """
+    import queue as queue_mod
+
+    got = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        remaining = deadline - time.monotonic()
+        try:
+            kind, rank, payload = queue.get(timeout=max(remaining, 0.01))
+        except queue_mod.Empty:
+            raise AssertionError(f"waited {timeout}s for {count} {tag!r} messages, got {sorted(got)}")
+        if kind == "error":
+            raise AssertionError(f"rank {rank} failed: {payload}")
+        if kind == tag:
+            got[rank] = payload
+    return got
+
+
+def make_batch(batch_id):
+    """A batch whose content can be checked on arrival (see consistency_rank)."""
+    import numpy as np
+
+    return batch_id, np.arange(batch_id, batch_id + 64 + batch_id % 7, dtype=np.int64)

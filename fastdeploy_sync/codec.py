@@ -127,7 +127,9 @@ def decode_payload(frames) -> object:
 
 
 def _buffer(frame):
-    # zmq.Frame exposes .buffer (a read-only memoryview of the message, kept alive by
-    # the view); anything else is used as a buffer directly.
+    # zmq.Frame exposes .buffer, a memoryview of the message that keeps it alive. It is
+    # writable, and over inproc it may even be the sender's own memory, so hand pickle a
+    # read-only view: decoded arrays are then read-only (writes raise instead of
+    # corrupting a message another rank or the engine may still hold).
     buf = getattr(frame, "buffer", None)
-    return buf if buf is not None else frame
+    return memoryview(buf if buf is not None else frame).toreadonly()

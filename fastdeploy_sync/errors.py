@@ -17,10 +17,12 @@ class TaskSyncError(RuntimeError):
 
 
 class PrefetchError(TaskSyncError):
-    """The worker's background prefetch thread failed; ``__cause__`` holds the original error.
+    """Receiving from the engine failed; ``__cause__`` holds the original error.
 
-    Raised by the next ``exist_tasks()``, ``barrier()``, ``get_tasks()``, ``num_tasks()`` or
-    ``sync_step()`` after the failure, and by every call after that: the client is unusable.
+    Async mode: the background prefetch thread failed; the next ``exist_tasks()``,
+    ``barrier()``, ``get_tasks()``, ``num_tasks()`` or ``sync_step()`` raises this, and so does
+    every call after it: the client is unusable. Sync mode: the call that hit the failure
+    raises the original error, every later call raises this.
     """
 
 

@@ -103,7 +103,10 @@ class SoloGroup:
     def all_consumed(self, seq):
         return self._consumed >= seq
 
-    def barrier(self, timeout=None, service=None):
+    def barrier(self, timeout=None, service=None, check=None):
+        pass
+
+    def wake(self):
         pass
 
     def close(self):
@@ -280,7 +283,11 @@ class ShmTPGroup:
             if v[base + R_SLEEPING] == gen:
                 self._sems[r].release()
 
-    def barrier(self, timeout: float = None, service=None) -> None:
+    def wake(self) -> None:
+        """Wake this rank's barrier wait early (e.g. its prefetch thread just failed)."""
+        self._sems[self.tp_rank].release()
+
+    def barrier(self, timeout: float = None, service=None, check=None) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
 
         Waits by spinning on shared memory for ``FD_SYNC_BARRIER_SPIN_US`` (sub-µs release
@@ -293,16 +300,20 @@ class ShmTPGroup:
 
         ``service``: a callable run while blocked, at least every 0.5 ms (sync mode uses it
         to keep receiving from the engine while it waits).
+
+        ``check``: a callable run after every wake-up while blocked; whatever it raises ends
+        the wait (the worker raises its prefetch thread's failure this way, before a peer's
+        exit could be reported instead).
         """
         gen = self.gen + 1
         v = self._view
         v[self._my + R_ARRIVED] = gen
         if not self._all_arrived(gen):
-            self._wait(gen, timeout, service)
+            self._wait(gen, timeout, service, check)
         self._wake_sleepers(gen)
         self.gen = gen
 
-    def _wait(self, gen, timeout, service):
+    def _wait(self, gen, timeout, service, check):
         now = time.perf_counter()
         spin_end = now + self._spin_s
         while now < spin_end:
@@ -328,6 +339,8 @@ class ShmTPGroup:
                     pass
                 if self._all_arrived(gen):
                     return
+                if check is not None:
+                    check()
                 now = time.perf_counter()
                 if now >= next_liveness:
                     next_liveness = now + 0.1

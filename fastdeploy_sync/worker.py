@@ -135,10 +135,10 @@ class TaskClient:
         if self._error is not None:
             self._raise_error()
         if self.async_prefetch:
-            self._group.barrier(timeout)
+            self._group.barrier(timeout, check=self._check_error)
         else:
             self._receive_now()
-            self._group.barrier(timeout, service=self._receive_now)
+            self._group.barrier(timeout, service=self._receive_now, check=self._check_error)
 
     def get_tasks(self):
         """Take this step's batches: ``(tasks, read_finished)``. Never blocks.
@@ -227,12 +227,20 @@ class TaskClient:
             self._error = exc
             log.error("TaskClient %s rank %d: prefetch thread failed; the next step call "
                       "raises PrefetchError", self.name, self.tp_rank, exc_info=exc)
+            self._group.wake()  # a barrier wait in progress raises it now
 
     def _receive_now(self):
-        """Sync mode: receive what has arrived, on the calling (event loop) thread."""
+        """Sync mode: receive what has arrived, on the calling (event loop) thread.
+
+        A failure is raised as is, and latched like a prefetch thread's: every later call
+        raises ``PrefetchError``, so nothing can step past a batch this rank lost."""
         if self._closed:
             raise ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
-        self._receive_available()
+        try:
+            self._receive_available()
+        except BaseException as exc:
+            self._error = exc
+            raise
 
     def _receive_available(self):
         while True:
@@ -308,6 +316,11 @@ class TaskClient:
                        zmq.NOBLOCK)
         return [tasks for _, tasks in items]
 
+    def _check_error(self):
+        if self._error is not None:
+            self._raise_error()
+
     def _raise_error(self):
-        raise PrefetchError(f"TaskClient {self.name} rank {self.tp_rank}: the prefetch thread "
-                            f"failed: {self._error!r}") from self._error
+        where = "the prefetch thread" if self.async_prefetch else "an earlier receive"
+        raise PrefetchError(f"TaskClient {self.name} rank {self.tp_rank}: {where} failed: "
+                            f"{self._error!r}") from self._error

@@ -94,6 +94,7 @@ def failing_prefetch_rank(out, rank, name, tp, async_prefetch):
     logging.getLogger("fastdeploy_sync").addHandler(Collect(level=logging.ERROR))
     deadline = time.monotonic() + 30
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
+        out.put(("ready", rank, os.getpid()))
         raised = []
         while len(raised) < 2 and time.monotonic() < deadline:
             try:
@@ -168,3 +169,37 @@ def make_batch(batch_id):
     import numpy as np
 
     return batch_id, np.arange(batch_id, batch_id + 64 + batch_id % 7, dtype=np.int64)
+
+
+def _explode():
+    raise RuntimeError("this request cannot be rebuilt on the worker")
+
+
+class Exploding:
+    """Pickles fine on the engine, fails to unpickle on the worker."""
+
+    def __reduce__(self):
+        return _explode, ()
+
+
+@_report_errors
+def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
+    """Run ``steps`` barrier steps; skip get_tasks() on the given step indices. Report
+    what was taken per step, or the first exception (type name and message)."""
+    taken = []
+    with TaskClient(name, tp, rank) as client:
+        out.put(("ready", rank, os.getpid()))
+        deadline = time.monotonic() + deadline_s
+        try:
+            for step in range(steps):
+                while rank == 0 and not client.exist_tasks():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no tasks arrived")
+                    time.sleep(0.001)
+                client.barrier(timeout=10)
+                if step not in skip_get_on:
+                    taken.append(client.get_tasks()[0])
+        except Exception as exc:
+            out.put(("raised", rank, (type(exc).__name__, str(exc), taken)))
+            return
+        out.put(("raised", rank, (None, "", taken)))

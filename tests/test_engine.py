@@ -1,0 +1,165 @@
+"""TaskQueue: backpressure, bad input, garbage on the endpoint, endpoints, start order."""
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from fastdeploy_sync import EndpointInUseError, TaskQueue
+from fastdeploy_sync.codec import ACK, pack_header
+
+from workers import collect, hold_group_rank, make_batch, take_n_rank
+
+
+def test_put_blocks_then_times_out_naming_the_ranks_behind(name):
+    with TaskQueue(name, 2, max_inflight=3) as queue:
+        for i in range(3):
+            assert queue.put_tasks(i, timeout=1) == i + 1
+        assert queue.num_tasks() == 3 and queue.exist_tasks()
+        with pytest.raises(TimeoutError) as info:
+            queue.put_tasks(99, timeout=0.2)
+        message = str(info.value)
+        assert "rank 0" in message and "rank 1" in message and "never connected" in message
+        assert "max_inflight=3" in message
+        assert queue.num_tasks() == 3  # the refused batch was not enqueued
+
+
+def test_timeout_message_says_which_ranks_connected(name, procs, results):
+    """Rank 0 is up, rank 1 never started: nothing can be taken (a step needs every rank
+    to hold the batch), and the error says who is there and who is not."""
+    with TaskQueue(name, 2, max_inflight=2) as queue:
+        procs(hold_group_rank, results, 0, name, 2, 3.0)
+        collect(results, "ready", 1)
+        assert _eventually(lambda: queue.stats().get("hellos", 0) == 1)
+        queue.put_tasks("a", timeout=5)
+        queue.put_tasks("b", timeout=5)
+        with pytest.raises(TimeoutError) as info:
+            queue.put_tasks("c", timeout=0.3)
+    assert "rank 0 consumed up to seq 0 of 2 (connected)" in str(info.value)
+    assert "rank 1 consumed up to seq 0 of 2 (never connected)" in str(info.value)
+
+
+def test_unpicklable_batch_is_refused_and_nothing_accepted_is_lost(name, procs, results):
+    with TaskQueue(name, 1) as queue:
+        queue.put_tasks("before", timeout=5)
+        with pytest.raises(TypeError, match="not picklable"):
+            queue.put_tasks(lambda: None)
+        with pytest.raises(TypeError, match="not picklable"):
+            queue.put_tasks({"sock": socket.socket()})
+        queue.put_tasks("after", timeout=5)
+        procs(take_n_rank, results, 0, name, 1, 2)
+        assert collect(results, "taken", 1)[0] == ["before", "after"]
+        assert queue.stats()["last_seq"] == 2
+
+
+def test_garbage_on_the_endpoint_is_counted_and_dropped(name, procs, results):
+    n = 50
+    with TaskQueue(name, 2) as queue:
+        for rank in range(2):
+            procs(take_n_rank, results, rank, name, 2, n)
+        ctx = zmq.Context()
+        try:
+            vandal = ctx.socket(zmq.DEALER)
+            vandal.setsockopt(zmq.LINGER, 0)
+            vandal.connect(queue.endpoint)
+            for i in range(n):
+                queue.put_tasks(make_batch(i), timeout=10)
+                if i % 10 == 0:
+                    vandal.send(os.urandom(40))  # not even a header
+                    vandal.send_multipart([b"FDSY" + os.urandom(24), b"x"])  # bad version/kind
+                    vandal.send(pack_header(ACK, rank=7, tp_size=2, seq=1))  # rank out of range
+                    vandal.send(pack_header(ACK, rank=0, tp_size=2, seq=10**9))  # ack from the future
+            taken = collect(results, "taken", 2)
+        finally:
+            ctx.destroy(linger=0)
+        stats = queue.stats()
+    for rank in range(2):
+        assert [batch_id for batch_id, _ in taken[rank]] == list(range(n))
+    assert stats["garbage_frames"] == 4 * 5
+    assert stats["consumed"] == [n, n]
+
+
+def test_second_engine_on_the_same_name_is_refused(name):
+    with TaskQueue(name, 1):
+        with pytest.raises(EndpointInUseError, match="in use"):
+            TaskQueue(name, 1)
+
+
+def test_stale_ipc_file_of_a_crashed_engine_is_reclaimed(name):
+    path = f"/tmp/fdsync-{name}-dp0.ipc"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # a socket file with no listener: what a killed engine leaves
+    stale.close()
+    assert os.path.exists(path)
+    with TaskQueue(name, 1) as queue:
+        assert queue.put_tasks("x", timeout=1) == 1
+    assert not os.path.exists(path)
+
+
+def test_close_is_idempotent_and_later_puts_fail(name):
+    queue = TaskQueue(name, 1)
+    queue.close()
+    queue.close()
+    with pytest.raises(Exception, match="closed"):
+        queue.put_tasks("x", timeout=1)
+
+
+@pytest.mark.parametrize("bad", [dict(tp_size=0), dict(max_inflight=0), dict(name="a/b"),
+                                 dict(name=""), dict(dp_id=-1)])
+def test_bad_arguments(name, bad):
+    kwargs = dict(name=name, tp_size=1)
+    kwargs.update(bad)
+    with pytest.raises(ValueError):
+        TaskQueue(kwargs.pop("name"), kwargs.pop("tp_size"), **kwargs)
+
+
+def test_tcp_endpoint(name, procs, results):
+    with TaskQueue(name, 2, endpoint="tcp://127.0.0.1:0") as queue:
+        assert queue.endpoint.startswith("tcp://127.0.0.1:")
+        for rank in range(2):
+            procs(take_n_rank, results, rank, name, 2, 20, None, queue.endpoint)
+        for i in range(20):
+            queue.put_tasks(make_batch(i), timeout=10)
+        taken = collect(results, "taken", 2)
+    assert [b for b, _ in taken[0]] == [b for b, _ in taken[1]] == list(range(20))
+
+
+def test_workers_started_before_the_engine_lose_nothing(name, procs, results):
+    for rank in range(2):
+        procs(take_n_rank, results, rank, name, 2, 30)
+    collect(results, "ready", 2)
+    time.sleep(0.3)  # the workers are connecting to a socket file that does not exist yet
+    with TaskQueue(name, 2) as queue:
+        for i in range(30):
+            queue.put_tasks(make_batch(i), timeout=10)
+        taken = collect(results, "taken", 2)
+    assert [b for b, _ in taken[0]] == [b for b, _ in taken[1]] == list(range(30))
+
+
+def test_batches_put_before_the_workers_exist_reach_them(name, procs, results):
+    """Nothing is lost to ZeroMQ's slow joiner: retained batches are replayed on HELLO,
+    by the engine's I/O thread, while the engine's own thread is busy elsewhere."""
+    with TaskQueue(name, 2, max_inflight=8) as queue:
+        for i in range(8):
+            queue.put_tasks(make_batch(i), timeout=1)
+        for rank in range(2):
+            procs(take_n_rank, results, rank, name, 2, 8)
+        time.sleep(0.5)  # "busy elsewhere": no engine call while the workers join
+        taken = collect(results, "taken", 2)
+        assert queue.num_tasks() == 0 or _eventually(lambda: queue.num_tasks() == 0)
+    for rank in range(2):
+        got = taken[rank]
+        assert [b for b, _ in got] == list(range(8))
+        np.testing.assert_array_equal(got[3][1], make_batch(3)[1])
+
+
+def _eventually(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

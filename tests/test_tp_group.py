@@ -1,0 +1,113 @@
+"""The node-local TP group: shared-memory lifetime, stale-segment reclaim, barrier errors."""
+
+import glob
+import os
+import signal
+
+import pytest
+
+from fastdeploy_sync import BarrierTimeoutError, GroupInUseError
+from fastdeploy_sync.tp_group import ShmTPGroup
+
+from workers import barrier_once_rank, collect, hold_group_rank
+
+
+def _ours(name):
+    return sorted(glob.glob(f"/dev/shm/*{name}*"))
+
+
+def test_close_removes_every_name(name):
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    rank1 = ShmTPGroup(name, 0, 2, 1, attach_timeout=5)
+    assert len(_ours(name)) == 3  # the segment and one semaphore per rank
+    rank1.close()
+    rank0.close()
+    rank0.close()  # idempotent
+    assert _ours(name) == []
+
+
+def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, results, caplog):
+    p = procs(hold_group_rank, results, 0, name, 2, 60)
+    collect(results, "ready", 1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=10)
+    assert len(_ours(name)) == 3  # what a crash leaves behind
+    rank0 = ShmTPGroup(name, 0, 2, 0)  # a new run: reclaims instead of failing
+    try:
+        assert "reclaimed stale shared memory" in caplog.text
+        assert rank0.min_received() == 0  # fresh state, not the dead run's
+    finally:
+        rank0.close()
+    assert _ours(name) == []
+
+
+def test_rank1_waits_while_a_stale_segment_awaits_its_rank0(name, procs, results):
+    """Rank 1 starts first and finds a crashed run's segment: it must not attach to it."""
+    p = procs(hold_group_rank, results, 0, name, 2, 60)
+    collect(results, "ready", 1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=10)
+    procs(barrier_once_rank, results, 1, name, 2, 0.0, 10)
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        collect(results, "ready", 1)
+        rank0.barrier(timeout=10)
+        collect(results, "passed", 1)
+    finally:
+        rank0.close()
+
+
+def test_a_live_group_of_another_process_is_not_stolen(name, procs, results):
+    procs(hold_group_rank, results, 0, name, 2, 5)
+    collect(results, "ready", 1)
+    with pytest.raises(GroupInUseError, match="owned by live process"):
+        ShmTPGroup(name, 0, 2, 0)
+
+
+def test_rank1_without_rank0_times_out_clearly(name):
+    with pytest.raises(TimeoutError, match="is rank 0 of this group running"):
+        ShmTPGroup(name, 0, 2, 1, attach_timeout=0.3)
+
+
+def test_tp_size_mismatch_is_refused(name):
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        with pytest.raises(ValueError, match="tp_size=4 but rank 0 .* uses tp_size=2"):
+            ShmTPGroup(name, 0, 4, 1, attach_timeout=5)
+    finally:
+        rank0.close()
+
+
+def test_barrier_timeout_names_the_missing_rank(name):
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        with pytest.raises(BarrierTimeoutError, match=r"rank 1 \(never attached\)"):
+            rank0.barrier(timeout=0.2)
+    finally:
+        rank0.close()
+
+
+def test_barrier_reports_a_peer_that_exited(name, procs, results):
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        p = procs(hold_group_rank, results, 1, name, 2, 60)
+        collect(results, "ready", 1)
+        os.kill(p.pid, signal.SIGKILL)
+        with pytest.raises(BarrierTimeoutError, match=rf"rank 1 \(pid {p.pid}\) exited"):
+            rank0.barrier(timeout=30)  # raised as soon as the exit is seen, not after 30 s
+    finally:
+        rank0.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_barrier_releases_a_late_rank(name, procs, results, delay):
+    """Together (spin path) and 50 ms late (semaphore path)."""
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        procs(barrier_once_rank, results, 1, name, 2, delay, 10)
+        collect(results, "ready", 1)
+        rank0.barrier(timeout=10)
+        collect(results, "passed", 1)
+        assert rank0.gen == 1
+    finally:
+        rank0.close()

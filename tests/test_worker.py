@@ -1,0 +1,165 @@
+"""TaskClient: failures are loud, idle costs nothing, payloads are zero-copy, misuse is caught."""
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from fastdeploy_sync import EngineRejectedError, PrefetchError, TaskClient, TaskQueue
+from fastdeploy_sync import codec
+
+from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
+                     scripted_rank)
+
+
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_a_batch_that_does_not_decode_fails_loudly(name, procs, results, async_prefetch):
+    with TaskQueue(name, 2) as queue:
+        for rank in range(2):
+            procs(failing_prefetch_rank, results, rank, name, 2, async_prefetch)
+        collect(results, "ready", 2)  # both in the group before rank 0 can fail and leave
+        queue.put_tasks(Exploding(), timeout=5)
+        raised = collect(results, "raised", 2)
+    for rank in range(2):
+        errors, logged = raised[rank]
+        assert len(errors) == 2, f"rank {rank} raised {errors}"
+        if async_prefetch:
+            # every call after the failure raises, chained to the original error; logged once
+            assert [e[:2] for e in errors] == [("PrefetchError", "ProtocolError")] * 2
+            assert logged == 1
+        else:
+            # sync mode: the failing call raises the original, later calls PrefetchError
+            assert errors[0][0] == "ProtocolError" and errors[1][:2] == ("PrefetchError", "ProtocolError")
+        assert "cannot be rebuilt" in errors[-1][2] or "does not decode" in errors[-1][2]
+
+
+def test_idle_worker_burns_no_cpu(name, procs, results):
+    """The prefetch thread blocks in poll (GIL released): no busy loop. Robust bound: the
+    thread itself is expected at ~0 ticks; 5 % of a core would already be a spinning bug."""
+    seconds = 2.0
+    with TaskQueue(name, 2):
+        for rank in range(2):
+            procs(idle_rank, results, rank, name, 2, seconds)
+        cpu = collect(results, "cpu", 2)
+    for rank, (thread_s, process_s, wall_s) in cpu.items():
+        assert thread_s <= 0.05 * wall_s, f"rank {rank} prefetch thread used {thread_s}s"
+        assert process_s <= 0.05 * wall_s, f"rank {rank} process used {process_s}s"
+
+
+def test_numpy_payloads_decode_zero_copy():
+    requests = [{"id": i, "tokens": np.arange(512, dtype=np.int64) + i} for i in range(64)]
+    frames = codec.encode_payload((requests, 64))
+    assert len(frames) == 1 + 64  # body + one out-of-band frame per array
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://zero-copy")
+        b.connect("inproc://zero-copy")
+        a.send_multipart(frames)
+        assert b.poll(5000)
+        received = b.recv_multipart(copy=False)
+        decoded, bsz = codec.decode_payload(received)
+        assert bsz == 64
+        for i, request in enumerate(decoded):
+            tokens = request["tokens"]
+            np.testing.assert_array_equal(tokens, requests[i]["tokens"])
+            assert not tokens.flags.writeable, "zero-copy views must be read-only"
+            assert not tokens.flags.owndata
+            # the array's memory is the received frame's memory: no copy was made
+            frame = np.frombuffer(received[1 + i].buffer, dtype=np.int64)
+            assert np.shares_memory(tokens, frame)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_small_arrays_stay_in_band():
+    frames = codec.encode_payload({"tiny": np.arange(4)})
+    assert len(frames) == 1
+    np.testing.assert_array_equal(codec.decode_payload(frames)["tiny"], np.arange(4))
+
+
+def test_get_tasks_on_some_ranks_only_is_a_protocol_error(name, procs, results):
+    """Rank 1 skips get_tasks() on step 0 while rank 0 takes: at step 1 the ranks' histories
+    differ and rank 1 must say so instead of silently taking different batches."""
+    with TaskQueue(name, 2) as queue:
+        procs(scripted_rank, results, 0, name, 2, 2)
+        procs(scripted_rank, results, 1, name, 2, 2, (0,))
+        collect(results, "ready", 2)
+        queue.put_tasks("first", timeout=5)
+        assert _wait_for(lambda: queue.stats().get("sent", 0) == 2)
+        time.sleep(0.1)
+        queue.put_tasks("second", timeout=5)
+        raised = collect(results, "raised", 2)
+    kind, message, _ = raised[1]
+    assert kind == "ProtocolError", raised
+    assert "get_tasks() must be called on every rank" in message
+
+
+def test_engine_rejects_a_worker_with_another_tp_size(name):
+    with TaskQueue(name, 2):
+        with TaskClient(name, 1, 0) as client:
+            error = _first_error(client)
+    assert isinstance(error, PrefetchError)
+    assert isinstance(error.__cause__, EngineRejectedError)
+    assert "tp_size mismatch" in str(error.__cause__)
+
+
+def test_engine_rejects_a_worker_with_another_name(name):
+    with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0") as queue:
+        with TaskClient(name + "x", 1, 0, endpoint=queue.endpoint) as client:
+            error = _first_error(client)
+    assert "name mismatch" in str(error.__cause__)
+
+
+def test_tp1_in_process_round_trip(name):
+    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client:
+        queue.put_tasks(make_batch(0), timeout=5)
+        queue.put_tasks(make_batch(1), timeout=5)
+        assert _wait_for(lambda: client.num_tasks() == 2)
+        assert client.exist_tasks()
+        tasks, read_finished = client.get_tasks()
+        assert [b for b, _ in tasks] == [0, 1] and read_finished
+        assert client.get_tasks() == ([], True)  # nothing twice
+        assert _wait_for(lambda: queue.num_tasks() == 0)
+
+
+@pytest.mark.parametrize("bad", [dict(tp_rank=2), dict(tp_rank=-1), dict(tp_size=0)])
+def test_bad_arguments(name, bad):
+    kwargs = dict(tp_size=2, tp_rank=0)
+    kwargs.update(bad)
+    with pytest.raises(ValueError):
+        TaskClient(name, kwargs["tp_size"], kwargs["tp_rank"])
+
+
+def test_async_mode_follows_the_environment(name, monkeypatch):
+    monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", "1")
+    with TaskClient(name, 1, 0) as client:
+        assert client.async_prefetch is False and client._thread is None
+    monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", "0")
+    with TaskClient(name, 1, 0) as client:
+        assert client.async_prefetch is True and client._thread.is_alive()
+    monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", "maybe")
+    with pytest.raises(ValueError, match="DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"):
+        TaskClient(name, 1, 0)
+
+
+def _first_error(client, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.exist_tasks()
+        except Exception as exc:
+            return exc
+        time.sleep(0.01)
+    raise AssertionError("the client never raised")
+
+
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False

@@ -6,6 +6,12 @@ every connected rank, replays the retained ones to a rank that connects late (so
 batch is lost to ZeroMQ's slow-joiner effect, even while the engine's own code is busy),
 and applies acknowledgements, which free room for ``put_tasks()``.
 
+Acknowledgements arrive two ways: as ACK messages (``tcp://`` endpoints), or, when the
+engine is node-local (``ipc://``), on the ack board in shared memory, which costs the
+worker one store instead of a send (see ``ack_board``). The board is read whenever the
+engine needs a count or room; a ``put_tasks()`` blocked on the bound re-reads it with a
+short sleeping backoff (50 µs doubling to 1 ms).
+
 Lock invariant: ``_mutex`` guards ``_next_seq``, ``_retained``, ``_consumed`` and
 ``_error``; ``_not_full`` is a condition on it, notified whenever the slowest rank's
 acknowledgement advances or the queue closes. Only the I/O thread touches the socket.
@@ -19,7 +25,8 @@ import time
 import zmq
 
 from . import codec
-from .errors import ClosedError, ProtocolError, TaskSyncError
+from .ack_board import AckBoard
+from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
 from .transport import (WakePipe, claim_ipc_path, default_endpoint, ipc_path, new_socket,
                         unlink_quietly, validate_name)
 
@@ -31,6 +38,9 @@ log = logging.getLogger(__name__)
 # cannot flood the log; the exact count is always in ``stats()``.
 _LOG_FIRST_GARBAGE = 5
 _LOG_EVERY_GARBAGE = 1000
+# A put_tasks() blocked on the bound re-reads the ack board at this pace (doubling).
+_BOARD_POLL_MIN_S = 50e-6
+_BOARD_POLL_MAX_S = 1e-3
 
 
 class _Peer:
@@ -83,11 +93,19 @@ class TaskQueue:
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ipc_path = ipc_path(endpoint)
+        self._board = None
         try:
             if self._ipc_path:
                 claim_ipc_path(self._ipc_path)
+                # before bind: a worker that received a batch always finds the board
+                try:
+                    self._board = AckBoard.create(name, dp_id, tp_size)
+                except FileExistsError as exc:
+                    raise EndpointInUseError(f"TaskQueue {name!r} dp_id={dp_id}: {exc}") from None
             self._sock.bind(endpoint)
         except BaseException:
+            if self._board is not None:
+                self._board.close()
             self._sock.close(linger=0)
             self._ctx.term()
             raise
@@ -115,15 +133,20 @@ class TaskQueue:
         """
         frames = codec.encode_payload(tasks)
         deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = _BOARD_POLL_MIN_S
         with self._not_full:
             while True:
                 self._check_usable()
+                self._read_board()
                 if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"put_tasks timed out after {timeout}s: "
                                        f"{self._describe_backlog()}")
+                if self._board is not None:  # the board notifies nobody: re-read it soon
+                    remaining = backoff if remaining is None else min(remaining, backoff)
+                    backoff = min(backoff * 2, _BOARD_POLL_MAX_S)
                 self._not_full.wait(remaining)
             seq = self._next_seq
             self._next_seq += 1
@@ -134,6 +157,7 @@ class TaskQueue:
     def num_tasks(self) -> int:
         """Batches put but not yet consumed by every rank. Never blocks on the workers."""
         with self._mutex:
+            self._read_board()
             return self._next_seq - 1 - min(self._consumed)
 
     def exist_tasks(self) -> bool:
@@ -144,6 +168,7 @@ class TaskQueue:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``sent``...), the last seq put,
         and every rank's consumed seq. Cheap; for logs and tests."""
         with self._mutex:
+            self._read_board()
             out = dict(self._counters)
             out.update(last_seq=self._next_seq - 1, consumed=list(self._consumed),
                        retained=len(self._retained))
@@ -172,6 +197,8 @@ class TaskQueue:
         self._sock.close(linger=0)
         self._ctx.term()
         self._wake.close()
+        if self._board is not None:
+            self._board.close()
         unlink_quietly(self._ipc_path)
 
     def __enter__(self):
@@ -187,6 +214,29 @@ class TaskQueue:
             raise TaskSyncError(f"TaskQueue {self.name}: the I/O thread failed") from self._error
         if self._closed:
             raise ClosedError(f"TaskQueue {self.name} is closed")
+
+    def _read_board(self):
+        """Fold the ack board into ``_consumed`` (under ``_mutex``)."""
+        if self._board is None:
+            return
+        last = self._next_seq - 1
+        for rank, seq in enumerate(self._board.read()):
+            if seq > self._consumed[rank]:
+                if seq > last:
+                    self._counters["garbage_acks"] += 1  # not ours to trust; ignore
+                    continue
+                self._consume(rank, seq)
+
+    def _consume(self, rank, seq):
+        """Rank ``rank`` has consumed up to ``seq`` (> its previous value; under ``_mutex``):
+        free what every rank has consumed and wake blocked puts."""
+        low_before = min(self._consumed)
+        self._consumed[rank] = seq
+        low = min(self._consumed)
+        if low > low_before:
+            for s in range(low_before + 1, low + 1):
+                self._retained.pop(s, None)
+            self._not_full.notify_all()
 
     def _describe_backlog(self) -> str:
         last = self._next_seq - 1
@@ -264,6 +314,7 @@ class TaskQueue:
             problem = f"name mismatch: the engine serves {self.name!r}, the worker asked for {worker_name!r}"
         else:
             with self._mutex:
+                self._read_board()
                 consumed = self._consumed[rank]
             if next_wanted - 1 < consumed:
                 problem = (f"rank {rank} connected asking for seq {next_wanted} but it had already "
@@ -275,6 +326,10 @@ class TaskQueue:
             self._sock.send_multipart([identity, codec.pack_header(codec.ERROR, rank=rank),
                                        problem.encode()])
             return
+        with self._not_full:  # aux: what the rank has taken, an implicit acknowledgement
+            taken = min(header.aux, self._next_seq - 1)
+            if taken > self._consumed[rank]:
+                self._consume(rank, taken)
         self._peers[rank] = _Peer(identity, next_wanted - 1)
         log.debug("TaskQueue %s: rank %d connected, wants seq %d", self.name, rank, next_wanted)
 
@@ -285,15 +340,8 @@ class TaskQueue:
                 raise ProtocolError(f"rank {rank} acknowledged seq {seq}, "
                                     f"only {self._next_seq - 1} were put")
             self._counters["acks"] += 1
-            if seq <= self._consumed[rank]:
-                return  # stale or duplicate: acknowledgements are cumulative
-            low_before = min(self._consumed)
-            self._consumed[rank] = seq
-            low = min(self._consumed)
-            if low > low_before:
-                for s in range(low_before + 1, low + 1):
-                    self._retained.pop(s, None)
-                self._not_full.notify_all()
+            if seq > self._consumed[rank]:  # else stale or duplicate: acks are cumulative
+                self._consume(rank, seq)
 
     def _send_new(self):
         """Send each connected rank every retained batch it has not been sent yet."""

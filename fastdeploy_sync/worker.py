@@ -30,8 +30,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import codec, envs
 from .errors import ClosedError, EngineRejectedError, PrefetchError, ProtocolError
+from .ack_board import AckBoard
 from .tp_group import ShmTPGroup, SoloGroup
-from .transport import WakePipe, default_endpoint, new_socket, validate_name
+from .transport import WakePipe, default_endpoint, ipc_path, new_socket, validate_name
 
 __all__ = ["TaskClient"]
 
@@ -79,14 +80,20 @@ class TaskClient:
         self._closed = False
         self._counters = collections.Counter()
 
+        # Node-local engine (ipc): acknowledge through its ack board (a store, no send).
+        # Attached by the receiver on the first batch, when the engine surely exists.
+        self._board = None
+        self._board_wanted = ipc_path(self.endpoint) is not None
         self._group = (SoloGroup() if tp_size == 1
                        else ShmTPGroup(name, dp_id, tp_size, tp_rank))
         self._ctx = zmq.Context(io_threads=1)
         try:
             self._data = new_socket(self._ctx, zmq.DEALER)
-            # HELLO is (re)sent on every connection, so a worker that starts before the
-            # engine, or reconnects, tells the engine where to (re)start.
+            # HELLO tells the engine where this rank (re)starts. The first one is sent at
+            # once (a DEALER queues it until the connection is up, so a worker may start
+            # before the engine); the monitor re-sends it on every *re*connection.
             self._monitor = self._data.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._connections = 0
             self._data.connect(self.endpoint)
             self._ack = new_socket(self._ctx, zmq.DEALER)
             self._ack.connect(self.endpoint)
@@ -95,7 +102,9 @@ class TaskClient:
             self._group.close()
             raise
         self._thread = None
-        if self.async_prefetch:
+        if not self.async_prefetch:
+            self._send_hello()
+        else:
             self._wake = WakePipe()
             self._thread = threading.Thread(target=self._prefetch_main, daemon=True,
                                             name=f"fdsync-prefetch-{name}-r{tp_rank}")
@@ -203,6 +212,8 @@ class TaskClient:
         self._data.disable_monitor()
         self._ctx.destroy(linger=0)
         self._group.close()
+        if self._board is not None:
+            self._board.close()
 
     def __enter__(self):
         return self
@@ -218,8 +229,9 @@ class TaskClient:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         try:
+            self._send_hello()
             while not self._closed:
-                events = dict(poller.poll())  # blocks with the GIL released: no CPU when idle
+                poller.poll()  # blocks with the GIL released: no CPU when idle
                 if self._closed:
                     return
                 self._receive_available()
@@ -249,7 +261,9 @@ class TaskClient:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
-                self._send_hello()
+                self._connections += 1
+                if self._connections > 1:
+                    self._send_hello()
         while True:
             try:
                 frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -281,6 +295,9 @@ class TaskClient:
                 raise ProtocolError(f"rank {self.tp_rank} received seq {seq} after "
                                     f"{self._received}: a batch was lost in transport")
             tasks = codec.decode_payload(frames[1:])
+            if self._board_wanted:
+                self._board_wanted = False
+                self._board = AckBoard.attach(self.name, self.dp_id, self.tp_size)
             with self._lock:
                 self._slot.append((seq, tasks))
                 self._received = seq
@@ -312,8 +329,12 @@ class TaskClient:
                                 f"the step takes ({from_seq}, {to_seq}]")
         self._taken = to_seq
         self._group.publish_consumed(to_seq)
-        self._ack.send(codec.pack_header(codec.ACK, self.tp_rank, self.tp_size, seq=to_seq),
-                       zmq.NOBLOCK)
+        board = self._board
+        if board is not None:
+            board.publish(self.tp_rank, to_seq)
+        else:
+            self._ack.send(codec.pack_header(codec.ACK, self.tp_rank, self.tp_size, seq=to_seq),
+                           zmq.NOBLOCK)
         return [tasks for _, tasks in items]
 
     def _check_error(self):

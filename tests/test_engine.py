@@ -1,6 +1,7 @@
 """TaskQueue: backpressure, bad input, garbage on the endpoint, endpoints, start order."""
 
 import os
+import signal
 import socket
 import time
 
@@ -163,3 +164,51 @@ def _eventually(predicate, timeout=5.0):
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def test_node_local_acks_go_through_shared_memory(name, procs, results):
+    """ipc endpoint: ranks acknowledge on the ack board (no ACK message); tcp: by message."""
+    n = 40
+    with TaskQueue(name, 2, max_inflight=2) as queue:  # a tight bound: puts need the acks
+        for rank in range(2):
+            procs(take_n_rank, results, rank, name, 2, n)
+        for i in range(n):
+            queue.put_tasks(make_batch(i), timeout=10)
+        collect(results, "taken", 2)
+        assert _eventually(lambda: queue.stats()["consumed"] == [n, n])
+        assert queue.stats().get("acks", 0) == 0
+    with TaskQueue(name, 1, max_inflight=2, endpoint="tcp://127.0.0.1:0") as queue:
+        procs(take_n_rank, results, 0, name, 1, n, None, queue.endpoint)
+        for i in range(n):
+            queue.put_tasks(make_batch(i), timeout=10)
+        collect(results, "taken", 1)
+        assert _eventually(lambda: queue.stats()["consumed"] == [n])
+        assert queue.stats()["acks"] > 0  # by message: a tcp engine has no board
+
+
+def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, results):
+    p = procs(hold_engine, results, 0, name, 1, 60)
+    collect(results, "ready", 1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(timeout=10)
+    assert os.path.exists(f"/dev/shm/fdsync.{name}.dp0.acks")
+    with TaskQueue(name, 1) as queue:  # reclaims the socket file and the ack board
+        queue.put_tasks("fresh", timeout=1)
+        procs(take_n_rank, results, 0, name, 1, 1)
+        assert collect(results, "taken", 1)[0] == ["fresh"]
+
+
+def test_a_bogus_value_on_the_ack_board_is_ignored(name):
+    from fastdeploy_sync.ack_board import AckBoard
+
+    with TaskQueue(name, 1, max_inflight=1) as queue:
+        queue.put_tasks("a", timeout=1)
+        board = AckBoard.attach(name, 0, 1)
+        try:
+            board.publish(0, 10**6)  # claims batches that were never put
+        finally:
+            board.close()
+        assert queue.num_tasks() == 1
+        assert queue.stats()["garbage_acks"] >= 1
+        with pytest.raises(TimeoutError):
+            queue.put_tasks("b", timeout=0.1)

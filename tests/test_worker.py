@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import zmq
 
-from fastdeploy_sync import EngineRejectedError, PrefetchError, TaskClient, TaskQueue
+from fastdeploy_sync import (EngineRejectedError, PrefetchError, ProtocolError, TaskClient,
+                             TaskQueue)
 from fastdeploy_sync import codec
 
 from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
@@ -51,7 +52,7 @@ def test_idle_worker_burns_no_cpu(name, procs, results):
 def test_numpy_payloads_decode_zero_copy():
     requests = [{"id": i, "tokens": np.arange(512, dtype=np.int64) + i} for i in range(64)]
     frames = codec.encode_payload((requests, 64))
-    assert len(frames) == 1 + 64  # body + one out-of-band frame per array
+    assert len(frames) == 3  # body, offsets, one data frame holding every array
     ctx = zmq.Context()
     try:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -61,6 +62,8 @@ def test_numpy_payloads_decode_zero_copy():
         assert b.poll(5000)
         received = b.recv_multipart(copy=False)
         decoded, bsz = codec.decode_payload(received)
+        offsets = np.frombuffer(received[1].buffer, dtype=np.int64)
+        assert all(offsets[0::2] % 64 == 0)  # each array starts on a cache line of the frame
         assert bsz == 64
         for i, request in enumerate(decoded):
             tokens = request["tokens"]
@@ -68,10 +71,20 @@ def test_numpy_payloads_decode_zero_copy():
             assert not tokens.flags.writeable, "zero-copy views must be read-only"
             assert not tokens.flags.owndata
             # the array's memory is the received frame's memory: no copy was made
-            frame = np.frombuffer(received[1 + i].buffer, dtype=np.int64)
+            frame = np.frombuffer(received[2].buffer, dtype=np.uint8)
             assert np.shares_memory(tokens, frame)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_malformed_offsets_are_a_protocol_error():
+    body, offsets, data = codec.encode_payload([np.arange(1000)])
+    bad = np.frombuffer(offsets, dtype=np.int64).copy()
+    bad[1] = len(data) + 1  # a buffer running past the data frame
+    with pytest.raises(ProtocolError, match="outside"):
+        codec.decode_payload([body, bad.tobytes(), data])
+    with pytest.raises(ProtocolError, match="payload frames"):
+        codec.decode_payload([body, offsets])
 
 
 def test_small_arrays_stay_in_band():

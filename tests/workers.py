@@ -203,3 +203,14 @@ def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
             out.put(("raised", rank, (type(exc).__name__, str(exc), taken)))
             return
         out.put(("raised", rank, (None, "", taken)))
+
+
+@_report_errors
+def hold_engine(out, rank, name, tp, seconds):
+    """An engine that puts one batch, says so, then stays until killed."""
+    from fastdeploy_sync import TaskQueue
+
+    with TaskQueue(name, tp) as queue:
+        queue.put_tasks("x", timeout=5)
+        out.put(("ready", rank, os.getpid()))
+        time.sleep(seconds)

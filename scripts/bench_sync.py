@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Micro-benchmark of the worker's critical-path calls: this library (async and sync mode)
+side by side with a FastDeploy-style multiprocessing.managers queue, in the same run.
+
+    python scripts/bench_sync.py [--iters 5000]
+
+Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
+manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
+compare the ratios printed in the same run. Nothing here asserts a timing.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from fastdeploy_sync import TaskClient, TaskQueue, codec
+from fastdeploy_sync.fd_baseline import FDManagerQueue
+
+SPAWN = mp.get_context("spawn")
+ns = time.perf_counter_ns
+
+
+def pct(samples_ns, q):
+    return float(np.percentile(np.asarray(samples_ns, dtype=np.float64), q)) / 1000.0
+
+
+def timed_calls(fn, iters, warmup=200):
+    for _ in range(warmup):
+        fn()
+    out = np.empty(iters, dtype=np.int64)
+    for i in range(iters):
+        t0 = ns()
+        fn()
+        out[i] = ns() - t0
+    return out
+
+
+def timer_overhead(iters=20000):
+    return pct(timed_calls(lambda: None, iters), 50)
+
+
+# -- helper processes (module level so that spawn can import them) ---------------------------
+
+def hold_rank(name, tp, rank, async_prefetch, ready, stop):
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch):
+        ready.set()
+        stop.wait(120)
+
+
+def barrier_rank(name, rank, async_prefetch, iters, late_ms, out):
+    """Rank 1 of the barrier benchmark: optionally arrive 0..late_ms late, and record
+    the moment of each arrival (CLOCK_MONOTONIC is shared across processes)."""
+    rng = random.Random(rank)
+    arrivals = np.empty(iters, dtype=np.int64)
+    with TaskClient(name, 2, rank, async_prefetch=async_prefetch) as client:
+        client.barrier(timeout=60)  # both ready
+        for i in range(iters):
+            if late_ms:
+                target = ns() + int(rng.random() * late_ms * 1e6)
+                time.sleep(max(0.0, (target - ns()) / 1e9 - 0.0002))
+                while ns() < target:  # exact arrival time, without a sleeping waiter's jitter
+                    pass
+            arrivals[i] = ns()
+            client.barrier(timeout=60)
+    out.put(arrivals)
+
+
+def manager_barrier_rank(address, iters):
+    with FDManagerQueue(address=address, tp_size=2, tp_rank=1) as q:
+        for _ in range(iters + 1):
+            q.barrier(timeout=60)
+
+
+# -- sections --------------------------------------------------------------------------------
+
+def bench_exist(iters):
+    """rank-0 exist_tasks() with nothing pending, TP=2 (rank 1 in another process)."""
+    rows = {}
+    for mode, async_prefetch in (("async", True), ("sync", False)):
+        name = "bx" + uuid.uuid4().hex[:8]
+        ready, stop = SPAWN.Event(), SPAWN.Event()
+        with TaskQueue(name, 2):
+            p = SPAWN.Process(target=hold_rank, args=(name, 2, 1, async_prefetch, ready, stop))
+            p.start()
+            try:
+                with TaskClient(name, 2, 0, async_prefetch=async_prefetch) as client:
+                    ready.wait(60)
+                    rows[mode] = timed_calls(client.exist_tasks, iters)
+            finally:
+                stop.set()
+                p.join(10)
+    with FDManagerQueue(is_server=True, tp_size=2) as server, \
+            FDManagerQueue(address=server.address, tp_size=2, tp_rank=0) as q:
+        rows["fd-manager num_tasks()"] = timed_calls(q.num_tasks, max(iters // 10, 200), 50)
+        rows["fd-manager exist_tasks()"] = timed_calls(q.exist_tasks, max(iters // 10, 200), 50)
+    return rows
+
+
+def make_requests(n=64, tokens=512, as_list=False):
+    reqs = []
+    for i in range(n):
+        ids = np.arange(i, i + tokens, dtype=np.int64)
+        reqs.append({"request_id": f"req-{i}", "prompt_token_ids": ids.tolist() if as_list else ids,
+                     "max_tokens": 128, "temperature": 0.8})
+    return reqs, n
+
+
+def engine_on_demand(name, conn):
+    """The engine in its own process (as in a real server): puts one batch per request."""
+    batch = make_requests()
+    with TaskQueue(name, 1, max_inflight=4) as queue:
+        conn.send(True)
+        while conn.recv():
+            conn.send(queue.put_tasks(batch, timeout=10))
+        conn.send(queue.stats())
+
+
+def bench_take(iters):
+    """A step that takes a ready batch of 64 requests x 512 token ids, TP=1.
+    async: exist_tasks() + get_tasks() (the thread has already received and decoded).
+    sync: exist_tasks() + get_tasks(), receiving and decoding on the event loop.
+    fd-manager: get_tasks() (one batch in the list, copied through the proxy)."""
+    rows = {}
+    batch = make_requests()
+    for mode, async_prefetch in (("async", True), ("sync", False)):
+        name = "bt" + uuid.uuid4().hex[:8]
+        samples = []
+        here, there = SPAWN.Pipe()
+        engine = SPAWN.Process(target=engine_on_demand, args=(name, there))
+        engine.start()
+        here.recv()
+        with TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
+            for i in range(iters + 20):
+                here.send(True)
+                here.recv()
+                if async_prefetch:
+                    deadline = time.monotonic() + 10
+                    while client._received < i + 1 and time.monotonic() < deadline:
+                        time.sleep(0.0001)  # wait outside the timed region until it is held
+                else:
+                    if not client._data.poll(10000):  # arrived in the socket, not yet received
+                        raise TimeoutError("batch did not arrive")
+                time.sleep(0.001)  # let the previous step's acknowledgement settle
+                t0 = ns()
+                client.exist_tasks()
+                tasks, _ = client.get_tasks()
+                dt = ns() - t0
+                assert len(tasks) == 1 and len(tasks[0][0]) == 64
+                if i >= 20:
+                    samples.append(dt)
+            here.send(False)
+            here.recv()
+        engine.join(10)
+        rows[mode] = np.asarray(samples)
+    with FDManagerQueue(is_server=True, tp_size=1) as server, \
+            FDManagerQueue(address=server.address, tp_size=1, tp_rank=0) as q:
+        samples = []
+        for i in range(max(iters // 10, 100)):
+            server.put_tasks(batch, timeout=10)
+            t0 = ns()
+            tasks, _ = q.get_tasks()
+            samples.append(ns() - t0)
+            assert len(tasks) == 1
+        rows["fd-manager"] = np.asarray(samples)
+    return rows
+
+
+def bench_barrier_together(iters):
+    rows = {}
+    for mode, async_prefetch in (("async", True), ("sync", False)):
+        name = "bb" + uuid.uuid4().hex[:8]
+        out = SPAWN.Queue()
+        with TaskQueue(name, 2):
+            with TaskClient(name, 2, 0, async_prefetch=async_prefetch) as client:
+                p = SPAWN.Process(target=barrier_rank, args=(name, 1, async_prefetch, iters, 0, out))
+                p.start()
+                client.barrier(timeout=60)
+                samples = np.empty(iters, dtype=np.int64)
+                for i in range(iters):
+                    t0 = ns()
+                    client.barrier(timeout=60)
+                    samples[i] = ns() - t0
+                out.get(timeout=60)
+                p.join(10)
+        rows[mode] = samples
+    with FDManagerQueue(is_server=True, tp_size=2) as server, \
+            FDManagerQueue(address=server.address, tp_size=2, tp_rank=0) as q:
+        m = max(iters // 5, 200)
+        p = SPAWN.Process(target=manager_barrier_rank, args=(server.address, m))
+        p.start()
+        q.barrier(timeout=60)
+        samples = np.empty(m, dtype=np.int64)
+        for i in range(m):
+            t0 = ns()
+            q.barrier(timeout=60)
+            samples[i] = ns() - t0
+        p.join(30)
+        rows["fd-manager"] = samples
+    return rows
+
+
+def bench_barrier_late(iters, late_ms=3.0):
+    """Rank 1 arrives 0..late_ms late; release latency = rank 0's return - rank 1's arrival.
+    Also rank 0's CPU time while it waits, as % of one core."""
+    rows = {}
+    variants = (("spin 50us, then block (default)", "50"), ("spin only", "1e9"),
+                ("block at once", "0"))
+    for label, spin in variants:
+        os.environ["FD_SYNC_BARRIER_SPIN_US"] = spin
+        name = "bl" + uuid.uuid4().hex[:8]
+        out = SPAWN.Queue()
+        with TaskQueue(name, 2):
+            with TaskClient(name, 2, 0) as client:
+                p = SPAWN.Process(target=barrier_rank, args=(name, 1, True, iters, late_ms, out))
+                p.start()
+                client.barrier(timeout=60)
+                returns = np.empty(iters, dtype=np.int64)
+                cpu0, wall0 = time.thread_time(), time.perf_counter()
+                for i in range(iters):
+                    client.barrier(timeout=60)
+                    returns[i] = ns()
+                cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+                arrivals = out.get(timeout=60)
+                p.join(10)
+        rows[label] = (returns - arrivals, 100.0 * cpu / wall)
+    os.environ.pop("FD_SYNC_BARRIER_SPIN_US", None)
+    return rows
+
+
+def bench_decode(iters=300):
+    rows = {}
+    for label, as_list in (("numpy token ids (zero-copy frames)", False),
+                           ("Python list token ids (pickled)", True)):
+        frames = codec.encode_payload(make_requests(as_list=as_list))
+        rows[label] = (timed_calls(lambda: codec.decode_payload(frames), iters, 20), len(frames))
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def line(label, samples, ref=None):
+    p50, p99 = pct(samples, 50), pct(samples, 99)
+    ratio = f"   {ref / p50:8.0f}x faster" if ref else ""
+    print(f"  {label:<42} p50 {p50:10.2f} us   p99 {p99:10.2f} us{ratio}")
+    return p50
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=5000)
+    args = ap.parse_args()
+    n = args.iters
+    print(f"fastdeploy_sync micro-benchmark, python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} cores, {n} iterations; perf_counter_ns overhead "
+          f"{timer_overhead():.2f} us (included below)")
+
+    print("\n1. rank-0 exist_tasks() with nothing pending, TP=2")
+    rows = bench_exist(n)
+    ref = line("fd-manager num_tasks() (3 round trips)", rows["fd-manager num_tasks()"])
+    line("fd-manager exist_tasks() (1 round trip)", rows["fd-manager exist_tasks()"])
+    line("sync  exist_tasks() (polls the socket)", rows["sync"], ref)
+    line("async exist_tasks() (flag read)", rows["async"], ref)
+
+    print("\n2. a step that takes a ready batch of 64 requests x 512 int64 token ids, TP=1")
+    rows = bench_take(max(n // 5, 200))
+    ref = line("fd-manager get_tasks()", rows["fd-manager"])
+    line("sync  exist_tasks()+get_tasks() (recv+decode)", rows["sync"], ref)
+    line("async exist_tasks()+get_tasks()", rows["async"], ref)
+
+    print("\n3. barrier() at TP=2, both ranks arriving together (per call on rank 0)")
+    rows = bench_barrier_together(n)
+    ref = line("fd-manager Barrier proxy", rows["fd-manager"])
+    line("sync  barrier() (shared memory, drains socket)", rows["sync"], ref)
+    line("async barrier() (shared memory)", rows["async"], ref)
+
+    print("\n4. barrier() at TP=2, rank 1 arriving 0-3 ms late: release latency on rank 0 "
+          "after rank 1 arrives, and rank 0's CPU while waiting")
+    for label, (latency, cpu_pct) in bench_barrier_late(max(n // 5, 300)).items():
+        line(label, latency)
+        print(f"  {'':<42} waiting rank CPU {cpu_pct:5.1f} % of a core")
+
+    print("\n5. decode of 64 requests x 512 token ids (GIL held by the prefetch thread)")
+    for label, (samples, frames) in bench_decode().items():
+        line(f"{label}, {frames} frames", samples)
+
+
+if __name__ == "__main__":
+    main()

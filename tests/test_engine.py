@@ -12,7 +12,7 @@ import zmq
 from fastdeploy_sync import EndpointInUseError, TaskQueue
 from fastdeploy_sync.codec import ACK, pack_header
 
-from workers import collect, hold_group_rank, make_batch, take_n_rank
+from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank
 
 
 def test_put_blocks_then_times_out_naming_the_ranks_behind(name):

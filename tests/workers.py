@@ -214,3 +214,21 @@ def hold_engine(out, rank, name, tp, seconds):
         queue.put_tasks("x", timeout=5)
         out.put(("ready", rank, os.getpid()))
         time.sleep(seconds)
+
+
+def put_with_pauses(queue, n, seed):
+    """Put batches 0..n-1; now and then the engine pauses for up to 10 ms."""
+    rng = random.Random(seed)
+    for i in range(n):
+        queue.put_tasks(make_batch(i), timeout=30)
+        if rng.random() < 0.05:  # the engine is busy elsewhere now and then
+            time.sleep(rng.random() * 0.01)
+
+
+def check_consistency(steps_by_rank, tp, n):
+    """Every rank took identical batches at identical steps, 0..n-1 in order, once each."""
+    reference = steps_by_rank[0]
+    for rank in range(1, tp):
+        assert steps_by_rank[rank] == reference, f"rank {rank} took different batches than rank 0"
+    flat = [batch_id for _, ids in reference for batch_id in ids]
+    assert flat == list(range(n)), "batches lost, duplicated or out of put order"

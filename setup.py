@@ -15,7 +15,8 @@ setup(
         "posix_ipc>=1.1",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2"],
+        # paddlepaddle (CPU build) for the cross-node coordinator's tests
+        "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6"],
         "paddle": ["paddlepaddle>=2.6"],
     },
     entry_points={"console_scripts": ["fastdeploy-sync=fastdeploy_sync.cli:main"]},

@@ -112,6 +112,7 @@ class TaskQueue:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake = WakePipe()
         self._peers = {}  # rank -> _Peer; I/O thread only
+        self._seen = set()  # ranks that ever said HELLO, for error messages
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
         self._thread.start()
@@ -184,6 +185,7 @@ class TaskQueue:
             if self._closed:
                 return
             self._closed = True
+            self._read_board()
             backlog = self._next_seq - 1 - min(self._consumed)
             if backlog:
                 log.warning("TaskQueue %s closing with %d batch(es) not consumed by every rank: %s",
@@ -244,7 +246,8 @@ class TaskQueue:
         behind = []
         for rank, consumed in enumerate(self._consumed):
             if consumed == low:
-                state = "connected" if rank in self._peers else "never connected"
+                state = ("connected" if rank in self._peers else
+                         "disconnected" if rank in self._seen else "never connected")
                 behind.append(f"rank {rank} consumed up to seq {consumed} of {last} ({state})")
         return (f"{last - low} batch(es) in flight (max_inflight={self.max_inflight}); "
                 f"behind: " + "; ".join(behind))
@@ -331,6 +334,7 @@ class TaskQueue:
             if taken > self._consumed[rank]:
                 self._consume(rank, taken)
         self._peers[rank] = _Peer(identity, next_wanted - 1)
+        self._seen.add(rank)
         log.debug("TaskQueue %s: rank %d connected, wants seq %d", self.name, rank, next_wanted)
 
     def _ack(self, header):

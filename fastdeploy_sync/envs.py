@@ -12,6 +12,7 @@ __all__ = [
     "ipc_dir",
     "attach_timeout_s",
     "barrier_spin_us",
+    "tp_coordinator",
 ]
 
 
@@ -53,3 +54,13 @@ def barrier_spin_us() -> float:
     before blocking on a semaphore. Spinning gives sub-microsecond release when ranks arrive
     together; blocking costs ~30 us of wake-up but no CPU while a rank is late."""
     return float(os.environ.get("FD_SYNC_BARRIER_SPIN_US", "50"))
+
+
+def tp_coordinator() -> str:
+    """``FD_SYNC_TP_COORDINATOR`` (default ``shm``): how TP ranks agree on each step when
+    ``TaskClient(coordinator=None)``. ``shm``: node-local shared memory. ``paddle``: one
+    paddle.distributed all-reduce per step, for TP groups that span nodes."""
+    value = os.environ.get("FD_SYNC_TP_COORDINATOR", "shm").strip().lower()
+    if value not in ("shm", "paddle"):
+        raise ValueError(f"FD_SYNC_TP_COORDINATOR={value!r}: expected shm or paddle")
+    return value

@@ -39,6 +39,23 @@ __all__ = ["TaskClient"]
 log = logging.getLogger(__name__)
 
 
+def _make_group(name, dp_id, tp_size, tp_rank, coordinator):
+    if tp_size == 1:
+        return SoloGroup()
+    if coordinator is None:
+        coordinator = envs.tp_coordinator()
+    if coordinator == "shm":
+        return ShmTPGroup(name, dp_id, tp_size, tp_rank)
+    from .paddle_group import PaddleTPGroup  # imports paddle: only when asked for
+
+    if coordinator == "paddle":
+        return PaddleTPGroup(tp_size, tp_rank)
+    if isinstance(coordinator, str):
+        raise ValueError(f"coordinator={coordinator!r}: expected 'shm', 'paddle' or a "
+                         f"paddle.distributed group")
+    return PaddleTPGroup(tp_size, tp_rank, group=coordinator)
+
+
 class TaskClient:
     """One TP rank's end of the task channel.
 
@@ -53,6 +70,12 @@ class TaskClient:
     ``async_prefetch=None`` reads ``DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM`` (``0``, the
     default: background prefetch thread; ``1``: synchronous polling, no thread).
 
+    ``coordinator`` says how the TP ranks agree on each step: ``"shm"`` (node-local
+    shared memory, the default), ``"paddle"`` (ranks on several nodes: one
+    paddle.distributed all-reduce per step over the default group; see
+    ``paddle_group``), or a paddle.distributed group object (the TP ranks' group).
+    ``None`` reads ``FD_SYNC_TP_COORDINATOR`` (default ``shm``). Ignored at tp_size=1.
+
     Threading: call the step methods from one thread (the event loop). Use as a context
     manager, or call ``close()``.
 
@@ -60,7 +83,7 @@ class TaskClient:
     """
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
-                 endpoint: str = None, async_prefetch: bool = None):
+                 endpoint: str = None, async_prefetch: bool = None, coordinator=None):
         validate_name(name, dp_id)
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -84,8 +107,7 @@ class TaskClient:
         # Attached by the receiver on the first batch, when the engine surely exists.
         self._board = None
         self._board_wanted = ipc_path(self.endpoint) is not None
-        self._group = (SoloGroup() if tp_size == 1
-                       else ShmTPGroup(name, dp_id, tp_size, tp_rank))
+        self._group = _make_group(name, dp_id, tp_size, tp_rank, coordinator)
         self._ctx = zmq.Context(io_threads=1)
         try:
             self._data = new_socket(self._ctx, zmq.DEALER)

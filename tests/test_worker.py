@@ -176,3 +176,23 @@ def _wait_for(predicate, timeout=10.0):
             return True
         time.sleep(0.005)
     return False
+
+
+def test_importing_the_package_does_not_import_paddle(name):
+    """paddle costs ~1 s and ~390 MB: only coordinator='paddle' may import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastdeploy_sync\n"
+            f"with fastdeploy_sync.TaskQueue({name!r}, 2) as q:\n"
+            "    pass\n"
+            "assert 'paddle' not in sys.modules, 'paddle was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unknown_coordinator_is_refused(name, monkeypatch):
+    with pytest.raises(ValueError, match="coordinator='nccl'"):
+        TaskClient(name, 2, 0, coordinator="nccl")
+    monkeypatch.setenv("FD_SYNC_TP_COORDINATOR", "etcd")
+    with pytest.raises(ValueError, match="FD_SYNC_TP_COORDINATOR"):
+        TaskClient(name, 2, 0)

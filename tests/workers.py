@@ -26,7 +26,7 @@ def _report_errors(fn):
 
 @_report_errors
 def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_every=0,
-                     max_step_ms=2.0, deadline_s=90.0):
+                     max_step_ms=2.0, deadline_s=90.0, endpoint=None, coordinator=None):
     """A FastDeploy-shaped loop with random step times.
 
     Records, per barrier step, the batch ids taken. With ``skip_every`` > 0, every
@@ -38,7 +38,8 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
     steps = []  # (step index, [batch ids])
     taken = 0
     deadline = time.monotonic() + deadline_s
-    with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint,
+                    coordinator=coordinator) as client:
         step = 0
         while taken < n_batches:
             if time.monotonic() > deadline:
@@ -232,3 +233,17 @@ def check_consistency(steps_by_rank, tp, n):
         assert steps_by_rank[rank] == reference, f"rank {rank} took different batches than rank 0"
     flat = [batch_id for _, ids in reference for batch_id in ids]
     assert flat == list(range(n)), "batches lost, duplicated or out of put order"
+
+
+@_report_errors
+def paddle_consistency_rank(out, rank, endpoints, *args, **kwargs):
+    """consistency_rank with the TP ranks coordinated by paddle.distributed (gloo, CPU)."""
+    os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(len(endpoints)),
+                      PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+                      PADDLE_CURRENT_ENDPOINT=endpoints[rank], PADDLE_DISTRI_BACKEND="gloo")
+    import paddle
+    import paddle.distributed as dist
+
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    consistency_rank.__wrapped__(out, rank, *args, coordinator="paddle", **kwargs)

@@ -71,6 +71,58 @@ def barrier_rank(name, rank, async_prefetch, iters, late_ms, out):
     out.put(arrivals)
 
 
+def gloo_rank(rank, endpoints, name, iters, out):
+    """TP=2 over paddle.distributed (gloo, CPU): the plain gloo barrier, then this
+    library's paddle coordinator (one all-reduce per step). Rank 0 reports its samples."""
+    os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM="2",
+                      PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+                      PADDLE_CURRENT_ENDPOINT=endpoints[rank], PADDLE_DISTRI_BACKEND="gloo",
+                      GLOG_minloglevel="2")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import paddle
+    import paddle.distributed as dist
+
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    gloo = timed_calls(dist.barrier, iters, 50)
+    with TaskClient(name, 2, rank, endpoint=endpoints_engine(name), coordinator="paddle") as c:
+        coordinated = timed_calls(lambda: c.barrier(), iters, 50)
+    if rank == 0:
+        out.put((gloo, coordinated))
+
+
+def endpoints_engine(name):
+    return f"ipc:///tmp/fdsync-{name}-dp0.ipc"
+
+
+def bench_gloo(iters):
+    """None if paddle is not installed."""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("paddle") is None:
+        return None
+    socks = [socket.socket() for _ in range(2)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    endpoints = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
+    for sock in socks:
+        sock.close()
+    name = "bg" + uuid.uuid4().hex[:8]
+    out = SPAWN.Queue()
+    with TaskQueue(name, 2):
+        procs = [SPAWN.Process(target=gloo_rank, args=(r, endpoints, name, iters, out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        gloo, coordinated = out.get(timeout=300)
+        for p in procs:
+            p.join(30)
+    return {"gloo": gloo, "paddle coordinator": coordinated}
+
+
 def manager_barrier_rank(address, iters):
     with FDManagerQueue(address=address, tp_size=2, tp_rank=1) as q:
         for _ in range(iters + 1):
@@ -248,8 +300,10 @@ def bench_decode(iters=300):
 
 def line(label, samples, ref=None):
     p50, p99 = pct(samples, 50), pct(samples, 99)
-    ratio = f"   {ref / p50:8.0f}x faster" if ref else ""
-    print(f"  {label:<42} p50 {p50:10.2f} us   p99 {p99:10.2f} us{ratio}")
+    ratio = ""
+    if ref:
+        ratio = (f"   {ref / p50:8.1f}x faster" if ref >= p50 else f"   {p50 / ref:8.1f}x slower")
+    print(f"  {label:<46} p50 {p50:10.2f} us   p99 {p99:10.2f} us{ratio}")
     return p50
 
 
@@ -280,12 +334,18 @@ def main():
     ref = line("fd-manager Barrier proxy", rows["fd-manager"])
     line("sync  barrier() (shared memory, drains socket)", rows["sync"], ref)
     line("async barrier() (shared memory)", rows["async"], ref)
+    gloo = bench_gloo(max(n // 5, 300))
+    if gloo is None:
+        print("  (paddlepaddle not installed: gloo rows skipped)")
+    else:
+        line("paddle.distributed gloo barrier()", gloo["gloo"], ref)
+        line("coordinator='paddle' barrier() (all-reduce)", gloo["paddle coordinator"], ref)
 
     print("\n4. barrier() at TP=2, rank 1 arriving 0-3 ms late: release latency on rank 0 "
           "after rank 1 arrives, and rank 0's CPU while waiting")
     for label, (latency, cpu_pct) in bench_barrier_late(max(n // 5, 300)).items():
         line(label, latency)
-        print(f"  {'':<42} waiting rank CPU {cpu_pct:5.1f} % of a core")
+        print(f"  {'':<46} waiting rank CPU {cpu_pct:5.1f} % of a core")
 
     print("\n5. decode of 64 requests x 512 token ids (GIL held by the prefetch thread)")
     for label, (samples, frames) in bench_decode().items():

@@ -44,3 +44,13 @@ def results():
     yield q
     q.close()
     q.join_thread()
+
+
+@pytest.fixture
+def doomed():
+    """The queue for a child the test will SIGKILL. Its own queue, because a child killed
+    just after its message was read may still hold the queue's shared write lock (its
+    feeder thread releases it after the send), and any later writer would then block."""
+    q = SPAWN.Queue()
+    yield q
+    q.close()

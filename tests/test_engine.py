@@ -186,9 +186,9 @@ def test_node_local_acks_go_through_shared_memory(name, procs, results):
         assert queue.stats()["acks"] > 0  # by message: a tcp engine has no board
 
 
-def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, results):
-    p = procs(hold_engine, results, 0, name, 1, 60)
-    collect(results, "ready", 1)
+def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, results, doomed):
+    p = procs(hold_engine, doomed, 0, name, 1, 60)
+    collect(doomed, "ready", 1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout=10)
     assert os.path.exists(f"/dev/shm/fdsync.{name}.dp0.acks")

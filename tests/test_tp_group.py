@@ -26,9 +26,9 @@ def test_close_removes_every_name(name):
     assert _ours(name) == []
 
 
-def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, results, caplog):
-    p = procs(hold_group_rank, results, 0, name, 2, 60)
-    collect(results, "ready", 1)
+def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, doomed, caplog):
+    p = procs(hold_group_rank, doomed, 0, name, 2, 60)
+    collect(doomed, "ready", 1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout=10)
     assert len(_ours(name)) == 3  # what a crash leaves behind
@@ -41,10 +41,10 @@ def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, results, caplog):
     assert _ours(name) == []
 
 
-def test_rank1_waits_while_a_stale_segment_awaits_its_rank0(name, procs, results):
+def test_rank1_waits_while_a_stale_segment_awaits_its_rank0(name, procs, results, doomed):
     """Rank 1 starts first and finds a crashed run's segment: it must not attach to it."""
-    p = procs(hold_group_rank, results, 0, name, 2, 60)
-    collect(results, "ready", 1)
+    p = procs(hold_group_rank, doomed, 0, name, 2, 60)
+    collect(doomed, "ready", 1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout=10)
     procs(barrier_once_rank, results, 1, name, 2, 0.0, 10)
@@ -87,11 +87,11 @@ def test_barrier_timeout_names_the_missing_rank(name):
         rank0.close()
 
 
-def test_barrier_reports_a_peer_that_exited(name, procs, results):
+def test_barrier_reports_a_peer_that_exited(name, procs, doomed):
     rank0 = ShmTPGroup(name, 0, 2, 0)
     try:
-        p = procs(hold_group_rank, results, 1, name, 2, 60)
-        collect(results, "ready", 1)
+        p = procs(hold_group_rank, doomed, 1, name, 2, 60)
+        collect(doomed, "ready", 1)
         os.kill(p.pid, signal.SIGKILL)
         with pytest.raises(BarrierTimeoutError, match=rf"rank 1 \(pid {p.pid}\) exited"):
             rank0.barrier(timeout=30)  # raised as soon as the exit is seen, not after 30 s

@@ -13,14 +13,11 @@ that received a batch can always find it) and unlinks it at close; a crashed eng
 leftover is reclaimed by the next engine of the same name.
 """
 
-import logging
 import os
 
-from .shm import Segment, pid_alive, unlink_segment
+from .shm import Segment, pid_alive, reclaim_stale, unlink_segment
 
 __all__ = ["AckBoard", "ack_board_name"]
-
-log = logging.getLogger(__name__)
 
 MAGIC = 0x46445359_41434B01  # "FDSY" "ACK" layout 1
 B_MAGIC, B_OWNER_PID, B_TP_SIZE, B_READY = range(4)
@@ -51,16 +48,9 @@ class AckBoard:
         try:
             seg = Segment.create(shm_name, size)
         except FileExistsError:
-            old = Segment.attach(shm_name)
-            try:
-                owner = old.view[B_OWNER_PID] if old.size >= BASE * 8 else 0
-            finally:
-                old.close()
-            if owner and owner != os.getpid() and pid_alive(owner):
+            owner = reclaim_stale(shm_name, B_OWNER_PID)
+            if owner:
                 raise FileExistsError(f"{shm_name} is owned by live process {owner}") from None
-            unlink_segment(shm_name)
-            log.warning("reclaimed stale shared memory %s left by exited process %s",
-                        shm_name, owner or "unknown")
             seg = Segment.create(shm_name, size)
         v = seg.view
         v[B_MAGIC], v[B_OWNER_PID], v[B_TP_SIZE] = MAGIC, os.getpid(), tp_size

@@ -8,12 +8,15 @@ policy to us: the creator unlinks at close, and a crashed creator's leftovers ar
 reclaimed by the next creator of the same name (see ``tp_group.py``).
 """
 
+import logging
 import mmap
 import os
 
 import posix_ipc
 
-__all__ = ["Segment", "pid_alive", "unlink_segment", "unlink_semaphore"]
+__all__ = ["Segment", "pid_alive", "reclaim_stale", "unlink_segment", "unlink_semaphore"]
+
+log = logging.getLogger(__name__)
 
 
 class Segment:
@@ -106,3 +109,22 @@ def pid_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return True
+
+
+def reclaim_stale(name: str, owner_slot: int) -> int:
+    """Unlink segment ``name`` unless the process whose pid it holds at int64 slot
+    ``owner_slot`` is alive. Returns that live pid (nothing was touched), or 0 (reclaimed).
+
+    Used by creators that find their name taken: a crashed run's leftover is reclaimed, a
+    live owner is reported to the caller, who raises its own error."""
+    seg = Segment.attach(name)
+    try:
+        owner = seg.view[owner_slot] if seg.size > owner_slot * 8 else 0
+    finally:
+        seg.close()
+    if owner and owner != os.getpid() and pid_alive(owner):
+        return owner
+    unlink_segment(name)
+    log.warning("reclaimed stale shared memory %s left by exited process %s",
+                name, owner or "unknown")
+    return 0

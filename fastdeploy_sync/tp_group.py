@@ -31,7 +31,6 @@ The creator (rank 0) owns the names: it creates the segment and one POSIX semaph
 rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
 """
 
-import logging
 import os
 import time
 import weakref
@@ -40,11 +39,10 @@ import posix_ipc
 
 from . import envs
 from .errors import BarrierTimeoutError, GroupInUseError
-from .shm import Segment, pid_alive, unlink_segment, unlink_semaphore
+from .shm import Segment, pid_alive, reclaim_stale, unlink_segment, unlink_semaphore
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
 
-log = logging.getLogger(__name__)
 
 MAGIC = 0x46445359_4E430001  # "FDSYNC", layout 1
 VERSION = 1
@@ -160,7 +158,11 @@ class ShmTPGroup:
         try:
             seg = Segment.create(self.shm_name, self._size)
         except FileExistsError:
-            self._reclaim_stale()
+            owner = reclaim_stale(self.shm_name, H_OWNER_PID)
+            if owner:
+                raise GroupInUseError(
+                    f"TP group {self.shm_name} is owned by live process {owner} (its rank 0): "
+                    f"two groups cannot share a name and dp_id") from None
             try:
                 seg = Segment.create(self.shm_name, self._size)
             except FileExistsError:
@@ -174,21 +176,6 @@ class ShmTPGroup:
         v[H_OWNER_PID] = os.getpid()
         v[H_READY] = 1  # last: an attacher that sees READY sees everything above
         return seg
-
-    def _reclaim_stale(self) -> None:
-        seg = Segment.attach(self.shm_name)
-        try:
-            v = seg.view
-            owner = v[H_OWNER_PID] if seg.size >= self._header_bytes() else 0
-        finally:
-            seg.close()
-        if owner and owner != os.getpid() and pid_alive(owner):
-            raise GroupInUseError(
-                f"TP group {self.shm_name} is owned by live process {owner} (its rank 0): "
-                f"two groups cannot share a name and dp_id")
-        unlink_segment(self.shm_name)
-        log.warning("reclaimed stale shared memory %s left by exited process %s",
-                    self.shm_name, owner or "unknown")
 
     @staticmethod
     def _header_bytes():

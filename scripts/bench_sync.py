@@ -235,11 +235,7 @@ def bench_barrier_together(iters):
                 p = SPAWN.Process(target=barrier_rank, args=(name, 1, async_prefetch, iters, 0, out))
                 p.start()
                 client.barrier(timeout=60)
-                samples = np.empty(iters, dtype=np.int64)
-                for i in range(iters):
-                    t0 = ns()
-                    client.barrier(timeout=60)
-                    samples[i] = ns() - t0
+                samples = timed_calls(lambda: client.barrier(timeout=60), iters, warmup=0)
                 out.get(timeout=60)
                 p.join(10)
         rows[mode] = samples
@@ -249,11 +245,7 @@ def bench_barrier_together(iters):
         p = SPAWN.Process(target=manager_barrier_rank, args=(server.address, m))
         p.start()
         q.barrier(timeout=60)
-        samples = np.empty(m, dtype=np.int64)
-        for i in range(m):
-            t0 = ns()
-            q.barrier(timeout=60)
-            samples[i] = ns() - t0
+        samples = timed_calls(lambda: q.barrier(timeout=60), m, warmup=0)
         p.join(30)
         rows["fd-manager"] = samples
     return rows

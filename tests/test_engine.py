@@ -12,7 +12,7 @@ import zmq
 from fastdeploy_sync import EndpointInUseError, TaskQueue
 from fastdeploy_sync.codec import ACK, pack_header
 
-from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank
+from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank, wait_until
 
 
 def test_put_blocks_then_times_out_naming_the_ranks_behind(name):
@@ -34,7 +34,7 @@ def test_timeout_message_says_which_ranks_connected(name, procs, results):
     with TaskQueue(name, 2, max_inflight=2) as queue:
         procs(hold_group_rank, results, 0, name, 2, 3.0)
         collect(results, "ready", 1)
-        assert _eventually(lambda: queue.stats().get("hellos", 0) == 1)
+        assert wait_until(lambda: queue.stats().get("hellos", 0) == 1)
         queue.put_tasks("a", timeout=5)
         queue.put_tasks("b", timeout=5)
         with pytest.raises(TimeoutError) as info:
@@ -150,20 +150,11 @@ def test_batches_put_before_the_workers_exist_reach_them(name, procs, results):
             procs(take_n_rank, results, rank, name, 2, 8)
         time.sleep(0.5)  # "busy elsewhere": no engine call while the workers join
         taken = collect(results, "taken", 2)
-        assert queue.num_tasks() == 0 or _eventually(lambda: queue.num_tasks() == 0)
+        assert wait_until(lambda: queue.num_tasks() == 0)
     for rank in range(2):
         got = taken[rank]
         assert [b for b, _ in got] == list(range(8))
         np.testing.assert_array_equal(got[3][1], make_batch(3)[1])
-
-
-def _eventually(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_node_local_acks_go_through_shared_memory(name, procs, results):
@@ -175,14 +166,14 @@ def test_node_local_acks_go_through_shared_memory(name, procs, results):
         for i in range(n):
             queue.put_tasks(make_batch(i), timeout=10)
         collect(results, "taken", 2)
-        assert _eventually(lambda: queue.stats()["consumed"] == [n, n])
+        assert wait_until(lambda: queue.stats()["consumed"] == [n, n])
         assert queue.stats().get("acks", 0) == 0
     with TaskQueue(name, 1, max_inflight=2, endpoint="tcp://127.0.0.1:0") as queue:
         procs(take_n_rank, results, 0, name, 1, n, None, queue.endpoint)
         for i in range(n):
             queue.put_tasks(make_batch(i), timeout=10)
         collect(results, "taken", 1)
-        assert _eventually(lambda: queue.stats()["consumed"] == [n])
+        assert wait_until(lambda: queue.stats()["consumed"] == [n])
         assert queue.stats()["acks"] > 0  # by message: a tcp engine has no board
 
 

@@ -26,12 +26,17 @@ def test_close_removes_every_name(name):
     assert _ours(name) == []
 
 
-def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, doomed, caplog):
+def _crash_a_rank0(name, procs, doomed):
+    """Leave behind what a killed rank 0 of a TP=2 group leaves: its segment and semaphores."""
     p = procs(hold_group_rank, doomed, 0, name, 2, 60)
     collect(doomed, "ready", 1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout=10)
-    assert len(_ours(name)) == 3  # what a crash leaves behind
+    assert len(_ours(name)) == 3
+
+
+def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, doomed, caplog):
+    _crash_a_rank0(name, procs, doomed)
     rank0 = ShmTPGroup(name, 0, 2, 0)  # a new run: reclaims instead of failing
     try:
         assert "reclaimed stale shared memory" in caplog.text
@@ -43,10 +48,7 @@ def test_segment_of_a_killed_rank0_is_reclaimed(name, procs, doomed, caplog):
 
 def test_rank1_waits_while_a_stale_segment_awaits_its_rank0(name, procs, results, doomed):
     """Rank 1 starts first and finds a crashed run's segment: it must not attach to it."""
-    p = procs(hold_group_rank, doomed, 0, name, 2, 60)
-    collect(doomed, "ready", 1)
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(timeout=10)
+    _crash_a_rank0(name, procs, doomed)
     procs(barrier_once_rank, results, 1, name, 2, 0.0, 10)
     rank0 = ShmTPGroup(name, 0, 2, 0)
     try:

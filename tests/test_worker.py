@@ -1,6 +1,5 @@
 """TaskClient: failures are loud, idle costs nothing, payloads are zero-copy, misuse is caught."""
 
-import logging
 import time
 
 import numpy as np
@@ -12,7 +11,7 @@ from fastdeploy_sync import (EngineRejectedError, PrefetchError, ProtocolError, 
 from fastdeploy_sync import codec
 
 from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
-                     scripted_rank)
+                     scripted_rank, wait_until)
 
 
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
@@ -101,7 +100,7 @@ def test_get_tasks_on_some_ranks_only_is_a_protocol_error(name, procs, results):
         procs(scripted_rank, results, 1, name, 2, 2, (0,))
         collect(results, "ready", 2)
         queue.put_tasks("first", timeout=5)
-        assert _wait_for(lambda: queue.stats().get("sent", 0) == 2)
+        assert wait_until(lambda: queue.stats().get("sent", 0) == 2)
         time.sleep(0.1)
         queue.put_tasks("second", timeout=5)
         raised = collect(results, "raised", 2)
@@ -130,12 +129,12 @@ def test_tp1_in_process_round_trip(name):
     with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client:
         queue.put_tasks(make_batch(0), timeout=5)
         queue.put_tasks(make_batch(1), timeout=5)
-        assert _wait_for(lambda: client.num_tasks() == 2)
+        assert wait_until(lambda: client.num_tasks() == 2)
         assert client.exist_tasks()
         tasks, read_finished = client.get_tasks()
         assert [b for b, _ in tasks] == [0, 1] and read_finished
         assert client.get_tasks() == ([], True)  # nothing twice
-        assert _wait_for(lambda: queue.num_tasks() == 0)
+        assert wait_until(lambda: queue.num_tasks() == 0)
 
 
 @pytest.mark.parametrize("bad", [dict(tp_rank=2), dict(tp_rank=-1), dict(tp_size=0)])
@@ -167,15 +166,6 @@ def _first_error(client, timeout=10.0):
             return exc
         time.sleep(0.01)
     raise AssertionError("the client never raised")
-
-
-def _wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def test_importing_the_package_does_not_import_paddle(name):

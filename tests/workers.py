@@ -247,3 +247,13 @@ def paddle_consistency_rank(out, rank, endpoints, *args, **kwargs):
     paddle.set_device("cpu")
     dist.init_parallel_env()
     consistency_rank.__wrapped__(out, rank, *args, coordinator="paddle", **kwargs)
+
+
+def wait_until(predicate, timeout=10.0):
+    """Poll ``predicate`` every 5 ms for up to ``timeout`` seconds; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()

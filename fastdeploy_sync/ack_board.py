@@ -72,6 +72,10 @@ class AckBoard:
             return None
         return cls(seg, tp_size, owner=False)
 
+    @property
+    def name(self) -> str:
+        return self._seg.name
+
     def publish(self, rank: int, seq: int) -> None:
         """Worker: this rank has consumed every batch up to ``seq``."""
         self._view[self._slots[rank]] = seq

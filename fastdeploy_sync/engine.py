@@ -21,11 +21,13 @@ import collections
 import logging
 import threading
 import time
+import weakref
 
 import zmq
 
 from . import codec
 from .ack_board import AckBoard
+from .shm import unlink_segment
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
 from .transport import (WakePipe, claim_ipc_path, default_endpoint, ipc_path, new_socket,
                         unlink_quietly, validate_name)
@@ -110,6 +112,9 @@ class TaskQueue:
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Process exit without close(): still remove the names others would trip on.
+        self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
+                                           self._board.name if self._board else None)
         self._wake = WakePipe()
         self._peers = {}  # rank -> _Peer; I/O thread only
         self._seen = set()  # ranks that ever said HELLO, for error messages
@@ -202,6 +207,7 @@ class TaskQueue:
         if self._board is not None:
             self._board.close()
         unlink_quietly(self._ipc_path)
+        self._finalizer.detach()
 
     def __enter__(self):
         return self
@@ -370,3 +376,9 @@ class TaskQueue:
                 del self._peers[rank]
                 continue
             peer.sent = last
+
+
+def _remove_names(ipc_file, board_name):
+    unlink_quietly(ipc_file)
+    if board_name:
+        unlink_segment(board_name)

@@ -203,3 +203,16 @@ def test_a_bogus_value_on_the_ack_board_is_ignored(name):
         assert queue.stats()["garbage_acks"] >= 1
         with pytest.raises(TimeoutError):
             queue.put_tasks("b", timeout=0.1)
+
+
+def test_process_exit_without_close_leaves_nothing(name):
+    """An engine and a rank 0 that exit without close(): the name fixture checks that no
+    socket file, segment or semaphore of theirs remains."""
+    import subprocess
+    import sys
+
+    code = ("import fastdeploy_sync as fs\n"
+            f"queue = fs.TaskQueue({name!r}, 2)\n"
+            f"client = fs.TaskClient({name!r}, 2, 0)\n"
+            "queue.put_tasks('x', timeout=5)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

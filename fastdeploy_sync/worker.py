@@ -141,6 +141,9 @@ class TaskClient:
         the whole group; calling it again before the barrier may raise N. On other ranks
         it only reports. Never blocks. Async mode: a few shared-memory reads, no socket,
         no lock. Sync mode: first receives whatever has arrived.
+
+        With ``coordinator="paddle"`` (ranks on several nodes) it can only speak for rank 0;
+        the barrier's all-reduce then takes what every rank holds (see ``paddle_group``).
         """
         if self._error is not None:
             self._raise_error()
@@ -231,6 +234,8 @@ class TaskClient:
                 log.error("TaskClient %s rank %d: prefetch thread did not stop within 5 s",
                           self.name, self.tp_rank)
             self._wake.close()
+        if self._error is None:  # the one check every step call already makes
+            self._error = ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
         self._data.disable_monitor()
         self._ctx.destroy(linger=0)
         self._group.close()
@@ -364,6 +369,8 @@ class TaskClient:
             self._raise_error()
 
     def _raise_error(self):
+        if isinstance(self._error, ClosedError):
+            raise ClosedError(str(self._error))
         where = "the prefetch thread" if self.async_prefetch else "an earlier receive"
         raise PrefetchError(f"TaskClient {self.name} rank {self.tp_rank}: {where} failed: "
                             f"{self._error!r}") from self._error

@@ -186,3 +186,17 @@ def test_unknown_coordinator_is_refused(name, monkeypatch):
     monkeypatch.setenv("FD_SYNC_TP_COORDINATOR", "etcd")
     with pytest.raises(ValueError, match="FD_SYNC_TP_COORDINATOR"):
         TaskClient(name, 2, 0)
+
+
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_calls_after_close_raise_closed_error(name, async_prefetch):
+    from fastdeploy_sync import ClosedError
+
+    with TaskQueue(name, 1):
+        client = TaskClient(name, 1, 0, async_prefetch=async_prefetch)
+        client.close()
+        client.close()  # idempotent
+        for call in (client.exist_tasks, client.barrier, client.get_tasks, client.num_tasks,
+                     client.sync_step):
+            with pytest.raises(ClosedError, match="is closed"):
+                call()

@@ -41,8 +41,9 @@ MAGIC = b"FDSY"
 VERSION = 1
 
 # Message kinds.
-HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq the worker does not hold yet
-DATA = 2  # engine -> worker: seq; frames[1] = pickle body, frames[2:] = out-of-band buffers
+HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = seq it has taken;
+#            frames[1] = name, frames[2] = id of the engine it received from (int64, 0 = none)
+DATA = 2  # engine -> worker: seq, aux = engine id; frames[1:] = payload (encode_payload)
 ACK = 3  # worker -> engine: rank, seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: frames[1] = utf-8 reason; the worker fails loudly
 _KINDS = frozenset((HELLO, DATA, ACK, ERROR))

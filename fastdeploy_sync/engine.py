@@ -19,6 +19,7 @@ acknowledgement advances or the queue closes. Only the I/O thread touches the so
 
 import collections
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -84,6 +85,9 @@ class TaskQueue:
         self._retained = collections.OrderedDict()  # seq -> [header, body, *buffers]
         self._consumed = [0] * tp_size  # highest seq acknowledged by each rank
         self._error = None  # an I/O thread failure, re-raised by every call
+        # Stamped on every batch and echoed in HELLO: a worker that reconnects to a new
+        # engine of the same name (a restart) is refused instead of splicing two streams.
+        self.instance = secrets.randbits(62) | 1
         self._closed = False
         self._counters = collections.Counter()
 
@@ -156,7 +160,8 @@ class TaskQueue:
                 self._not_full.wait(remaining)
             seq = self._next_seq
             self._next_seq += 1
-            self._retained[seq] = [codec.pack_header(codec.DATA, seq=seq), *frames]
+            self._retained[seq] = [codec.pack_header(codec.DATA, seq=seq, aux=self.instance),
+                                   *frames]
         self._wake.wake()
         return seq
 
@@ -315,8 +320,13 @@ class TaskQueue:
     def _hello(self, identity, header, rest):
         rank, next_wanted = header.rank, header.seq
         worker_name = bytes(rest[0]).decode("utf-8", "replace") if rest else "?"
+        seen_instance = int.from_bytes(bytes(rest[1]), "little") if len(rest) > 1 else 0
         problem = None
-        if header.tp_size != self.tp_size:
+        if seen_instance and seen_instance != self.instance:
+            problem = (f"rank {rank} holds batches from another engine of {self.name!r} (it "
+                       f"restarted, or two engines share the name): restart the worker group "
+                       f"together with its engine")
+        elif header.tp_size != self.tp_size:
             problem = (f"tp_size mismatch: the engine of {self.name!r} serves tp_size="
                        f"{self.tp_size}, rank {rank} was built with tp_size={header.tp_size}")
         elif worker_name != self.name:

@@ -100,6 +100,7 @@ class TaskClient:
         self._received = 0
         self._taken = 0  # event loop only
         self._error = None  # the prefetch thread's failure, re-raised by every call
+        self._engine_instance = 0  # the engine's id, from the first batch (receiver only)
         self._closed = False
         self._counters = collections.Counter()
 
@@ -300,10 +301,12 @@ class TaskClient:
 
     def _send_hello(self):
         # seq: the first batch this rank does not hold; aux: what it has taken (an
-        # implicit acknowledgement, in case an ACK was lost with a broken connection).
+        # implicit acknowledgement, in case an ACK was lost with a broken connection);
+        # then the name and the id of the engine it has received from (0: none yet).
         header = codec.pack_header(codec.HELLO, self.tp_rank, self.tp_size,
                                    seq=self._received + 1, aux=self._taken)
-        self._data.send_multipart([header, self.name.encode()])
+        self._data.send_multipart([header, self.name.encode(),
+                                   self._engine_instance.to_bytes(8, "little")])
 
     def _on_message(self, frames):
         try:
@@ -314,6 +317,13 @@ class TaskClient:
                         self.name, self.tp_rank, exc)
             return
         if header.kind == codec.DATA:
+            if header.aux != self._engine_instance:
+                if self._engine_instance:
+                    raise EngineRejectedError(
+                        f"rank {self.tp_rank}: the engine of {self.name!r} restarted mid-stream "
+                        f"(a batch from another engine instance arrived); restart the worker "
+                        f"group together with its engine")
+                self._engine_instance = header.aux
             seq = header.seq
             if seq <= self._received:
                 self._counters["duplicates"] += 1  # replayed after a reconnect

@@ -200,3 +200,24 @@ def test_calls_after_close_raise_closed_error(name, async_prefetch):
                      client.sync_step):
             with pytest.raises(ClosedError, match="is closed"):
                 call()
+
+
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_an_engine_restart_is_refused_not_spliced(name, async_prefetch):
+    """The worker reconnects to a new engine of the same name: both sides refuse, loudly."""
+    first = TaskQueue(name, 1)
+    try:
+        with TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
+            first.put_tasks("from the first engine", timeout=5)
+            assert wait_until(lambda: client.num_tasks() == 1)
+            assert client.exist_tasks() and client.get_tasks()[0] == ["from the first engine"]
+            first.close()
+            with TaskQueue(name, 1) as second:
+                second.put_tasks("from the second engine", timeout=5)
+                error = _first_error(client)
+                assert second.stats()["consumed"] == [0]  # nothing of it was taken
+    finally:
+        first.close()
+    cause = error if isinstance(error, EngineRejectedError) else error.__cause__
+    assert isinstance(cause, EngineRejectedError), repr(error)
+    assert "another engine" in str(cause) or "restarted" in str(cause)

@@ -6,9 +6,9 @@ typically ``(list_of_requests, real_bsz)`` where each request carries token ids 
 arrays. Protocol 5 hands every large contiguous array to ``buffer_callback`` instead of
 copying it into the pickle stream; the arrays travel in one data frame and
 ``decode_payload()`` rebuilds each as a view of a slice of the received frame: no
-per-element Python work and no copy on the worker. 64 requests x 512 int64 tokens decode in well under a millisecond
-of GIL time, where the same tokens as Python lists hold the GIL ~10x longer (see
-scripts/bench_codec.py).
+per-element Python work and no copy on the worker. Token ids as numpy arrays decode
+several times faster than the same ids as Python lists, whose unpickling holds the GIL
+in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
 
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
@@ -141,7 +141,7 @@ def decode_payload(frames) -> object:
     try:
         buffers = []
         if len(frames) == 3:
-            offsets = memoryview(_buffer(frames[1])).cast("B").cast("q")
+            offsets = _buffer(frames[1]).cast("B").cast("q")
             data = _buffer(frames[2])
             for i in range(0, len(offsets), 2):
                 start, length = offsets[i], offsets[i + 1]

@@ -14,7 +14,8 @@ import os
 
 import posix_ipc
 
-__all__ = ["Segment", "pid_alive", "reclaim_stale", "unlink_segment", "unlink_semaphore"]
+__all__ = ["Segment", "pid_alive", "reclaim_stale", "segment_owner", "unlink_segment",
+           "unlink_semaphore"]
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +112,26 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def segment_owner(name: str, owner_slot: int) -> int:
+    """The pid recorded at int64 slot ``owner_slot`` of segment ``name``; 0 if the segment
+    does not exist or is too small to hold it (being created). Never blocks."""
+    try:
+        seg = Segment.attach(name)
+    except FileNotFoundError:
+        return 0
+    try:
+        return seg.view[owner_slot] if seg.size > owner_slot * 8 else 0
+    finally:
+        seg.close()
+
+
 def reclaim_stale(name: str, owner_slot: int) -> int:
     """Unlink segment ``name`` unless the process whose pid it holds at int64 slot
     ``owner_slot`` is alive. Returns that live pid (nothing was touched), or 0 (reclaimed).
 
     Used by creators that find their name taken: a crashed run's leftover is reclaimed, a
     live owner is reported to the caller, who raises its own error."""
-    seg = Segment.attach(name)
-    try:
-        owner = seg.view[owner_slot] if seg.size > owner_slot * 8 else 0
-    finally:
-        seg.close()
+    owner = segment_owner(name, owner_slot)
     if owner and owner != os.getpid() and pid_alive(owner):
         return owner
     unlink_segment(name)

@@ -39,7 +39,8 @@ import posix_ipc
 
 from . import envs
 from .errors import BarrierTimeoutError, GroupInUseError
-from .shm import Segment, pid_alive, reclaim_stale, unlink_segment, unlink_semaphore
+from .shm import (Segment, pid_alive, reclaim_stale, segment_owner, unlink_segment,
+                  unlink_semaphore)
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
 
@@ -376,14 +377,7 @@ class ShmTPGroup:
     def _owned_by(self, owner: int) -> bool:
         """True if the segment now under our name is still the one ``owner`` created
         (and not a new run's, which we must not unlink)."""
-        try:
-            seg = Segment.attach(self.shm_name)
-        except FileNotFoundError:
-            return False
-        try:
-            return seg.size >= self._header_bytes() and seg.view[H_OWNER_PID] == owner
-        finally:
-            seg.close()
+        return segment_owner(self.shm_name, H_OWNER_PID) == owner
 
 
 def _release(seg, sems, unlink, shm_name, sem_names):

@@ -273,9 +273,8 @@ class TaskClient:
         """Sync mode: receive what has arrived, on the calling (event loop) thread.
 
         A failure is raised as is, and latched like a prefetch thread's: every later call
-        raises ``PrefetchError``, so nothing can step past a batch this rank lost."""
-        if self._closed:
-            raise ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
+        raises ``PrefetchError``, so nothing can step past a batch this rank lost.
+        (After ``close()`` the step calls raise ``ClosedError`` before reaching this.)"""
         try:
             self._receive_available()
         except BaseException as exc:

@@ -87,14 +87,10 @@ def gloo_rank(rank, endpoints, name, iters, out):
     paddle.set_device("cpu")
     dist.init_parallel_env()
     gloo = timed_calls(dist.barrier, iters, 50)
-    with TaskClient(name, 2, rank, endpoint=endpoints_engine(name), coordinator="paddle") as c:
+    with TaskClient(name, 2, rank, coordinator="paddle") as c:
         coordinated = timed_calls(lambda: c.barrier(), iters, 50)
     if rank == 0:
         out.put((gloo, coordinated))
-
-
-def endpoints_engine(name):
-    return f"ipc:///tmp/fdsync-{name}-dp0.ipc"
 
 
 def bench_gloo(iters):

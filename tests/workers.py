@@ -11,7 +11,7 @@ import random
 import time
 import traceback
 
-from fastdeploy_sync import TaskClient
+from fastdeploy_sync import TaskClient, TaskQueue
 
 
 def _report_errors(fn):
@@ -209,8 +209,6 @@ def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
 @_report_errors
 def hold_engine(out, rank, name, tp, seconds):
     """An engine that puts one batch, says so, then stays until killed."""
-    from fastdeploy_sync import TaskQueue
-
     with TaskQueue(name, tp) as queue:
         queue.put_tasks("x", timeout=5)
         out.put(("ready", rank, os.getpid()))

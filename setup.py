@@ -13,6 +13,8 @@ setup(
         "pyzmq>=25",
         "numpy>=1.22",
         "posix_ipc>=1.1",
+        "tqdm>=4.60",
+        "matplotlib>=3.5",
     ],
     extras_require={
         # paddlepaddle (CPU build) for the cross-node coordinator's tests

@@ -1,12 +1,17 @@
 """``fastdeploy-sync`` command line.
 
+    fastdeploy-sync profile [options]         CPU interruption per worker step: this library
+                                              (async, sync) side by side with a FastDeploy-style
+                                              multiprocessing.managers queue
     fastdeploy-sync status NAME [--dp-id N]   per-rank watermarks of a live (or stale) TP group
 
 ``status`` reads the group's shared memory without joining the group: it is safe to run
-next to a running server, e.g. when a step seems stuck.
+next to a running server, e.g. when a step seems stuck. ``profile`` starts its own engine
+and workers (real processes) and needs nothing else running.
 """
 
 import argparse
+import json
 import sys
 
 from . import __version__
@@ -44,10 +49,98 @@ def _status(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    # Imported here: the profiler's modules pull in tqdm and matplotlib.
+    from tqdm import tqdm
+
+    from .profiling import report
+    from .profiling.runner import ProfileError, ProfileOptions, run_profile
+
+    steps = args.steps
+    if args.duration is not None:
+        steps = max(args.rounds, round(args.duration * 1000 / args.step_ms))
+    options = ProfileOptions(mode=args.mode, tp=args.tp, step=args.step, step_ms=args.step_ms,
+                             rate=args.rate, batch=args.batch, prompt_len=args.prompt_len,
+                             tokens=args.tokens, steps=steps, rounds=args.rounds,
+                             idle_steps=args.idle_steps, max_inflight=args.max_inflight)
+    try:
+        options.validate()
+    except ValueError as exc:
+        print(f"fastdeploy-sync profile: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with tqdm(unit="step", disable=args.no_progress, dynamic_ncols=True) as bar:
+            raw = run_profile(options, bar)
+    except ProfileError as exc:
+        print(f"fastdeploy-sync profile failed: {exc}", file=sys.stderr)
+        return 1
+    summary = report.summarize(raw)
+    print(report.format_table(summary))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        print(f"figures and parameters: {args.json}")
+    if args.plot:
+        report.plot(summary, raw, args.plot)
+        print(f"plot: {args.plot}")
+    correct = all(summary["modes"][m]["ranks_agree"] and summary["modes"][m]["batches"]["all_delivered"]
+                  for m in options.modes)
+    return 0 if correct else 1
+
+
+def _add_profile_parser(sub):
+    from .profiling.loops import MODES
+    from .profiling.runner import ProfileOptions
+    from .profiling.workload import STEP_KINDS, TOKEN_KINDS
+
+    d = ProfileOptions()
+    p = sub.add_parser(
+        "profile", help="measure task sync's cost per worker step, side by side with a "
+                        "FastDeploy-style manager queue",
+        description="Start an engine and --tp worker processes running a FastDeploy-shaped "
+                    "loop; measure per step the task sync on the critical path, the step-time "
+                    "inflation against the same loop without task sync (interleaved rounds), "
+                    "delivery latency, idle CPU, and check every rank took the same batches. "
+                    "Exit status 1 if a mode lost, duplicated or misordered a batch. Timing "
+                    "targets are printed, never turned into the exit status.")
+    p.add_argument("--mode", default=d.mode, choices=["all", *MODES],
+                   help="all: every mode, interleaved, same load (default)")
+    p.add_argument("--tp", type=int, default=d.tp, help=f"TP ranks (default {d.tp})")
+    p.add_argument("--step", default=d.step, choices=STEP_KINDS,
+                   help=f"simulated model step (default {d.step})")
+    p.add_argument("--step-ms", type=float, default=d.step_ms,
+                   help=f"model step length, calibrated once (default {d.step_ms:g})")
+    p.add_argument("--rate", type=float, default=d.rate,
+                   help=f"batches per second the engine puts (default {d.rate:g})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"requests per batch (default {d.batch})")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len,
+                   help=f"token ids per request (default {d.prompt_len})")
+    p.add_argument("--tokens", default=d.tokens, choices=TOKEN_KINDS,
+                   help="token ids as int64 numpy arrays (default) or Python lists")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=d.steps,
+                        help=f"load-phase steps per mode (default {d.steps})")
+    length.add_argument("--duration", type=float, default=None,
+                        help="load-phase seconds per mode at the nominal step length "
+                             "(instead of --steps)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help=f"interleaved rounds the steps are split into (default {d.rounds})")
+    p.add_argument("--idle-steps", type=int, default=d.idle_steps,
+                   help=f"idle-phase iterations per mode, 0 to skip (default {d.idle_steps})")
+    p.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help=f"TaskQueue bound for async/sync (default {d.max_inflight}; the "
+                        f"fd-manager queue holds one batch)")
+    p.add_argument("--json", metavar="FILE", help="write every figure and the parameters")
+    p.add_argument("--plot", metavar="FILE.png", help="write the distributions as a PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_profile)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastdeploy-sync", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"fastdeploy_sync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_profile_parser(sub)
     status = sub.add_parser("status", help="show a TP group's per-rank watermarks")
     status.add_argument("name")
     status.add_argument("--dp-id", type=int, default=0)

@@ -120,18 +120,20 @@ class ShmTPGroup:
     Other ranks block until rank 0 has published the segment, up to ``attach_timeout``
     seconds (``FD_SYNC_ATTACH_TIMEOUT``), then raise ``TimeoutError``.
 
+    ``spin_us``: how long ``barrier()`` spins before blocking (None: ``FD_SYNC_BARRIER_SPIN_US``).
+
     Not thread-safe: use one instance from the event loop thread; only
     ``publish_received`` may be called from the prefetch thread (it writes one slot).
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int,
-                 attach_timeout: float = None):
+                 attach_timeout: float = None, spin_us: float = None):
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.gen = 0  # barrier generations this rank has passed
         self.shm_name = group_shm_name(name, dp_id)
         self._sem_names = [f"{self.shm_name}.w{r}" for r in range(tp_size)]
-        self._spin_s = envs.barrier_spin_us() * 1e-6
+        self._spin_s = (envs.barrier_spin_us() if spin_us is None else spin_us) * 1e-6
         self._size = _layout_slots(tp_size) * 8
         if attach_timeout is None:
             attach_timeout = envs.attach_timeout_s()
@@ -278,7 +280,7 @@ class ShmTPGroup:
     def barrier(self, timeout: float = None, service=None, check=None) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
 
-        Waits by spinning on shared memory for ``FD_SYNC_BARRIER_SPIN_US`` (sub-µs release
+        Waits by spinning on shared memory for ``spin_us`` (sub-µs release
         when ranks arrive together), then blocking on this rank's semaphore (GIL released,
         no CPU; ~30 µs wake-up when the last rank arrives).
 

@@ -23,7 +23,9 @@ barrier generation.
 
 import collections
 import logging
+import os
 import threading
+import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -31,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import codec, envs
 from .errors import ClosedError, EngineRejectedError, PrefetchError, ProtocolError
 from .ack_board import AckBoard
+from .profiling.step_profiler import StepProfiler
 from .tp_group import ShmTPGroup, SoloGroup
 from .transport import WakePipe, default_endpoint, ipc_path, new_socket, validate_name
 
@@ -76,6 +79,10 @@ class TaskClient:
     ``paddle_group``), or a paddle.distributed group object (the TP ranks' group).
     ``None`` reads ``FD_SYNC_TP_COORDINATOR`` (default ``shm``). Ignored at tp_size=1.
 
+    ``profile=None`` reads ``FD_SYNC_PROFILE`` (default ``0``). When on, ``profiler`` is a
+    ``StepProfiler`` timing ``exist_tasks``/``barrier``/``get_tasks`` of every step (they
+    are wrapped on this instance); when off, ``profiler`` is None and nothing is timed.
+
     Threading: call the step methods from one thread (the event loop). Use as a context
     manager, or call ``close()``.
 
@@ -83,7 +90,8 @@ class TaskClient:
     """
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
-                 endpoint: str = None, async_prefetch: bool = None, coordinator=None):
+                 endpoint: str = None, async_prefetch: bool = None, coordinator=None,
+                 profile: bool = None):
         validate_name(name, dp_id)
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -93,6 +101,8 @@ class TaskClient:
         self.async_prefetch = (envs.async_task_comm_enabled() if async_prefetch is None
                                else bool(async_prefetch))
         self.endpoint = endpoint or default_endpoint(name, dp_id)
+        profile = envs.profile_enabled() if profile is None else bool(profile)
+        self.profiler = StepProfiler() if profile else None
         # Lock invariant: _slot holds (seq, tasks) for seqs (_taken, _received], in order;
         # _received only grows and is written, with _slot, under _lock by the receiver.
         self._lock = threading.Lock()
@@ -132,6 +142,8 @@ class TaskClient:
             self._thread = threading.Thread(target=self._prefetch_main, daemon=True,
                                             name=f"fdsync-prefetch-{name}-r{tp_rank}")
             self._thread.start()
+        if profile:
+            self.profiler.attach(self)
 
     # -- step API (event loop thread) --------------------------------------------------------
 
@@ -218,6 +230,17 @@ class TaskClient:
             out.update(received=self._received, taken=self._taken, held=len(self._slot))
         return out
 
+    def prefetch_cpu_seconds(self) -> float:
+        """CPU time the prefetch thread has used so far (user + system), from its own
+        thread clock; None in sync mode or where the platform has no per-thread clock.
+        A thread blocked in poll, as it should be while idle, adds nothing here."""
+        if self._thread is None or not hasattr(time, "pthread_getcpuclockid"):
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (OSError, TypeError):  # the thread has exited (or never started)
+            return None
+
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -228,6 +251,8 @@ class TaskClient:
         if self._closed:
             return
         self._closed = True
+        if self.profiler is not None and envs.profile_dir():
+            self._dump_profile(envs.profile_dir())
         if self._thread is not None:
             self._wake.wake()
             self._thread.join(timeout=5.0)
@@ -248,6 +273,15 @@ class TaskClient:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _dump_profile(self, directory):
+        path = os.path.join(directory, f"fdsync-profile-{self.name}-dp{self.dp_id}-"
+                                       f"r{self.tp_rank}-{os.getpid()}.json")
+        try:
+            self.profiler.dump(path)
+        except OSError as exc:  # a profile must never break the worker's shutdown
+            log.error("TaskClient %s rank %d: could not write the step profile to %s: %s",
+                      self.name, self.tp_rank, path, exc)
 
     # -- receiving (the data socket's owner: prefetch thread, or event loop in sync mode) ---
 

@@ -1,0 +1,369 @@
+"""The processes ``fastdeploy-sync profile`` starts: one engine and one worker per TP rank.
+
+Each is driven by the runner through its own ``multiprocessing`` Pipe. The pipe is the
+control plane only (segment start and stop, results back); nothing timed goes through it.
+
+A *segment* is one mode for a number of steps. In each segment the worker runs FastDeploy's
+``event_loop_normal`` reduced to what touches the engine, the same loop for every mode::
+
+    rank 0:    exist_tasks()        the check
+    all ranks: barrier()            the TP barrier
+    all ranks: get_tasks()          the take (identical batches on every rank)
+    all ranks: model step           fixed work, then the model's TP collective
+
+The modes:
+
+    none        no task sync at all: only the model step (the reference for inflation)
+    async       TaskClient with its prefetch thread (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=0)
+    sync        TaskClient polling from the loop       (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1)
+    fd-manager  FDManagerQueue, the FastDeploy-style multiprocessing.managers queue
+
+The model's TP collective: a real TP forward ends in all-reduces, and the host waits for
+the device by spinning (CUDA's default), so the ranks leave a step within microseconds of
+each other. The simulated step ends in a shared-memory barrier standing in for that: it
+spins up to ``COLLECTIVE_SPIN_US`` before blocking, so that the ranks leave it together
+rather than one semaphore wake-up (40-80 µs here) apart, which the next barrier would
+otherwise charge to task sync. It is part of the model step in every mode, ``none``
+included, so it cancels out of the inflation. FastDeploy's protocol needs the lock-step:
+without it, rank 0 can re-signal a batch a slow rank has not yet read. Every rank runs
+the same amount of work per step (the runner sends one calibration to all).
+
+The ``load`` phase runs the model step every iteration (requests always running); the
+``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
+does when nothing runs.
+"""
+
+import time
+import traceback
+
+import numpy as np
+
+from ..engine import TaskQueue
+from ..fd_baseline import FDManagerQueue
+from ..tp_group import ShmTPGroup
+from ..worker import TaskClient
+from .step_profiler import StepProfiler
+from .workload import ModelStep, RequestPool
+
+__all__ = ["MODES", "REFERENCE", "engine_main", "worker_main", "FDManagerSteps"]
+
+MODES = ("async", "sync", "fd-manager")
+REFERENCE = "none"
+PHASES = ("load", "idle")
+
+BARRIER_TIMEOUT_S = 30.0  # every blocking call of a profiled process is bounded
+CONTROL_TIMEOUT_S = 600.0  # the runner's longest silence (a long segment) before giving up
+DRAIN_TIMEOUT_S = 60.0
+COLLECTIVE_SPIN_US = 3000.0
+IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
+_PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
+
+
+class ControlError(RuntimeError):
+    """The runner sent something unexpected, or went silent."""
+
+
+def _recv(conn, expect=None, timeout=CONTROL_TIMEOUT_S):
+    if not conn.poll(timeout):
+        raise ControlError(f"no word from the runner for {timeout:.0f} s")
+    cmd, arg = conn.recv()
+    if expect is not None and cmd != expect:
+        raise ControlError(f"expected {expect!r} from the runner, got {cmd!r}")
+    return cmd, arg
+
+
+def _report_failure(conn, who):
+    try:
+        conn.send(("error", f"{who}:\n{traceback.format_exc()}"))
+    except (OSError, EOFError):  # the runner is gone; it will see the exit code
+        pass
+
+
+# -- engine ----------------------------------------------------------------------------------
+
+def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight):
+    """The engine process: opens each segment's queue, puts batches at a rate, closes it.
+
+    Commands: ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
+    ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"}); ("close") -> ("closed", stats);
+    ("exit"). ``cpu_s`` is the engine process's CPU time (all its threads) while putting.
+    """
+    queue = None
+    try:
+        pool = RequestPool(batch, prompt_len, tokens)
+        conn.send(("ready", None))
+        while True:
+            cmd, arg = _recv(conn)
+            if cmd == "open":
+                queue, address = _open_engine_queue(arg, tp_size, max_inflight)
+                conn.send(("opened", address))
+            elif cmd == "go":
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                n = _put_at_rate(queue, pool, arg, conn)
+                conn.send(("stopped", {"put": n, "cpu_s": time.process_time() - cpu0,
+                                       "wall_s": time.perf_counter() - wall0}))
+            elif cmd == "close":
+                conn.send(("closed", _close_engine_queue(queue)))
+                queue = None
+            elif cmd == "exit":
+                return
+            else:
+                raise ControlError(f"unknown command {cmd!r}")
+    except BaseException:
+        _report_failure(conn, "engine")
+    finally:
+        if queue is not None:
+            queue.close()
+
+
+def _open_engine_queue(spec, tp_size, max_inflight):
+    if spec["mode"] == "fd-manager":
+        queue = FDManagerQueue(is_server=True, tp_size=tp_size)
+        return queue, queue.address
+    return TaskQueue(spec["name"], tp_size, max_inflight=max_inflight), None
+
+
+def _put_at_rate(queue, pool, rate, conn) -> int:
+    """Put batches 0, 1, ... every 1/rate s until the runner says stop; return how many.
+
+    A put blocked by backpressure is retried (the batch keeps the stamp of its first try,
+    so delivery latency includes the wait); a late put is not followed by a burst."""
+    period = 1.0 / rate if rate > 0 else None
+    n = 0
+    due = time.perf_counter()
+    while True:
+        wait = CONTROL_TIMEOUT_S if period is None else max(0.0, due - time.perf_counter())
+        if conn.poll(wait):
+            _recv(conn, "stop")
+            return n
+        if period is None:
+            raise ControlError(f"no 'stop' from the runner for {CONTROL_TIMEOUT_S:.0f} s")
+        batch = pool.batch(n)
+        while True:
+            try:
+                queue.put_tasks(batch, timeout=_PUT_RETRY_S)
+                break
+            except TimeoutError:
+                if conn.poll(0):
+                    _recv(conn, "stop")
+                    return n
+        n += 1
+        due = max(due + period, time.perf_counter())
+
+
+def _close_engine_queue(queue) -> dict:
+    """Wait (bounded) until every rank has consumed everything, then close; return stats."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while queue.num_tasks() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    left = queue.num_tasks()
+    stats = queue.stats() if isinstance(queue, TaskQueue) else {}
+    queue.close()
+    stats["unconsumed_at_close"] = left
+    return stats
+
+
+# -- worker ----------------------------------------------------------------------------------
+
+class FDManagerSteps:
+    """FastDeploy's task calls in ``event_loop_normal``, on the FastDeploy-style manager
+    queue, behind the three methods a ``TaskClient`` has, so that one loop and one
+    ``StepProfiler`` serve both. Round trips (RT) per call are those of ``fd_baseline``."""
+
+    def __init__(self, address, tp_size, tp_rank):
+        self.queue = FDManagerQueue(address=tuple(address), tp_size=tp_size, tp_rank=tp_rank,
+                                    connect_timeout=BARRIER_TIMEOUT_S)
+        self.profiler = StepProfiler().attach(self)
+
+    def exist_tasks(self) -> bool:
+        """Rank 0: ``num_tasks()`` (3 RT); when a batch waits, broadcast it (1 RT)."""
+        if self.queue.num_tasks() > 0:
+            self.queue.set_read_finish_flag(True)
+            return True
+        return False
+
+    def barrier(self, timeout=None):
+        """The manager's barrier (1 RT held open until every rank arrives)."""
+        self.queue.barrier(timeout)
+
+    def get_tasks(self):
+        """Read the broadcast flag (1 RT); if set, ``get_tasks()`` (tp + 9..12 RT)."""
+        if self.queue.get_read_finish_flag():
+            return self.queue.get_tasks()
+        return [], False
+
+    def close(self):
+        self.queue.close()
+
+
+class TPModel:
+    """A TP rank's simulated model step: the calibrated work, then the model's collective.
+
+    ``step()`` is the load phase's model step; it records how long the work and the
+    collective wait took into the arrays ``begin(n)`` allocated (steps past ``n``, i.e.
+    the drain, are not recorded). ``idle()`` is the idle phase's 1 ms sleep.
+    """
+
+    def __init__(self, model, collective):
+        self.model, self.collective = model, collective
+        self.begin(0)
+
+    def begin(self, n):
+        self.compute_ns = np.zeros(n, dtype=np.int64)
+        self.collective_ns = np.zeros(n, dtype=np.int64)
+        self._i = 0
+
+    def step(self):
+        now = time.perf_counter_ns
+        t0 = now()
+        self.model()
+        t1 = now()
+        if self.collective is not None:
+            self.collective.barrier(BARRIER_TIMEOUT_S)
+        i = self._i
+        if i < len(self.compute_ns):
+            self.compute_ns[i] = t1 - t0
+            self.collective_ns[i] = now() - t1
+            self._i = i + 1
+
+    @staticmethod
+    def idle():
+        time.sleep(IDLE_SLEEP_S)
+
+
+def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress):
+    """One TP rank: calibrates the model step, then runs the segments the runner sends.
+
+    Commands: ("units", n) once, after it reported its calibration; then ("segment", spec)
+    -> ("ready") ... ("go") ... ("measured") ... ("drain", n) -> ("result", dict); ("exit").
+    ``progress`` (a shared int) is rank 0's step count in the current segment, for the
+    runner's progress bar.
+    """
+    collective = None
+    try:
+        model = ModelStep(step_kind, step_ms)
+        if tp_size > 1:
+            collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
+                                    spin_us=COLLECTIVE_SPIN_US)
+        conn.send(("calibrated", model.calibrate()))
+        _, model.units = _recv(conn, "units")
+        tp_model = TPModel(model, collective)
+        while True:
+            cmd, spec = _recv(conn)
+            if cmd == "exit":
+                return
+            if cmd != "segment":
+                raise ControlError(f"unknown command {cmd!r}")
+            conn.send(("result", _run_segment(conn, spec, tp_size, tp_rank, tp_model,
+                                              progress)))
+    except BaseException:
+        _report_failure(conn, f"worker rank {tp_rank}")
+    finally:
+        if collective is not None:
+            collective.close()
+
+
+def _open_steps(spec, tp_size, tp_rank):
+    mode = spec["mode"]
+    if mode == REFERENCE:
+        return None
+    if mode == "fd-manager":
+        return FDManagerSteps(spec["address"], tp_size, tp_rank)
+    return TaskClient(spec["name"], tp_size, tp_rank, async_prefetch=(mode == "async"),
+                      profile=True)
+
+
+def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress) -> dict:
+    steps = _open_steps(spec, tp_size, tp_rank)
+    load = spec["phase"] == "load"
+    tp_model.begin(spec["steps"] if load else 0)
+    try:
+        conn.send(("ready", None))
+        _recv(conn, "go")
+        taken = []
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        thread0 = _prefetch_cpu(steps)
+        iter_ns = _run_steps(steps, tp_size, tp_rank, tp_model.step if load else tp_model.idle,
+                             spec["steps"], taken, progress)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        thread_cpu = None if thread0 is None else _prefetch_cpu(steps) - thread0
+        sync_ns = None if steps is None else steps.profiler.samples()
+        conn.send(("measured", None))
+        _, total = _recv(conn, "drain")
+        drain_steps = _drain(steps, tp_size, tp_rank, tp_model.step, spec["steps"], taken, total)
+    finally:
+        if steps is not None:
+            steps.close()
+    return {"mode": spec["mode"], "phase": spec["phase"], "round": spec["round"],
+            "rank": tp_rank, "steps": spec["steps"], "iter_ns": iter_ns, "sync_ns": sync_ns,
+            "compute_ns": tp_model.compute_ns, "collective_ns": tp_model.collective_ns,
+            "taken": taken, "drain_steps": drain_steps, "cpu_s": cpu, "wall_s": wall,
+            "prefetch_cpu_s": thread_cpu}
+
+
+def _prefetch_cpu(steps):
+    return steps.prefetch_cpu_seconds() if isinstance(steps, TaskClient) else None
+
+
+def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
+    """The measured loop; returns each iteration's wall time (ns). Appends
+    ``(step, batch_id, put_ns, take_ns)`` to ``taken`` for every batch taken.
+    At TP=1 there is no barrier call (FastDeploy makes none either)."""
+    now = time.perf_counter_ns
+    iter_ns = np.zeros(n, dtype=np.int64)
+    progress.value = 0
+    t_prev = now()
+    if steps is None:  # the reference: no task sync at all
+        for i in range(n):
+            work()
+            t = now()
+            iter_ns[i] = t - t_prev
+            t_prev = t
+            if not i & 63:
+                progress.value = i
+        progress.value = n
+        return iter_ns
+    exist_tasks, barrier, get_tasks = steps.exist_tasks, steps.barrier, steps.get_tasks
+    rank0, tp = tp_rank == 0, tp_size > 1
+    for i in range(n):
+        if rank0:
+            exist_tasks()
+        if tp:
+            barrier(BARRIER_TIMEOUT_S)
+        tasks, _ = get_tasks()
+        if tasks:
+            t = now()
+            for batch in tasks:
+                taken.append((i, batch["batch_id"], batch["put_ns"], t))
+        work()
+        t = now()
+        iter_ns[i] = t - t_prev
+        t_prev = t
+        if not i & 63:
+            progress.value = i
+    progress.value = n
+    return iter_ns
+
+
+def _drain(steps, tp_size, tp_rank, work, first_step, taken, total) -> int:
+    """Keep stepping (untimed) until this rank has taken all ``total`` batches the engine
+    put; every rank stops at the same step because every rank takes the same batches."""
+    if steps is None or len(taken) >= total:
+        return 0
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    step = first_step
+    while len(taken) < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"took {len(taken)} of {total} batches; the rest did not "
+                               f"arrive within {DRAIN_TIMEOUT_S:.0f} s")
+        if tp_rank == 0:
+            steps.exist_tasks()
+        if tp_size > 1:
+            steps.barrier(BARRIER_TIMEOUT_S)
+        tasks, _ = steps.get_tasks()
+        t = time.perf_counter_ns()
+        for batch in tasks:
+            taken.append((step, batch["batch_id"], batch["put_ns"], t))
+        work()
+        step += 1
+    return step - first_step

@@ -1,0 +1,276 @@
+"""Runs a profile: starts the engine and worker processes, drives interleaved segments,
+collects what they measured. ``report`` turns the result into figures.
+
+The schedule, for ``rounds`` rounds::
+
+    load phase   round r: every mode once, ``steps / rounds`` steps each, the order rotated
+                 by r; the reference loop (no task sync) is one of the modes. Interleaving
+                 short segments spreads machine drift (other tenants, thermal) over every
+                 mode instead of charging it to whichever ran last.
+    idle phase   every mode once, rate 0, ``idle_steps`` iterations: CPU use while idle.
+
+The processes stay up for the whole run (each segment opens and closes its own queue and
+clients under a fresh name), so that the paddle import and the step calibration happen once.
+"""
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from .loops import MODES, REFERENCE, engine_main, worker_main
+from .workload import STEP_KINDS, TOKEN_KINDS
+
+__all__ = ["ProfileOptions", "ProfileError", "run_profile"]
+
+# Threads a profiled process may start for numeric work: 1, so that the processes share
+# the cores the way a real TP group's ranks share their devices, not by oversubscription.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "GLOG_minloglevel": "2", "FD_SYNC_PROFILE": "0"}
+_START_TIMEOUT_S = 180.0  # process start, imports (paddle: seconds), calibration
+_SEGMENT_TIMEOUT_S = 600.0
+_TICK_S = 0.2  # progress bar refresh while waiting
+
+
+class ProfileError(RuntimeError):
+    """A profiled process failed or went silent; the message says which and why."""
+
+
+@dataclass
+class ProfileOptions:
+    """The parameters of a run (all of them end up in the JSON)."""
+
+    mode: str = "all"
+    tp: int = 2
+    step: str = "python"
+    step_ms: float = 2.0
+    rate: float = 100.0
+    batch: int = 64
+    prompt_len: int = 512
+    tokens: str = "numpy"
+    steps: int = 3000  # load-phase steps per mode (split across the rounds)
+    rounds: int = 5
+    idle_steps: int = 2000  # idle-phase iterations per mode; 0 skips the idle phase
+    max_inflight: int = 8
+    modes: list = field(default_factory=list)  # filled by validate()
+
+    def validate(self) -> "ProfileOptions":
+        """Raise ``ValueError`` naming the first bad option; fill ``modes``."""
+        if self.mode == "all":
+            self.modes = list(MODES)
+        elif self.mode in MODES:
+            self.modes = [self.mode]
+        else:
+            raise ValueError(f"--mode {self.mode!r}: expected all or one of {', '.join(MODES)}")
+        checks = [
+            (self.step in STEP_KINDS, f"--step {self.step!r}: expected one of {', '.join(STEP_KINDS)}"),
+            (self.tokens in TOKEN_KINDS, f"--tokens {self.tokens!r}: expected one of {', '.join(TOKEN_KINDS)}"),
+            (1 <= self.tp <= 16, f"--tp {self.tp}: expected 1..16"),
+            (self.step_ms > 0, f"--step-ms {self.step_ms}: expected > 0"),
+            (self.rate >= 0, f"--rate {self.rate}: expected >= 0"),
+            (self.batch >= 1, f"--batch {self.batch}: expected >= 1"),
+            (self.prompt_len >= 1, f"--prompt-len {self.prompt_len}: expected >= 1"),
+            (self.rounds >= 1, f"--rounds {self.rounds}: expected >= 1"),
+            (self.steps >= self.rounds, f"--steps {self.steps}: expected >= --rounds ({self.rounds})"),
+            (self.idle_steps >= 0, f"--idle-steps {self.idle_steps}: expected >= 0"),
+            (self.max_inflight >= 1, f"--max-inflight {self.max_inflight}: expected >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    def schedule(self):
+        """[(mode, phase, round, steps)] in run order."""
+        modes = [REFERENCE] + self.modes
+        per_round = self.steps // self.rounds
+        out = []
+        for r in range(self.rounds):
+            k = r % len(modes)
+            out += [(m, "load", r, per_round) for m in modes[k:] + modes[:k]]
+        if self.idle_steps:
+            out += [(m, "idle", 0, self.idle_steps) for m in modes]
+        return out
+
+
+@contextlib.contextmanager
+def _child_environment():
+    """The environment spawned children inherit (restored afterwards)."""
+    saved = {k: os.environ.get(k) for k in _CHILD_ENV}
+    os.environ.update(_CHILD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Processes:
+    """The engine and the workers, each with its control pipe; every wait is bounded and
+    notices a process that died."""
+
+    def __init__(self, options, run_name):
+        ctx = mp.get_context("spawn")
+        self.progress = ctx.RawValue("q", 0)
+        self.procs, self.conns, self.names = [], [], []
+        with _child_environment():
+            self._start(ctx, "engine", engine_main, options.tp, options.batch,
+                        options.prompt_len, options.tokens, options.max_inflight)
+            for rank in range(options.tp):
+                progress = self.progress if rank == 0 else ctx.RawValue("q", 0)
+                self._start(ctx, f"worker rank {rank}", worker_main, run_name, options.tp, rank,
+                            options.step, options.step_ms, progress)
+
+    def _start(self, ctx, name, target, *args):
+        ours, theirs = ctx.Pipe()
+        # Not daemonic: the engine starts the fd-manager's server process. A child whose
+        # runner dies sees its pipe close and exits; close() below joins or kills each one.
+        proc = ctx.Process(target=target, args=(theirs, *args), name=f"fdsync-profile {name}")
+        proc.start()
+        theirs.close()
+        self.procs.append(proc)
+        self.conns.append(ours)
+        self.names.append(name)
+
+    @property
+    def engine(self):
+        return 0
+
+    @property
+    def workers(self):
+        return list(range(1, len(self.procs)))
+
+    def send(self, who, message):
+        for i in who:
+            self.conns[i].send(message)
+
+    def expect(self, who, kind, timeout, tick=None):
+        """Wait for message ``kind`` from each of ``who``; return their args, in order.
+        ``tick()`` runs every ~0.2 s while waiting."""
+        pending, got = set(who), {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise ProfileError(f"no {kind!r} within {timeout:.0f} s from "
+                                   f"{', '.join(self.names[i] for i in sorted(pending))}")
+            ready = mp.connection.wait([self.conns[i] for i in pending] +
+                                       [self.procs[i].sentinel for i in pending], _TICK_S)
+            for i in sorted(pending):
+                conn = self.conns[i]
+                if conn in ready or conn.poll(0):
+                    try:
+                        got_kind, arg = conn.recv()
+                    except EOFError:  # it exited; its exit code says more than the pipe
+                        self.procs[i].join(timeout=5)
+                        raise ProfileError(f"{self.names[i]} exited (code "
+                                           f"{self.procs[i].exitcode}) while the runner "
+                                           f"waited for {kind!r}") from None
+                    if got_kind == "error":
+                        raise ProfileError(arg)
+                    if got_kind != kind:
+                        raise ProfileError(f"{self.names[i]} sent {got_kind!r}, expected {kind!r}")
+                    got[i] = arg
+                    pending.discard(i)
+                elif self.procs[i].exitcode is not None:
+                    raise ProfileError(f"{self.names[i]} exited (code {self.procs[i].exitcode}) "
+                                       f"while the runner waited for {kind!r}")
+            if tick is not None:
+                tick()
+        return [got[i] for i in who]
+
+    def close(self):
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("exit", None))
+                except (OSError, BrokenPipeError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+
+
+def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
+    """Run the whole schedule; return the raw result (``report.summarize`` reads it).
+
+    ``progress_bar``: a tqdm-like object (``total``, ``update(n)``, ``set_description``)
+    or None. Raises ``ValueError`` for bad options, ``ProfileError`` if a process fails.
+    """
+    options.validate()
+    run_name = f"prof{uuid.uuid4().hex[:10]}"
+    schedule = options.schedule()
+    if progress_bar is not None:
+        progress_bar.total = sum(steps for *_, steps in schedule)
+        progress_bar.refresh()
+    started = time.time()
+    procs = _Processes(options, run_name)
+    try:
+        procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
+        calibration = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
+        # One amount of work for every rank (the median rank's calibration): TP ranks run
+        # the same model, and unequal steps would show up as barrier waits.
+        units = sorted(c["units"] for c in calibration)[len(calibration) // 2]
+        procs.send(procs.workers, ("units", units))
+        segments = []
+        for k, (mode, phase, rnd, steps) in enumerate(schedule):
+            if progress_bar is not None:
+                progress_bar.set_description(f"{mode} {phase}")
+            segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, phase, rnd,
+                                         steps, progress_bar))
+    finally:
+        procs.close()
+    return {"options": asdict(options), "run_name": run_name, "started": started,
+            "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
+            "segments": segments}
+
+
+def _run_segment(procs, options, name, mode, phase, rnd, steps, bar):
+    uses_engine = mode != REFERENCE
+    address = None
+    if uses_engine:
+        procs.send([procs.engine], ("open", {"mode": mode, "name": name}))
+        (address,) = procs.expect([procs.engine], "opened", _START_TIMEOUT_S)
+    spec = {"mode": mode, "phase": phase, "round": rnd, "steps": steps, "name": name,
+            "address": address}
+    procs.send(procs.workers, ("segment", spec))
+    procs.expect(procs.workers, "ready", _START_TIMEOUT_S)
+    if uses_engine:
+        procs.send([procs.engine], ("go", options.rate if phase == "load" else 0.0))
+    procs.send(procs.workers, ("go", None))
+
+    shown = 0
+
+    def tick():
+        nonlocal shown
+        if bar is not None:
+            done = min(procs.progress.value, steps)
+            bar.update(done - shown)
+            shown = done
+
+    procs.expect(procs.workers, "measured", _SEGMENT_TIMEOUT_S, tick)
+    put, putting = 0, None
+    if uses_engine:
+        procs.send([procs.engine], ("stop", None))
+        (putting,) = procs.expect([procs.engine], "stopped", _START_TIMEOUT_S)
+        put = putting["put"]
+    procs.send(procs.workers, ("drain", put))
+    workers = procs.expect(procs.workers, "result", _SEGMENT_TIMEOUT_S)
+    engine = {}
+    if uses_engine:
+        procs.send([procs.engine], ("close", None))
+        (engine,) = procs.expect([procs.engine], "closed", _START_TIMEOUT_S)
+    if bar is not None:
+        bar.update(steps - shown)
+    return {"mode": mode, "phase": phase, "round": rnd, "steps": steps, "name": name,
+            "put": put, "engine_putting": putting, "engine": engine, "workers": workers}
+

@@ -4,6 +4,8 @@ side by side with a FastDeploy-style multiprocessing.managers queue, in the same
 
     python scripts/bench_sync.py [--iters 5000]
 
+Section 6 measures the StepProfiler's own cost per step (FD_SYNC_PROFILE=1).
+
 Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
 manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
 compare the ratios printed in the same run. Nothing here asserts a timing.
@@ -284,6 +286,30 @@ def bench_decode(iters=300):
     return rows
 
 
+def bench_profiler_overhead(blocks=200, steps=2000):
+    """exist_tasks + barrier + get_tasks at TP=1 with nothing pending, on a client without
+    and one with the StepProfiler, in alternating blocks; per block, the mean step time.
+    Returns (plain block means, profiled block means), ns per step."""
+    plain_means, profiled_means = [], []
+    names = ["bp" + uuid.uuid4().hex[:8] for _ in range(2)]
+    with TaskQueue(names[0], 1), TaskQueue(names[1], 1), \
+            TaskClient(names[0], 1, 0) as plain, \
+            TaskClient(names[1], 1, 0, profile=True) as profiled:
+        def block(client):
+            exist_tasks, barrier, get_tasks = client.exist_tasks, client.barrier, client.get_tasks
+            t0 = ns()
+            for _ in range(steps):
+                exist_tasks()
+                barrier()
+                get_tasks()
+            return (ns() - t0) / steps
+
+        for _ in range(blocks):
+            plain_means.append(block(plain))
+            profiled_means.append(block(profiled))
+    return np.asarray(plain_means), np.asarray(profiled_means)
+
+
 # -- report ----------------------------------------------------------------------------------
 
 def line(label, samples, ref=None):
@@ -338,6 +364,15 @@ def main():
     print("\n5. decode of 64 requests x 512 token ids (GIL held by the prefetch thread)")
     for label, (samples, frames) in bench_decode().items():
         line(f"{label}, {frames} frames", samples)
+
+    print("\n6. StepProfiler overhead per step (FD_SYNC_PROFILE=1): exist_tasks+barrier+"
+          "get_tasks, TP=1, nothing pending, alternating blocks of 2000 steps")
+    plain, profiled = bench_profiler_overhead(max(n // 25, 40))
+    diff = profiled - plain
+    print(f"  {'step without profiler':<46} p50 {np.median(plain) / 1e3:10.2f} us (block means)")
+    print(f"  {'step with profiler':<46} p50 {np.median(profiled) / 1e3:10.2f} us (block means)")
+    print(f"  {'overhead (paired block difference)':<46} p50 {np.median(diff) / 1e3:10.2f} us   "
+          f"p25-p75 {np.percentile(diff, 25) / 1e3:.2f}-{np.percentile(diff, 75) / 1e3:.2f} us")
 
 
 if __name__ == "__main__":

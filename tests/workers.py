@@ -112,17 +112,28 @@ def idle_rank(out, rank, name, tp, seconds):
     """Build a client, stay idle, report the prefetch thread's and process's CPU seconds."""
     with TaskClient(name, tp, rank, async_prefetch=True) as client:
         time.sleep(0.3)  # let start-up settle
-        tid = client._thread.native_id
-        t0, p0, w0 = _thread_cpu(tid), time.process_time(), time.monotonic()
+        t0, p0, w0 = client.prefetch_cpu_seconds(), time.process_time(), time.monotonic()
         time.sleep(seconds)
-        out.put(("cpu", rank, (_thread_cpu(tid) - t0, time.process_time() - p0,
+        out.put(("cpu", rank, (client.prefetch_cpu_seconds() - t0, time.process_time() - p0,
                                time.monotonic() - w0)))
 
 
-def _thread_cpu(tid):
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+@_report_errors
+def profiled_rank(out, rank, name, tp, n_batches, deadline_s=60.0):
+    """A client built with no profile argument (FD_SYNC_PROFILE decides): steps until it has
+    taken n batches, then reports the step count and the profiler's summary (None if off)."""
+    steps = taken = 0
+    deadline = time.monotonic() + deadline_s
+    with TaskClient(name, tp, rank) as client:
+        out.put(("ready", rank, os.getpid()))
+        while taken < n_batches:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches")
+            taken += len(client.sync_step(timeout=30))
+            steps += 1
+            time.sleep(0.0005)
+        profiler = client.profiler
+        out.put(("profiled", rank, (steps, None if profiler is None else profiler.summary())))
 
 
 @_report_errors

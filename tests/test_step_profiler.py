@@ -1,0 +1,129 @@
+"""StepProfiler: fixed-memory per-step timings, and TaskClient's FD_SYNC_PROFILE switch."""
+
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from fastdeploy_sync import TaskClient, TaskQueue
+from fastdeploy_sync.profiling import StepProfiler
+
+from workers import collect, profiled_rank
+
+
+def test_summary_matches_numpy_over_the_window():
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 10_000, size=(50, 3))
+    profiler = StepProfiler(capacity=64)
+    for check, barrier, take in rows:
+        profiler.record(int(check), int(barrier), int(take))
+    summary = profiler.summary()
+    step = rows.sum(axis=1)
+    assert summary["count"] == summary["window"] == 50
+    assert summary["step"]["p50_us"] == pytest.approx(np.percentile(step, 50) / 1e3)
+    assert summary["step"]["p99_us"] == pytest.approx(np.percentile(step, 99) / 1e3)
+    assert summary["barrier"]["max_us"] == pytest.approx(rows[:, 1].max() / 1e3)
+    assert summary["mean_us"] == pytest.approx(step.mean() / 1e3)
+
+
+def test_ring_keeps_the_last_capacity_steps_and_lifetime_totals():
+    profiler = StepProfiler(capacity=8)
+    for i in range(1, 21):  # 2.5 laps of the ring
+        profiler.record(i, 10 * i, 100 * i)
+    samples = profiler.samples()
+    assert samples["check"].tolist() == list(range(13, 21))  # oldest first
+    assert samples["step"].tolist() == [111 * i for i in range(13, 21)]
+    assert profiler.count == 20
+    assert profiler.total_ns == sum(111 * i for i in range(1, 21))
+    assert profiler.max_ns == 111 * 20
+    profiler.reset()
+    assert profiler.count == 0 and profiler.total_ns == 0 and profiler.summary()["step"]["count"] == 0
+
+
+@pytest.mark.parametrize("capacity", [0, 3, 1.5, -8])
+def test_capacity_must_be_a_power_of_two(capacity):
+    with pytest.raises(ValueError, match="power of two"):
+        StepProfiler(capacity=capacity)
+
+
+def test_dump_writes_the_summary(tmp_path):
+    profiler = StepProfiler(capacity=4)
+    profiler.record(1000, 2000, 3000)
+    path = tmp_path / "p.json"
+    profiler.dump(str(path))
+    loaded = json.loads(path.read_text())
+    assert loaded["count"] == 1 and loaded["step"]["p50_us"] == pytest.approx(6.0)
+
+
+def test_attach_times_each_call_and_records_at_get_tasks():
+    class Steps:  # the three calls of a step, each taking a known minimum time
+        def exist_tasks(self):
+            _busy(200_000)
+            return True
+
+        def barrier(self, timeout=None):
+            _busy(300_000)
+
+        def get_tasks(self):
+            _busy(100_000)
+            return ["batch"], True
+
+    steps = Steps()
+    profiler = StepProfiler(capacity=16).attach(steps)
+    assert steps.exist_tasks() is True
+    steps.barrier(5)
+    assert profiler.count == 0  # a step is recorded when its take ends
+    assert steps.get_tasks() == (["batch"], True)
+    steps.barrier()
+    steps.get_tasks()  # a step with no check (what ranks other than 0 do)
+    s = profiler.samples()
+    assert profiler.count == 2
+    assert s["check"][0] >= 200_000 and s["barrier"][0] >= 300_000 and s["take"][0] >= 100_000
+    assert s["check"][1] == 0 and s["barrier"][1] >= 300_000
+
+
+def _busy(ns):
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def test_fd_sync_profile_times_every_step_of_a_real_group(name, procs, results, monkeypatch,
+                                                          tmp_path):
+    """Two ranks built without a profile argument: FD_SYNC_PROFILE=1 gives each a profiler
+    that counted every step, and FD_SYNC_PROFILE_DIR gets one JSON per rank at close."""
+    monkeypatch.setenv("FD_SYNC_PROFILE", "1")
+    monkeypatch.setenv("FD_SYNC_PROFILE_DIR", str(tmp_path))
+    with TaskQueue(name, 2) as queue:
+        for rank in range(2):
+            procs(profiled_rank, results, rank, name, 2, 5)
+        collect(results, "ready", 2)
+        for i in range(5):
+            queue.put_tasks(i, timeout=10)
+        reports = collect(results, "profiled", 2)
+    for rank, (steps, summary) in reports.items():
+        assert summary is not None and summary["count"] == steps >= 1
+        assert summary["step"]["p50_us"] > 0
+        if rank != 0:  # only rank 0 checks
+            assert summary["check"]["max_us"] == 0
+    dumped = []
+    for _ in range(100):  # the files appear when the children close their clients
+        dumped = glob.glob(str(tmp_path / f"fdsync-profile-{name}-dp0-r*.json"))
+        if len(dumped) == 2:
+            break
+        time.sleep(0.1)
+    assert sorted(os.path.basename(p).split("-")[4] for p in dumped) == ["r0", "r1"]
+    assert {json.load(open(p))["count"] for p in dumped} == {s for s, _ in reports.values()}
+
+
+def test_profiling_is_off_by_default(name, monkeypatch):
+    monkeypatch.delenv("FD_SYNC_PROFILE", raising=False)
+    with TaskQueue(name, 1), TaskClient(name, 1, 0) as client:
+        assert client.profiler is None
+        assert client.exist_tasks.__func__ is TaskClient.exist_tasks  # nothing wrapped
+    monkeypatch.setenv("FD_SYNC_PROFILE", "maybe")
+    with pytest.raises(ValueError, match="FD_SYNC_PROFILE"):
+        TaskClient(name, 1, 0)

@@ -324,12 +324,21 @@ def line(label, samples, ref=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=5000)
+    ap.add_argument("--sections", default="1,2,3,4,5,6",
+                    help="comma-separated section numbers to run (default: all)")
     args = ap.parse_args()
     n = args.iters
+    want = {int(x) for x in args.sections.split(",")}
     print(f"fastdeploy_sync micro-benchmark, python {sys.version.split()[0]}, "
           f"{os.cpu_count()} cores, {n} iterations; perf_counter_ns overhead "
           f"{timer_overhead():.2f} us (included below)")
+    sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6]
+    for k, section in enumerate(sections, 1):
+        if k in want:
+            section(n)
 
+
+def _section_1(n):
     print("\n1. rank-0 exist_tasks() with nothing pending, TP=2")
     rows = bench_exist(n)
     ref = line("fd-manager num_tasks() (3 round trips)", rows["fd-manager num_tasks()"])
@@ -337,12 +346,18 @@ def main():
     line("sync  exist_tasks() (polls the socket)", rows["sync"], ref)
     line("async exist_tasks() (flag read)", rows["async"], ref)
 
+
+
+def _section_2(n):
     print("\n2. a step that takes a ready batch of 64 requests x 512 int64 token ids, TP=1")
     rows = bench_take(max(n // 5, 200))
     ref = line("fd-manager get_tasks()", rows["fd-manager"])
     line("sync  exist_tasks()+get_tasks() (recv+decode)", rows["sync"], ref)
     line("async exist_tasks()+get_tasks()", rows["async"], ref)
 
+
+
+def _section_3(n):
     print("\n3. barrier() at TP=2, both ranks arriving together (per call on rank 0)")
     rows = bench_barrier_together(n)
     ref = line("fd-manager Barrier proxy", rows["fd-manager"])
@@ -355,16 +370,25 @@ def main():
         line("paddle.distributed gloo barrier()", gloo["gloo"], ref)
         line("coordinator='paddle' barrier() (all-reduce)", gloo["paddle coordinator"], ref)
 
+
+
+def _section_4(n):
     print("\n4. barrier() at TP=2, rank 1 arriving 0-3 ms late: release latency on rank 0 "
           "after rank 1 arrives, and rank 0's CPU while waiting")
     for label, (latency, cpu_pct) in bench_barrier_late(max(n // 5, 300)).items():
         line(label, latency)
         print(f"  {'':<46} waiting rank CPU {cpu_pct:5.1f} % of a core")
 
+
+
+def _section_5(n):
     print("\n5. decode of 64 requests x 512 token ids (GIL held by the prefetch thread)")
     for label, (samples, frames) in bench_decode().items():
         line(f"{label}, {frames} frames", samples)
 
+
+
+def _section_6(n):
     print("\n6. StepProfiler overhead per step (FD_SYNC_PROFILE=1): exist_tasks+barrier+"
           "get_tasks, TP=1, nothing pending, alternating blocks of 2000 steps")
     plain, profiled = bench_profiler_overhead(max(n // 25, 40))

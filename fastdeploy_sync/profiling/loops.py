@@ -22,7 +22,7 @@ The model's TP collective: a real TP forward ends in all-reduces, and the host w
 the device by spinning (CUDA's default), so the ranks leave a step within microseconds of
 each other. The simulated step ends in a shared-memory barrier standing in for that: it
 spins up to ``COLLECTIVE_SPIN_US`` before blocking, so that the ranks leave it together
-rather than one semaphore wake-up (40-80 µs here) apart, which the next barrier would
+rather than one semaphore wake-up (bench_sync.py section 4) apart, which the next barrier would
 otherwise charge to task sync. It is part of the model step in every mode, ``none``
 included, so it cancels out of the inflation. FastDeploy's protocol needs the lock-step:
 without it, rank 0 can re-signal a batch a slow rank has not yet read. Every rank runs

@@ -22,6 +22,7 @@ FastDeploy-style baseline in ``profile``) calls :meth:`StepProfiler.record` itse
 
 import array
 import json
+import os
 import time
 
 import numpy as np
@@ -84,9 +85,9 @@ class StepProfiler:
         self._folded_max_ns = max(self._folded_max_ns, int(step.max()))
 
     def _ring_step_ns(self, n=None):
-        rings = [np.frombuffer(ring, dtype=np.int64) for ring in self._rings]
-        step = rings[0] + rings[1] + rings[2]
-        return step if n is None else step[:n]
+        """Per-step sums of the first ``n`` ring slots (all of them for None)."""
+        check, barrier, take = (np.frombuffer(ring, dtype=np.int64)[:n] for ring in self._rings)
+        return check + barrier + take
 
     @property
     def total_ns(self) -> int:
@@ -182,9 +183,17 @@ class StepProfiler:
         return out
 
     def dump(self, path: str) -> None:
-        """Write ``summary()`` as JSON to ``path``."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.summary(), f, indent=1)
+        """Write ``summary()`` as JSON to ``path``, atomically: the file appears complete
+        (written beside it, then renamed), so a collector watching the directory never
+        reads half a profile."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.summary(), f, indent=1)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def distribution_us(values_ns) -> dict:

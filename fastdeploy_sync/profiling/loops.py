@@ -305,27 +305,14 @@ def _prefetch_cpu(steps):
     return steps.prefetch_cpu_seconds() if isinstance(steps, TaskClient) else None
 
 
-def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
-    """The measured loop; returns each iteration's wall time (ns). Appends
-    ``(step, batch_id, put_ns, take_ns)`` to ``taken`` for every batch taken.
-    At TP=1 there is no barrier call (FastDeploy makes none either)."""
-    now = time.perf_counter_ns
-    iter_ns = np.zeros(n, dtype=np.int64)
-    progress.value = 0
-    t_prev = now()
-    if steps is None:  # the reference: no task sync at all
-        for i in range(n):
-            work()
-            t = now()
-            iter_ns[i] = t - t_prev
-            t_prev = t
-            if not i & 63:
-                progress.value = i
-        progress.value = n
-        return iter_ns
+def _task_step(steps, tp_size, tp_rank, taken):
+    """One step's task sync, as FastDeploy's loop does it: ``task_step(i)`` checks (rank 0),
+    passes the barrier (none at TP=1, as in FastDeploy) and takes, appending
+    ``(i, batch_id, put_ns, take_ns)`` to ``taken`` for every batch taken."""
     exist_tasks, barrier, get_tasks = steps.exist_tasks, steps.barrier, steps.get_tasks
-    rank0, tp = tp_rank == 0, tp_size > 1
-    for i in range(n):
+    rank0, tp, now = tp_rank == 0, tp_size > 1, time.perf_counter_ns
+
+    def task_step(i):
         if rank0:
             exist_tasks()
         if tp:
@@ -335,6 +322,20 @@ def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
             t = now()
             for batch in tasks:
                 taken.append((i, batch["batch_id"], batch["put_ns"], t))
+    return task_step
+
+
+def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
+    """The measured loop, ``n`` steps; returns each iteration's wall time (ns). With
+    ``steps`` None it is the reference: the same loop without task sync."""
+    now = time.perf_counter_ns
+    task_step = None if steps is None else _task_step(steps, tp_size, tp_rank, taken)
+    iter_ns = np.zeros(n, dtype=np.int64)
+    progress.value = 0
+    t_prev = now()
+    for i in range(n):
+        if task_step is not None:
+            task_step(i)
         work()
         t = now()
         iter_ns[i] = t - t_prev
@@ -350,20 +351,14 @@ def _drain(steps, tp_size, tp_rank, work, first_step, taken, total) -> int:
     put; every rank stops at the same step because every rank takes the same batches."""
     if steps is None or len(taken) >= total:
         return 0
+    task_step = _task_step(steps, tp_size, tp_rank, taken)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     step = first_step
     while len(taken) < total:
         if time.monotonic() > deadline:
             raise TimeoutError(f"took {len(taken)} of {total} batches; the rest did not "
                                f"arrive within {DRAIN_TIMEOUT_S:.0f} s")
-        if tp_rank == 0:
-            steps.exist_tasks()
-        if tp_size > 1:
-            steps.barrier(BARRIER_TIMEOUT_S)
-        tasks, _ = steps.get_tasks()
-        t = time.perf_counter_ns()
-        for batch in tasks:
-            taken.append((step, batch["batch_id"], batch["put_ns"], t))
+        task_step(step)
         work()
         step += 1
     return step - first_step

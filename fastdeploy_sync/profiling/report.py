@@ -47,6 +47,11 @@ def _rank(segment, rank):
     return next(w for w in segment["workers"] if w["rank"] == rank)
 
 
+def _rank0(segments, key):
+    """Rank 0's per-step array ``key`` over ``segments``, concatenated."""
+    return np.concatenate([_rank(s, 0)[key] for s in segments])
+
+
 def summarize(raw) -> dict:
     """Every figure of the run, JSON-ready (plain floats, ints, lists, dicts)."""
     options = raw["options"]
@@ -58,8 +63,9 @@ def summarize(raw) -> dict:
            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                        "platform": platform.platform()},
            "elapsed_s": raw["elapsed_s"], "modes": {}}
+    ref_load = _segments(raw, REFERENCE, "load")
     for mode in modes:
-        out["modes"][mode] = _summarize_mode(raw, mode, tp)
+        out["modes"][mode] = _summarize_mode(raw, mode, tp, ref_load)
     ref = out["modes"].get("fd-manager")
     for mode in options["modes"]:
         m = out["modes"][mode]
@@ -75,17 +81,15 @@ def _ratio(a, b):
     return None if a is None or not b else a / b
 
 
-def _summarize_mode(raw, mode, tp):
+def _summarize_mode(raw, mode, tp, ref_load):
     load, idle = _segments(raw, mode, "load"), _segments(raw, mode, "idle")
+    ref_mean_ns = _rank0(ref_load, "iter_ns").mean()
     m = {}
     if load:
-        it0 = np.concatenate([_rank(s, 0)["iter_ns"] for s in load])
-        m["step_time_ms"] = _ms(distribution_us(it0))
-        m["model_compute_mean_ms"] = float(np.mean(np.concatenate(
-            [_rank(s, 0)["compute_ns"] for s in load]))) / 1e6
-        m["model_collective_mean_ms"] = float(np.mean(np.concatenate(
-            [_rank(s, 0)["collective_ns"] for s in load]))) / 1e6
-        m["inflation_pct"] = _inflation(raw, mode, load)
+        m["step_time_ms"] = _ms(distribution_us(_rank0(load, "iter_ns")))
+        m["model_compute_mean_ms"] = float(_rank0(load, "compute_ns").mean()) / 1e6
+        m["model_collective_mean_ms"] = float(_rank0(load, "collective_ns").mean()) / 1e6
+        m["inflation_pct"] = None if mode == REFERENCE else _inflation(load, ref_load, ref_mean_ns)
         m["load_cpu_pct"] = _load_cpu(load, tp)
     if mode != REFERENCE and load:
         per_rank = []
@@ -98,39 +102,40 @@ def _summarize_mode(raw, mode, tp):
         m["sync_per_step_by_rank_us"] = [distribution_us(r["step"]) for r in per_rank]
         m["sync_samples_rank0_us"] = np.round(per_rank[0]["step"] / 1e3, 2).tolist()
         m.update(_delivery(load, tp))
-        ref_load = _segments(raw, REFERENCE, "load")
-        if ref_load:
-            ref_mean_ns = np.mean(np.concatenate([_rank(s, 0)["iter_ns"] for s in ref_load]))
-            # How much of the inflation the critical path itself explains: the rest is CPU
-            # and GIL taken away from the model step (see load_cpu_pct).
-            m["sync_share_of_reference_step_pct"] = float(
-                100 * m["sync_per_step_us"]["mean_us"] * 1e3 / ref_mean_ns)
+        # How much of the inflation the critical path itself explains: the rest is CPU
+        # and GIL taken away from the model step (see load_cpu_pct).
+        m["sync_share_of_reference_step_pct"] = float(
+            100 * m["sync_per_step_us"]["mean_us"] * 1e3 / ref_mean_ns)
     if idle:
         m["idle"] = _idle(idle, tp)
     return m
 
 
-def _inflation(raw, mode, load):
-    if mode == REFERENCE:
-        return None
-    ref = {s["round"]: _rank(s, 0)["iter_ns"].mean() for s in _segments(raw, REFERENCE, "load")}
+def _inflation(load, ref_load, ref_mean_ns):
+    ref = {s["round"]: _rank(s, 0)["iter_ns"].mean() for s in ref_load}
     rounds = [100 * (_rank(s, 0)["iter_ns"].mean() / ref[s["round"]] - 1) for s in load]
-    pooled_ref = np.concatenate([_rank(s, 0)["iter_ns"] for s in _segments(raw, REFERENCE, "load")])
-    pooled = np.concatenate([_rank(s, 0)["iter_ns"] for s in load])
     return {"median_of_rounds": float(np.median(rounds)), "per_round": [float(r) for r in rounds],
-            "pooled": float(100 * (pooled.mean() / pooled_ref.mean() - 1))}
+            "pooled": float(100 * (_rank0(load, "iter_ns").mean() / ref_mean_ns - 1))}
+
+
+def _cpu_pct(segments, tp):
+    """Per rank, over ``segments``: the worker process's CPU (all threads) and its prefetch
+    thread's (None without one), in % of one core."""
+    process, thread = [], []
+    for rank in range(tp):
+        ws = [_rank(s, rank) for s in segments]
+        wall = sum(w["wall_s"] for w in ws)
+        process.append(100 * sum(w["cpu_s"] for w in ws) / wall)
+        t = [w["prefetch_cpu_s"] for w in ws]
+        thread.append(None if None in t else 100 * sum(t) / wall)
+    return process, thread
 
 
 def _load_cpu(load, tp):
     """CPU use while loaded: each worker process and its prefetch thread, and the engine
     process (all its threads), in % of one core. These are what the 2 cores share."""
-    out = {"worker_process": [], "prefetch_thread": [], "engine_process": None}
-    for rank in range(tp):
-        ws = [_rank(s, rank) for s in load]
-        wall = sum(w["wall_s"] for w in ws)
-        out["worker_process"].append(100 * sum(w["cpu_s"] for w in ws) / wall)
-        t = [w["prefetch_cpu_s"] for w in ws]
-        out["prefetch_thread"].append(None if None in t else 100 * sum(t) / wall)
+    process, thread = _cpu_pct(load, tp)
+    out = {"worker_process": process, "prefetch_thread": thread, "engine_process": None}
     putting = [s["engine_putting"] for s in load if s.get("engine_putting")]
     if putting:
         out["engine_process"] = (100 * sum(e["cpu_s"] for e in putting)
@@ -166,13 +171,7 @@ def _delivery(load, tp):
 
 
 def _idle(idle, tp):
-    cpu, thread = [], []
-    for rank in range(tp):
-        ws = [_rank(s, rank) for s in idle]
-        wall = sum(w["wall_s"] for w in ws)
-        cpu.append(100 * sum(w["cpu_s"] for w in ws) / wall)
-        t = [w["prefetch_cpu_s"] for w in ws]
-        thread.append(None if None in t else 100 * sum(t) / wall)
+    cpu, thread = _cpu_pct(idle, tp)
     return {"worker_cpu_pct": cpu, "prefetch_thread_cpu_pct": thread,
             "iterations": sum(s["steps"] for s in idle)}
 
@@ -309,8 +308,7 @@ def plot(summary, raw, path) -> None:
     left.grid(True, which="both", alpha=0.3)
     left.legend(loc="lower right", fontsize=9)
     for mode in [REFERENCE] + p["modes"]:
-        ms = np.sort(np.concatenate([_rank(s, 0)["iter_ns"] for s in _segments(raw, mode, "load")])
-                     ) / 1e6
+        ms = np.sort(_rank0(_segments(raw, mode, "load"), "iter_ns")) / 1e6
         infl = modes[mode].get("inflation_pct")
         label = f"{mode}: mean {ms.mean():.2f} ms" + (
             f", {infl['median_of_rounds']:+.1f} %" if infl else " (no task sync)")
@@ -320,8 +318,8 @@ def plot(summary, raw, path) -> None:
     right.set_title("whole step: task sync + model step")
     right.grid(True, alpha=0.3)
     right.legend(loc="lower right", fontsize=9)
-    hi = max(np.percentile(np.concatenate([_rank(s, 0)["iter_ns"] for s in raw["segments"]
-                                           if s["phase"] == "load"]), 99.5) / 1e6, 1e-3)
+    load = [s for s in raw["segments"] if s["phase"] == "load"]
+    hi = max(np.percentile(_rank0(load, "iter_ns"), 99.5) / 1e6, 1e-3)
     right.set_xlim(0, hi)
     fig.suptitle(f"fastdeploy-sync profile: tp {p['tp']}, {p['step']} step {p['step_ms']:g} ms, "
                  f"{p['rate']:g} batches/s of {p['batch']} x {p['prompt_len']} tokens "

@@ -71,7 +71,7 @@ def tp_coordinator() -> str:
 def profile_enabled() -> bool:
     """``FD_SYNC_PROFILE`` (default ``0``): ``1`` gives every ``TaskClient`` a
     ``StepProfiler`` (``client.profiler``) timing exist_tasks / barrier / get_tasks per step,
-    in fixed memory, at well under a microsecond per step (see ``profiling.step_profiler``)."""
+    in fixed memory, at about a microsecond per step (``scripts/bench_sync.py`` section 6)."""
     return _flag("FD_SYNC_PROFILE")
 
 

@@ -251,8 +251,9 @@ class TaskClient:
         if self._closed:
             return
         self._closed = True
-        if self.profiler is not None and envs.profile_dir():
-            self._dump_profile(envs.profile_dir())
+        profile_dir = envs.profile_dir() if self.profiler is not None else None
+        if profile_dir:
+            self._dump_profile(profile_dir)
         if self._thread is not None:
             self._wake.wake()
             self._thread.join(timeout=5.0)

@@ -9,6 +9,10 @@ __all__ = [
     "GroupInUseError",
     "EndpointInUseError",
     "ClosedError",
+    "EngineGoneError",
+    "EngineClosedError",
+    "GroupLostError",
+    "AuthenticationError",
 ]
 
 
@@ -32,7 +36,30 @@ class ProtocolError(TaskSyncError):
 
 
 class EngineRejectedError(TaskSyncError):
-    """The engine refused this worker (wrong tp_size or name, or a rank restarted mid-stream)."""
+    """The engine refused this worker (wrong tp_size or name, its rank's place is held by a
+    live worker, or a rank restarted inside a live group)."""
+
+
+class GroupLostError(EngineRejectedError):
+    """The engine retired this worker group: one of its ranks went silent for the heartbeat
+    timeout or restarted, so the group's model state is no longer whole. Restart the whole
+    group; the engine hands back the batches it did not finish (``TaskQueue.group_events``)."""
+
+
+class EngineGoneError(TaskSyncError):
+    """Nothing was heard from the engine for the heartbeat timeout (it died, hangs, or the
+    network between us is down), or the engine this worker was bound to was replaced by a
+    restarted one. Batches this rank held but the group had not taken are not taken."""
+
+
+class EngineClosedError(TaskSyncError):
+    """The engine closed its queue cleanly (``TaskQueue.close()``) and this rank has taken
+    every batch the engine delivered before closing."""
+
+
+class AuthenticationError(TaskSyncError):
+    """Keys are missing or wrong, or a peer failed the CURVE handshake. The message says
+    which endpoint and which key file, and how to create keys (``fastdeploy-sync keys``)."""
 
 
 class BarrierTimeoutError(TaskSyncError, TimeoutError):

@@ -31,6 +31,11 @@ __all__ = [
     "DATA",
     "ACK",
     "ERROR",
+    "WELCOME",
+    "PING",
+    "PONG",
+    "CLOSE",
+    "HEADER_SIZE",
     "pack_header",
     "unpack_header",
     "encode_payload",
@@ -38,18 +43,35 @@ __all__ = [
 ]
 
 MAGIC = b"FDSY"
-VERSION = 1
+VERSION = 2
 
-# Message kinds.
-HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = seq it has taken;
-#            frames[1] = name, frames[2] = id of the engine it received from (int64, 0 = none)
-DATA = 2  # engine -> worker: seq, aux = engine id; frames[1:] = payload (encode_payload)
-ACK = 3  # worker -> engine: rank, seq = highest seq this rank has taken (cumulative)
-ERROR = 4  # engine -> worker: frames[1] = utf-8 reason; the worker fails loudly
-_KINDS = frozenset((HELLO, DATA, ACK, ERROR))
+# Message kinds. Every header names the engine instance, the worker group incarnation and
+# the worker instance it belongs to, so traffic from a previous life (an engine restarted
+# on the same endpoint, a worker group replaced by a new one) is recognised and ignored.
+HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = seq it has
+#            taken; engine = the instance it is bound to (0: none yet); group, worker;
+#            frames[1] = the queue name
+DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
+#           payload (encode_payload)
+ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
+ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
+WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)
+PING = 6  # worker -> engine: heartbeat (see liveness.py)
+PONG = 7  # engine -> worker: heartbeat reply
+CLOSE = 8  # engine -> worker: the queue closed cleanly; seq = the last seq sent to the group
+_KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE))
 
-# magic, version, kind, rank, tp_size, seq, aux.  28 bytes, little-endian.
-_HEADER = struct.Struct("<4sBBHiqq")
+# ERROR codes (Header.aux of an ERROR message): what the worker raises.
+E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError
+E_PLACE_TAKEN = 2  # a live worker holds this rank: EngineRejectedError
+E_STALE_ENGINE = 3  # bound to an engine instance that is gone (restart): EngineGoneError
+E_GROUP_LOST = 4  # the engine retired this worker group: GroupLostError
+E_GROUP_BUSY = 5  # another live worker group holds the queue: EngineRejectedError
+
+# magic, version, kind, rank, tp_size, seq, aux, engine, group, worker, check.
+# 60 bytes, little-endian.
+_HEADER = struct.Struct("<4sBBHiqqQQQQ")
+HEADER_SIZE = _HEADER.size
 
 # Arrays smaller than this stay inside the pickle stream: copying a few hundred bytes
 # costs less than the bookkeeping of an out-of-band buffer.
@@ -59,20 +81,26 @@ _ALIGN = 64
 
 
 class Header:
-    """A parsed header frame. ``aux`` is kind-specific (unused today, reserved)."""
+    """A parsed header frame. ``aux`` is kind-specific; ``engine``, ``group`` and
+    ``worker`` are the instance ids the message is bound to (0: not yet known);
+    ``check`` is the payload checksum of a DATA message."""
 
-    __slots__ = ("kind", "rank", "tp_size", "seq", "aux")
+    __slots__ = ("kind", "rank", "tp_size", "seq", "aux", "engine", "group", "worker", "check")
 
-    def __init__(self, kind, rank, tp_size, seq, aux=0):
+    def __init__(self, kind, rank, tp_size, seq, aux=0, engine=0, group=0, worker=0, check=0):
         self.kind, self.rank, self.tp_size, self.seq, self.aux = kind, rank, tp_size, seq, aux
+        self.engine, self.group, self.worker, self.check = engine, group, worker, check
 
     def __repr__(self):
         return (f"Header(kind={self.kind}, rank={self.rank}, tp_size={self.tp_size}, "
-                f"seq={self.seq}, aux={self.aux})")
+                f"seq={self.seq}, aux={self.aux}, engine={self.engine:#x}, "
+                f"group={self.group:#x}, worker={self.worker:#x})")
 
 
-def pack_header(kind: int, rank: int = 0, tp_size: int = 0, seq: int = 0, aux: int = 0) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, kind, rank, tp_size, seq, aux)
+def pack_header(kind: int, rank: int = 0, tp_size: int = 0, seq: int = 0, aux: int = 0,
+                engine: int = 0, group: int = 0, worker: int = 0, check: int = 0) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, kind, rank, tp_size, seq, aux, engine, group, worker,
+                        check)
 
 
 def unpack_header(frame) -> Header:
@@ -80,14 +108,14 @@ def unpack_header(frame) -> Header:
     buf = memoryview(frame)
     if buf.nbytes != _HEADER.size:
         raise ProtocolError(f"header frame of {buf.nbytes} bytes, expected {_HEADER.size}")
-    magic, version, kind, rank, tp_size, seq, aux = _HEADER.unpack(buf)
+    magic, version, kind, *fields = _HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolError(f"wire version {version}, this build speaks {VERSION}")
     if kind not in _KINDS:
         raise ProtocolError(f"unknown message kind {kind}")
-    return Header(kind, rank, tp_size, seq, aux)
+    return Header(kind, *fields)
 
 
 def encode_payload(obj) -> list:

@@ -12,6 +12,9 @@ __all__ = [
     "ipc_dir",
     "attach_timeout_s",
     "barrier_spin_us",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "max_message_bytes",
     "tp_coordinator",
     "profile_enabled",
     "profile_dir",
@@ -56,6 +59,40 @@ def barrier_spin_us() -> float:
     before blocking on a semaphore. Spinning gives sub-microsecond release when ranks arrive
     together; blocking costs ~30 us of wake-up but no CPU while a rank is late."""
     return float(os.environ.get("FD_SYNC_BARRIER_SPIN_US", "50"))
+
+
+def _positive_float(name: str, default: str) -> float:
+    raw = os.environ.get(name, default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a number > 0")
+    return value
+
+
+def heartbeat_interval_s() -> float:
+    """``FD_SYNC_HEARTBEAT_INTERVAL`` (seconds, default 1): how often each worker pings the
+    engine (the engine answers every ping). Costs one wake-up of a blocked thread per
+    interval, nothing on the step's critical path."""
+    return _positive_float("FD_SYNC_HEARTBEAT_INTERVAL", "1")
+
+
+def heartbeat_timeout_s() -> float:
+    """``FD_SYNC_HEARTBEAT_TIMEOUT`` (seconds, default 3): silence after which a worker
+    raises ``EngineGoneError`` and the engine marks a rank disconnected and retires its
+    group. Raise it when you stop a process in a debugger for longer than this."""
+    return _positive_float("FD_SYNC_HEARTBEAT_TIMEOUT", "3")
+
+
+def max_message_bytes() -> int:
+    """``FD_SYNC_MAX_MESSAGE_MB`` (default 1024): the largest message a worker accepts from
+    the engine (ZeroMQ ``MAXMSGSIZE``; a larger one drops the connection instead of being
+    allocated) and so the largest encoded batch ``put_tasks()`` accepts. The engine accepts
+    at most 64 KiB per message from workers, whose messages are all small."""
+    mb = _positive_float("FD_SYNC_MAX_MESSAGE_MB", "1024")
+    return int(mb * (1 << 20))
 
 
 def tp_coordinator() -> str:

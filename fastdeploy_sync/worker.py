@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import codec, envs
 from .errors import ClosedError, EngineRejectedError, PrefetchError, ProtocolError
 from .ack_board import AckBoard
-from .profiling.step_profiler import StepProfiler
+from .step_profiler import StepProfiler
 from .tp_group import ShmTPGroup, SoloGroup
 from .transport import WakePipe, default_endpoint, ipc_path, new_socket, validate_name
 

@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 
 from fastdeploy_sync import TaskClient, TaskQueue, codec
-from fastdeploy_sync.fd_baseline import FDManagerQueue
+from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
 
 SPAWN = mp.get_context("spawn")
 ns = time.perf_counter_ns

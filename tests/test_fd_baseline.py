@@ -1,4 +1,4 @@
-"""Tests of the FastDeploy-style baseline queue (fastdeploy_sync.fd_baseline) with real processes."""
+"""Tests of the FastDeploy-style baseline queue (fastdeploy_sync.profiling.fd_baseline) with real processes."""
 
 import importlib.util
 import multiprocessing as mp
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 try:
-    from fastdeploy_sync.fd_baseline import FDManagerQueue
+    from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
 except Exception:  # the package may be mid-rewrite: fall back to loading the module by path
     _path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "fastdeploy_sync", "fd_baseline.py")
+                         "fastdeploy_sync", "profiling", "fd_baseline.py")
     _spec = importlib.util.spec_from_file_location("fd_baseline", _path)
     _mod = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_mod)

@@ -1,15 +1,18 @@
-"""Profiling: the in-library step profiler, and the ``fastdeploy-sync profile`` benchmark.
+"""Profiling: the ``fastdeploy-sync profile`` benchmark and the FastDeploy-style baseline.
 
-``step_profiler``  StepProfiler: per-step critical-path times, fixed memory (production-safe)
+``fd_baseline``    FDManagerQueue: a stand-in for FastDeploy's EngineWorkerQueue (benchmarks only)
 ``workload``       the simulated model steps (python / numpy / paddle / sleep) and batches
 ``loops``          the engine and worker processes: FastDeploy-shaped loops per mode
 ``runner``         starts the processes, runs interleaved segments, collects raw results
 ``report``         figures, the terminal table, JSON and the plot
 
-Only ``StepProfiler`` is imported here: the benchmark's modules pull in tqdm/matplotlib
-(and paddle for ``--step paddle``) when the command runs, never on ``import fastdeploy_sync``.
+The in-library StepProfiler lives in ``fastdeploy_sync.step_profiler`` (next to the
+TaskClient it instruments); it is re-exported here for old imports, which costs nothing as
+the TaskClient imports it anyway. Nothing else is imported here: the benchmark's modules pull
+in tqdm/matplotlib (and paddle for ``--step paddle``) when the command runs, never on
+``import fastdeploy_sync``.
 """
 
-from .step_profiler import StepProfiler
+from ..step_profiler import StepProfiler
 
 __all__ = ["StepProfiler"]

@@ -39,10 +39,10 @@ import traceback
 import numpy as np
 
 from ..engine import TaskQueue
-from ..fd_baseline import FDManagerQueue
+from .fd_baseline import FDManagerQueue
 from ..tp_group import ShmTPGroup
 from ..worker import TaskClient
-from .step_profiler import StepProfiler
+from ..step_profiler import StepProfiler
 from .workload import ModelStep, RequestPool
 
 __all__ = ["MODES", "REFERENCE", "engine_main", "worker_main", "FDManagerSteps"]

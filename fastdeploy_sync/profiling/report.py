@@ -24,7 +24,7 @@ import platform
 import numpy as np
 
 from .loops import REFERENCE
-from .step_profiler import SECTIONS, distribution_us
+from ..step_profiler import SECTIONS, distribution_us
 
 __all__ = ["summarize", "format_table", "plot"]
 

@@ -8,7 +8,9 @@ engine-owned segment (one ~40 ns store), and the engine reads it when it needs r
 a count. ``tcp://`` endpoints keep ZeroMQ ACK messages.
 
 Layout (int64 slots): MAGIC, OWNER_PID, TP_SIZE, READY, then one cache line per rank
-holding its CONSUMED seq. The engine creates it before binding its socket (so a worker
+holding its CONSUMED seq, tagged with the epoch of the worker group that wrote it
+(``epoch << EPOCH_SHIFT | seq``, one store, so it is never torn): a retired group's
+straggler that still writes its slot cannot advance the next group's accounting. The engine creates it before binding its socket (so a worker
 that received a batch can always find it) and unlinks it at close; a crashed engine's
 leftover is reclaimed by the next engine of the same name.
 """
@@ -17,7 +19,10 @@ import os
 
 from .shm import Segment, pid_alive, reclaim_stale, unlink_segment
 
-__all__ = ["AckBoard", "ack_board_name"]
+__all__ = ["AckBoard", "ack_board_name", "EPOCH_SHIFT"]
+
+EPOCH_SHIFT = 40  # seqs below 2**40 (a trillion batches), epochs below 2**23
+_SEQ_MASK = (1 << EPOCH_SHIFT) - 1
 
 MAGIC = 0x46445359_41434B01  # "FDSY" "ACK" layout 1
 B_MAGIC, B_OWNER_PID, B_TP_SIZE, B_READY = range(4)
@@ -76,14 +81,15 @@ class AckBoard:
     def name(self) -> str:
         return self._seg.name
 
-    def publish(self, rank: int, seq: int) -> None:
-        """Worker: this rank has consumed every batch up to ``seq``."""
-        self._view[self._slots[rank]] = seq
+    def publish(self, rank: int, tagged_seq: int) -> None:
+        """Worker: this rank has consumed every batch up to the seq in ``tagged_seq``
+        (``epoch << EPOCH_SHIFT | seq``; the caller precomputes the tag)."""
+        self._view[self._slots[rank]] = tagged_seq
 
     def read(self) -> list:
-        """Engine: every rank's consumed seq."""
+        """Engine: every rank's ``(epoch, consumed seq)``."""
         v = self._view
-        return [v[s] for s in self._slots]
+        return [(x >> EPOCH_SHIFT, x & _SEQ_MASK) for x in (v[s] for s in self._slots)]
 
     def close(self) -> None:
         """Unmap; the engine also unlinks the name. Idempotent."""

@@ -4,7 +4,7 @@ Every batch gets a sequence number and is kept until every TP rank of the group 
 acknowledged taking it. An I/O thread owns the ROUTER socket: it delivers new batches to
 every connected rank, replays the retained ones to a rank that connects late (so no
 batch is lost to ZeroMQ's slow-joiner effect, even while the engine's own code is busy),
-and applies acknowledgements, which free room for ``put_tasks()``.
+answers heartbeats, and applies acknowledgements, which free room for ``put_tasks()``.
 
 Acknowledgements arrive two ways: as ACK messages (``tcp://`` endpoints), or, when the
 engine is node-local (``ipc://``), on the ack board in shared memory, which costs the
@@ -12,13 +12,31 @@ worker one store instead of a send (see ``ack_board``). The board is read whenev
 engine needs a count or room; a ``put_tasks()`` blocked on the bound re-reads it with a
 short sleeping backoff (50 µs doubling to 1 ms).
 
-Lock invariant: ``_mutex`` guards ``_next_seq``, ``_retained``, ``_consumed`` and
-``_error``; ``_not_full`` is a condition on it, notified whenever the slowest rank's
-acknowledgement advances or the queue closes. Only the I/O thread touches the socket.
+Worker groups and their lives. The ranks that serve the queue form one *group*, named by
+an incarnation id the ranks agree on (``tp_group``); each rank's process has its own
+worker id. The engine serves one group at a time:
+  * a rank's place belongs to the worker that first took it; another worker asking for
+    it while the holder is heard from is refused (``E_PLACE_TAKEN``);
+  * when a rank of the group goes silent for the heartbeat timeout, or a new process
+    takes a rank whose holder died, the group is *retired*: its live ranks are told
+    (they raise ``GroupLostError``), every batch the group did not finish is handed back
+    to the engine's code as a ``GroupLost`` event (``group_events``), and the queue waits
+    for a new group, which receives only what is put from then on;
+  * a new group (a new incarnation) that asks while the old one is still heard from is
+    held back until the old one is gone, and refused if it stays alive.
+Sequence numbers on the wire are relative to the group (every group starts at 1), so a
+new group never sees the previous group's numbering; ``put_tasks()`` returns the queue's
+own, global number.
+
+Lock invariant: ``_mutex`` guards ``_next_seq``, ``_retained``, ``_consumed``, ``_base``,
+``_group`` and ``_error``; ``_not_full`` is a condition on it, notified whenever the
+slowest rank's acknowledgement advances, a group is retired or the queue closes. Only the
+I/O thread touches the socket.
 """
 
 import collections
 import logging
+import queue
 import secrets
 import threading
 import time
@@ -26,34 +44,74 @@ import weakref
 
 import zmq
 
-from . import codec
+from . import codec, envs
 from .ack_board import AckBoard
-from .shm import unlink_segment
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
+from .liveness import CONNECTED, NEVER, Heartbeat, RankLink
+from .logs import RateLimitedLog
+from .shm import unlink_segment
 from .transport import (WakePipe, claim_ipc_path, default_endpoint, ipc_path, new_socket,
                         unlink_quietly, validate_name)
 
-__all__ = ["TaskQueue"]
+__all__ = ["TaskQueue", "GroupLost", "LostBatch"]
 
 log = logging.getLogger(__name__)
 
-# Garbage is logged for the first few frames, then every Nth, so a misbehaving peer
-# cannot flood the log; the exact count is always in ``stats()``.
-_LOG_FIRST_GARBAGE = 5
-_LOG_EVERY_GARBAGE = 1000
 # A put_tasks() blocked on the bound re-reads the ack board at this pace (doubling).
 _BOARD_POLL_MIN_S = 50e-6
 _BOARD_POLL_MAX_S = 1e-3
+# Workers only send small messages (HELLO, ACK, PING): anything larger is not ours, and
+# ZeroMQ drops the connection instead of allocating it.
+_MAX_INBOUND_BYTES = 64 * 1024
+# How long close() lets CLOSE messages leave before dropping them (a gone worker must not
+# make close() hang).
+_CLOSE_LINGER_MS = 1000
+# Incarnations of retired groups remembered, to refuse their stragglers precisely.
+_RETIRED_MEMORY = 64
 
 
-class _Peer:
-    """What the I/O thread knows of one rank's data socket."""
+class LostBatch:
+    """A batch a retired group did not finish: ``seq`` (as ``put_tasks()`` returned it),
+    ``tasks`` (the object put, decoded again from the retained bytes: numpy arrays in it
+    are read-only) and ``taken_by`` (the ranks known to have taken it; empty if none did)."""
 
-    __slots__ = ("identity", "sent")
+    __slots__ = ("seq", "tasks", "taken_by")
 
-    def __init__(self, identity: bytes, sent: int):
-        self.identity = identity
-        self.sent = sent  # highest seq sent to this identity
+    def __init__(self, seq, tasks, taken_by):
+        self.seq, self.tasks, self.taken_by = seq, tasks, taken_by
+
+    def __repr__(self):
+        return f"LostBatch(seq={self.seq}, taken_by={self.taken_by})"
+
+
+class GroupLost:
+    """Event: the engine retired a worker group (see the module docstring).
+
+    ``incarnation`` (int), ``reason`` (str), ``at`` (wall-clock time), ``ranks`` (one dict
+    per rank: state, since, silent_s, worker, reason) and ``unfinished``: the
+    ``LostBatch`` es it had not finished on every rank, in put order. The engine's
+    scheduler should re-queue (or fail) their requests: a new group starts from an empty
+    model state and receives only batches put after this event."""
+
+    __slots__ = ("incarnation", "reason", "at", "ranks", "unfinished")
+
+    def __init__(self, incarnation, reason, at, ranks, unfinished):
+        self.incarnation, self.reason, self.at = incarnation, reason, at
+        self.ranks, self.unfinished = ranks, unfinished
+
+    def __repr__(self):
+        return (f"GroupLost(incarnation={self.incarnation:#x}, reason={self.reason!r}, "
+                f"unfinished={[b.seq for b in self.unfinished]})")
+
+
+class _Group:
+    """The worker group the queue currently serves (I/O thread writes, others read)."""
+
+    __slots__ = ("incarnation", "epoch", "links")
+
+    def __init__(self, incarnation, epoch, tp_size):
+        self.incarnation, self.epoch = incarnation, epoch
+        self.links = [RankLink(r) for r in range(tp_size)]
 
 
 class TaskQueue:
@@ -67,43 +125,58 @@ class TaskQueue:
     ``max_inflight`` bounds the batches put but not yet consumed by every rank;
     ``max_inflight=1`` reproduces FastDeploy's one-batch-at-a-time behaviour.
 
+    ``heartbeat``: a ``liveness.Heartbeat`` (None: from ``FD_SYNC_HEARTBEAT_INTERVAL`` /
+    ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s / 3 s). A rank silent for the timeout is
+    reported disconnected and its group retired (``group_events``).
+
+    ``group_events``: a ``queue.SimpleQueue`` of ``GroupLost`` events, one per retired
+    worker group, with the batches it did not finish. Poll it from the engine's loop
+    (``group_events.get_nowait()``) and re-queue their requests.
+
     Thread-safe: ``put_tasks`` and the queries may be called from any thread.
     Use as a context manager, or call ``close()``.
     """
 
     def __init__(self, name: str, tp_size: int, *, dp_id: int = 0, endpoint: str = None,
-                 max_inflight: int = 8):
+                 max_inflight: int = 8, heartbeat: Heartbeat = None):
         validate_name(name, dp_id)
-        if not isinstance(tp_size, int) or tp_size < 1:
+        if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
-        if not isinstance(max_inflight, int) or max_inflight < 1:
+        if type(max_inflight) is not int or max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
         self.name, self.tp_size, self.dp_id, self.max_inflight = name, tp_size, dp_id, max_inflight
+        self.heartbeat = heartbeat or Heartbeat()
+        self._max_batch_bytes = envs.max_message_bytes()
         self._mutex = threading.Lock()
         self._not_full = threading.Condition(self._mutex)
         self._next_seq = 1
-        self._retained = collections.OrderedDict()  # seq -> [header, body, *buffers]
-        self._consumed = [0] * tp_size  # highest seq acknowledged by each rank
+        self._retained = collections.OrderedDict()  # global seq -> (payload frames, checksum)
+        self._base = 0  # the global seq before the current group's first batch
+        self._consumed = [0] * tp_size  # highest global seq acknowledged by each rank
+        self._group = None  # the _Group being served, None before the first / after a retire
         self._error = None  # an I/O thread failure, re-raised by every call
-        # Stamped on every batch and echoed in HELLO: a worker that reconnects to a new
-        # engine of the same name (a restart) is refused instead of splicing two streams.
-        self.instance = secrets.randbits(62) | 1
-        self._closed = False
+        # Stamped on every message to workers and echoed by them: traffic meant for another
+        # engine of the same endpoint (a restart) is recognised on both sides.
+        self.instance = secrets.randbits(63) | 1
+        self._closed = False  # put_tasks() refused from now on
+        self._stop = False  # close() has drained: the I/O thread says CLOSE and exits
         self._counters = collections.Counter()
+        self.group_events = queue.SimpleQueue()
 
         self._ctx = zmq.Context(io_threads=1)
         self._sock = new_socket(self._ctx, zmq.ROUTER)
-        # Mandatory: a send to a rank that went away raises instead of vanishing.
+        # Mandatory: a send to a rank that went away raises (EHOSTUNREACH) instead of
+        # vanishing; every send goes through _send(), which handles it.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Handover: a rank that reconnects with the same identity replaces the old pipe.
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
+        self.heartbeat.configure_socket(self._sock)
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ipc_path = ipc_path(endpoint)
         self._board = None
         try:
             if self._ipc_path:
                 claim_ipc_path(self._ipc_path)
-                # before bind: a worker that received a batch always finds the board
+                # before bind: a worker that was welcomed always finds the board
                 try:
                     self._board = AckBoard.create(name, dp_id, tp_size)
                 except FileExistsError as exc:
@@ -119,9 +192,12 @@ class TaskQueue:
         # Process exit without close(): still remove the names others would trip on.
         self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
                                            self._board.name if self._board else None)
+        # I/O thread only:
+        self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
+        self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
+        self._retired = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
+        self._peer_log = RateLimitedLog(log)
         self._wake = WakePipe()
-        self._peers = {}  # rank -> _Peer; I/O thread only
-        self._seen = set()  # ranks that ever said HELLO, for error messages
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
         self._thread.start()
@@ -133,15 +209,22 @@ class TaskQueue:
 
         ``tasks`` is any picklable object, typically ``(list_of_requests, real_bsz)``;
         numpy arrays inside it travel as zero-copy frames (see ``codec``). It is
-        serialized before anything is enqueued: an unpicklable batch raises ``TypeError``
-        and the queue is unchanged.
+        serialized before anything is enqueued: an unpicklable batch raises ``TypeError``,
+        a batch larger than ``FD_SYNC_MAX_MESSAGE_MB`` raises ``ValueError``, and the queue
+        is unchanged.
 
         Blocks while ``max_inflight`` batches are not yet consumed by every rank.
         ``timeout`` (seconds, None = forever): raises ``TimeoutError`` naming the ranks that
-        are behind; the batch is then not enqueued. Raises ``ClosedError`` after ``close()``
-        and ``TaskSyncError`` (chained) if the I/O thread failed.
+        are behind and their state; the batch is then not enqueued. Raises ``ClosedError``
+        after ``close()`` and ``TaskSyncError`` (chained) if the I/O thread failed.
         """
         frames = codec.encode_payload(tasks)
+        size = sum(len(f) for f in frames)
+        if size > self._max_batch_bytes:
+            raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
+                             f"the {self._max_batch_bytes}-byte limit workers accept "
+                             f"(FD_SYNC_MAX_MESSAGE_MB, set it on the engine and the workers)")
+        check = codec.payload_checksum(frames)
         deadline = None if timeout is None else time.monotonic() + timeout
         backoff = _BOARD_POLL_MIN_S
         with self._not_full:
@@ -160,8 +243,7 @@ class TaskQueue:
                 self._not_full.wait(remaining)
             seq = self._next_seq
             self._next_seq += 1
-            self._retained[seq] = [codec.pack_header(codec.DATA, seq=seq, aux=self.instance),
-                                   *frames]
+            self._retained[seq] = (frames, check)
         self._wake.wake()
         return seq
 
@@ -175,44 +257,87 @@ class TaskQueue:
         """True while some batch is not yet consumed by every rank."""
         return self.num_tasks() > 0
 
+    def ranks(self) -> list:
+        """Every rank's state in the current group: a dict per rank with ``state``
+        (``connected``, ``disconnected`` or ``never connected``), ``since`` (wall-clock
+        time of the last change), ``silent_s`` (seconds since it was last heard from),
+        ``worker`` (its worker id), ``reason`` (why it is disconnected) and ``consumed``.
+        True within the heartbeat timeout. Never blocks on the workers."""
+        now = time.monotonic()
+        with self._mutex:
+            self._read_board()
+            group, consumed = self._group, list(self._consumed)
+        if group is None:
+            return [{"rank": r, "state": NEVER, "since": None, "silent_s": None,
+                     "worker": None, "reason": None, "consumed": consumed[r]}
+                    for r in range(self.tp_size)]
+        out = []
+        for link in group.links:
+            snap = link.snapshot(now)
+            snap["consumed"] = consumed[link.rank]
+            out.append(snap)
+        return out
+
     def stats(self) -> dict:
-        """Counters (``garbage_frames``, ``acks``, ``hellos``, ``sent``...), the last seq put,
-        and every rank's consumed seq. Cheap; for logs and tests."""
+        """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
+        ``pings``, ``sent``, ``groups_retired``...), the last seq put, every rank's consumed
+        seq and state (see ``ranks()``), the group's incarnation. Cheap; for logs."""
         with self._mutex:
             self._read_board()
             out = dict(self._counters)
             out.update(last_seq=self._next_seq - 1, consumed=list(self._consumed),
                        retained=len(self._retained))
+            group = self._group
+        out["group"] = f"{group.incarnation:016x}" if group else None
+        out["ranks"] = self.ranks()
         return out
 
-    def close(self) -> None:
-        """Stop the I/O thread, close the socket, remove the ipc file. Idempotent.
+    def close(self, timeout: float = 5.0) -> list:
+        """Close the queue: drain, tell the workers, stop. Idempotent; returns the seqs that
+        were put but not consumed by every rank (``[]`` after a clean drain).
 
-        Batches not yet consumed by every rank are dropped, with a warning naming them.
-        Blocks at most ~5 s for the I/O thread to finish what it is doing.
+        First waits, up to ``timeout`` seconds and only while some rank of the group is
+        connected, until every rank has taken every batch put; new ``put_tasks()`` calls
+        raise ``ClosedError`` from the start. Then sends every connected rank what it still
+        lacks and a CLOSE message (workers raise ``EngineClosedError`` once they have taken
+        everything they were sent), and stops the I/O thread (up to ~5 s) and the socket
+        (up to 1 s for the CLOSE messages to leave). What was not consumed is logged.
         """
+        deadline = time.monotonic() + max(0.0, timeout)
+        backoff = _BOARD_POLL_MIN_S
         with self._not_full:
             if self._closed:
-                return
+                return []
             self._closed = True
-            self._read_board()
-            backlog = self._next_seq - 1 - min(self._consumed)
-            if backlog:
-                log.warning("TaskQueue %s closing with %d batch(es) not consumed by every rank: %s",
-                            self.name, backlog, self._describe_backlog())
             self._not_full.notify_all()
+            while self._error is None:
+                self._read_board()
+                if min(self._consumed) >= self._next_seq - 1 or not self._group_connected():
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._not_full.wait(min(remaining, backoff) if self._board else remaining)
+                backoff = min(backoff * 2, _BOARD_POLL_MAX_S)
+            low = min(self._consumed)
+            unconsumed = list(range(low + 1, self._next_seq))
+            if unconsumed:
+                log.warning("TaskQueue %s closing with %d batch(es) not consumed by every rank: %s",
+                            self.name, len(unconsumed), self._describe_backlog())
+            self._stop = True
         self._wake.wake()
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():
             log.error("TaskQueue %s: I/O thread did not stop within 5 s", self.name)
-            return  # leave the socket to the thread rather than close it under its feet
-        self._sock.close(linger=0)
+            return unconsumed  # leave the socket to the thread rather than close it under its feet
+        self._sock.close()  # the I/O thread set a short linger for the CLOSE messages
         self._ctx.term()
         self._wake.close()
         if self._board is not None:
             self._board.close()
         unlink_quietly(self._ipc_path)
         self._finalizer.detach()
+        return unconsumed
 
     def __enter__(self):
         return self
@@ -228,12 +353,21 @@ class TaskQueue:
         if self._closed:
             raise ClosedError(f"TaskQueue {self.name} is closed")
 
+    def _group_connected(self) -> bool:
+        group = self._group
+        return group is not None and any(link.state == CONNECTED for link in group.links)
+
     def _read_board(self):
-        """Fold the ack board into ``_consumed`` (under ``_mutex``)."""
-        if self._board is None:
+        """Fold the ack board into ``_consumed`` (under ``_mutex``). Entries tagged with
+        another group's epoch (a retired group's straggler) are ignored."""
+        group = self._group
+        if self._board is None or group is None:
             return
         last = self._next_seq - 1
-        for rank, seq in enumerate(self._board.read()):
+        for rank, (epoch, rel) in enumerate(self._board.read()):
+            if epoch != group.epoch:
+                continue
+            seq = self._base + rel
             if seq > self._consumed[rank]:
                 if seq > last:
                     self._counters["garbage_acks"] += 1  # not ours to trust; ignore
@@ -254,11 +388,12 @@ class TaskQueue:
     def _describe_backlog(self) -> str:
         last = self._next_seq - 1
         low = min(self._consumed)
+        group = self._group
         behind = []
         for rank, consumed in enumerate(self._consumed):
             if consumed == low:
-                state = ("connected" if rank in self._peers else
-                         "disconnected" if rank in self._seen else "never connected")
+                state = group.links[rank].describe() if group is not None else (
+                    "no worker group connected")
                 behind.append(f"rank {rank} consumed up to seq {consumed} of {last} ({state})")
         return (f"{last - low} batch(es) in flight (max_inflight={self.max_inflight}); "
                 f"behind: " + "; ".join(behind))
@@ -269,21 +404,63 @@ class TaskQueue:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
+        tick_s = self.heartbeat.interval / 2
+        next_tick = time.monotonic() + tick_s
         try:
             while True:
-                events = dict(poller.poll())  # blocks with the GIL released
+                # blocks with the GIL released; wakes for the liveness tick at the latest
+                wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                events = dict(poller.poll(wait_ms))
                 if self._wake.r in events:
                     self._wake.drain()
-                if self._closed:
+                if self._stop:
+                    self._finish_close()
                     return
                 if self._sock in events:
                     self._receive_all()
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + tick_s
+                    self._tick(now)
                 self._send_new()
         except Exception as exc:
             log.exception("TaskQueue %s: I/O thread failed", self.name)
             with self._not_full:
                 self._error = exc
                 self._not_full.notify_all()
+
+    def _finish_close(self):
+        self._send_new()
+        group = self._group
+        if group is not None:
+            last = self._next_seq - 1 - self._base
+            for link in group.links:
+                if link.identity is not None:
+                    self._send(link, [codec.pack_header(
+                        codec.CLOSE, link.rank, self.tp_size, seq=last, engine=self.instance,
+                        group=group.incarnation, worker=link.worker)])
+        self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+
+    def _send(self, link_or_identity, frames) -> bool:
+        """Send to a peer; False (and the rank marked unreachable) if its socket is gone.
+        The only place the I/O thread sends: a peer that went away can never kill it."""
+        link = link_or_identity if isinstance(link_or_identity, RankLink) else None
+        identity = link.identity if link is not None else link_or_identity
+        if identity is None:
+            return False
+        try:
+            self._sock.send_multipart([identity, *frames], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                self._counters["send_errors"] += 1
+                self._peer_log.log(("send", exc.errno), logging.WARNING,
+                                   "TaskQueue %s: send failed: %s", self.name, exc)
+            self._counters["unreachable"] += 1
+            if link is not None and link.identity is not None:
+                log.warning("TaskQueue %s: rank %d's socket went away", self.name, link.rank)
+                link.disconnect("its socket closed")
+            return False
 
     def _receive_all(self):
         while True:
@@ -297,95 +474,252 @@ class TaskQueue:
                 self._garbage(frames, exc)
 
     def _garbage(self, frames, exc):
-        with self._mutex:
-            self._counters["garbage_frames"] += 1
-            n = self._counters["garbage_frames"]
-        if n <= _LOG_FIRST_GARBAGE or n % _LOG_EVERY_GARBAGE == 0:
-            log.warning("TaskQueue %s: dropped an undecodable message (%d so far): %s; frames=%s",
-                        self.name, n, exc, [bytes(f[:32]) for f in frames])
+        self._counters["garbage_frames"] += 1
+        peer = frames[0] if frames else b""
+        self._peer_log.log(("garbage", peer), logging.WARNING,
+                           "TaskQueue %s: dropped an undecodable message from peer %s "
+                           "(%d so far): %s", self.name, peer.hex(),
+                           self._counters["garbage_frames"], exc)
 
     def _handle(self, frames):
         if len(frames) < 2:
             raise ProtocolError(f"{len(frames)} frame(s), expected identity + header")
         identity, header = frames[0], codec.unpack_header(frames[1])
         if not 0 <= header.rank < self.tp_size:
-            raise ProtocolError(f"rank {header.rank} out of range for tp_size={self.tp_size}")
+            raise ProtocolError(f"rank {header.rank} out of range")
         if header.kind == codec.HELLO:
-            self._hello(identity, header, frames[2:])
+            self._counters["hellos"] += 1
+            name = frames[2] if len(frames) == 3 else b""
+            self._hello(identity, header, name, time.monotonic())
         elif header.kind == codec.ACK:
             self._ack(header)
+        elif header.kind == codec.PING:
+            self._ping(identity, header)
         else:
             raise ProtocolError(f"a worker sent message kind {header.kind}")
 
-    def _hello(self, identity, header, rest):
-        rank, next_wanted = header.rank, header.seq
-        worker_name = bytes(rest[0]).decode("utf-8", "replace") if rest else "?"
-        seen_instance = int.from_bytes(bytes(rest[1]), "little") if len(rest) > 1 else 0
-        problem = None
-        if seen_instance and seen_instance != self.instance:
-            problem = (f"rank {rank} holds batches from another engine of {self.name!r} (it "
-                       f"restarted, or two engines share the name): restart the worker group "
-                       f"together with its engine")
-        elif header.tp_size != self.tp_size:
-            problem = (f"tp_size mismatch: the engine of {self.name!r} serves tp_size="
-                       f"{self.tp_size}, rank {rank} was built with tp_size={header.tp_size}")
-        elif worker_name != self.name:
-            problem = f"name mismatch: the engine serves {self.name!r}, the worker asked for {worker_name!r}"
-        else:
-            with self._mutex:
-                self._read_board()
-                consumed = self._consumed[rank]
-            if next_wanted - 1 < consumed:
-                problem = (f"rank {rank} connected asking for seq {next_wanted} but it had already "
-                           f"consumed up to seq {consumed}: restarting one rank mid-stream is not "
-                           f"supported, restart the whole group and its engine")
-        self._counters["hellos"] += 1
-        if problem:
-            log.error("TaskQueue %s: rejected a worker: %s", self.name, problem)
-            self._sock.send_multipart([identity, codec.pack_header(codec.ERROR, rank=rank),
-                                       problem.encode()])
-            return
-        with self._not_full:  # aux: what the rank has taken, an implicit acknowledgement
-            taken = min(header.aux, self._next_seq - 1)
-            if taken > self._consumed[rank]:
-                self._consume(rank, taken)
-        self._peers[rank] = _Peer(identity, next_wanted - 1)
-        self._seen.add(rank)
-        log.debug("TaskQueue %s: rank %d connected, wants seq %d", self.name, rank, next_wanted)
+    def _reject(self, identity, header, code, reason, detail=None):
+        """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
+        or watermark), the log gets ``detail`` too, at most once per peer and interval."""
+        self._counters["rejected"] += 1
+        self._peer_log.log(("reject", identity, code), logging.WARNING,
+                           "TaskQueue %s: rejected a worker claiming rank %d: %s",
+                           self.name, header.rank, detail or reason)
+        self._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
+                                                engine=self.instance, group=header.group,
+                                                worker=header.worker), reason.encode()])
 
-    def _ack(self, header):
-        rank, seq = header.rank, header.seq
+    def _hello(self, identity, h, name, now, parked_since=None):
+        rank = h.rank
+        if name != self.name.encode():
+            return self._reject(identity, h, codec.E_REJECTED,
+                                "this endpoint does not serve the queue name this worker asked "
+                                "for: check the name and dp_id on the engine and the workers",
+                                f"it asked for {bytes(name[:64])!r}")
+        if h.tp_size != self.tp_size:
+            return self._reject(identity, h, codec.E_REJECTED,
+                                f"tp_size={h.tp_size} does not match the engine's: start the "
+                                f"engine and every rank with the same tp_size",
+                                f"it has tp_size={h.tp_size}, the queue {self.tp_size}")
+        if h.engine and h.engine != self.instance:
+            return self._reject(identity, h, codec.E_STALE_ENGINE,
+                                "the engine this worker was bound to is gone (the engine "
+                                "restarted): restart the worker group",
+                                f"it is bound to engine {h.engine:#x}, this is {self.instance:#x}")
+        if not h.group or not h.worker:
+            raise ProtocolError("HELLO without group or worker id")
+        if h.group in self._retired:
+            return self._reject(identity, h, codec.E_GROUP_LOST,
+                                "this worker group was retired earlier (a rank went silent or "
+                                "restarted): restart the whole group")
+        group = self._group
+        if group is not None and group.incarnation != h.group:
+            self._probe(group)
+            if any(link.alive(now, self.heartbeat.timeout) and link.identity is not None
+                   for link in group.links):
+                since = parked_since if parked_since is not None else now
+                if now - since > self.heartbeat.timeout + self.heartbeat.interval:
+                    return self._reject(identity, h, codec.E_GROUP_BUSY,
+                                        "another live worker group serves this queue: stop it "
+                                        "first, or use another name or dp_id")
+                self._parked.append((since, identity, h, name))
+                return
+            self._retire(group, f"replaced by a new worker group ({h.group:#x}) while none "
+                                f"of its ranks was reachable")
+            group = None
+        if group is None:
+            if h.seq != 1 or h.aux != 0:  # a fresh group holds nothing yet
+                return self._reject(identity, h, codec.E_GROUP_LOST,
+                                    "this worker holds batches of a worker group the engine no "
+                                    "longer serves: restart the whole group")
+            group = self._new_group(h.group)
+        link = group.links[rank]
+        if link.worker and link.worker != h.worker:
+            self._probe(group)
+            if link.alive(now, self.heartbeat.timeout) and link.identity is not None:
+                return self._reject(identity, h, codec.E_PLACE_TAKEN,
+                                    f"rank {rank} is held by a live worker: two processes "
+                                    f"cannot serve one rank; check tp_rank on each worker")
+            self._reject(identity, h, codec.E_GROUP_LOST,
+                         f"rank {rank} restarted inside a live worker group: its peers' "
+                         f"model state is gone too, restart the whole group")
+            return self._retire(group, f"rank {rank} restarted (a new worker process took its "
+                                       f"place)")
         with self._not_full:
+            self._read_board()
+            consumed = self._consumed[rank] - self._base
+            taken = min(h.aux, self._next_seq - 1 - self._base)
+            if h.seq - 1 < consumed:
+                problem = (f"rank {rank} asks for seq {h.seq} but had consumed up to "
+                           f"{consumed}")
+            else:
+                problem = None
+                if self._base + taken > self._consumed[rank]:  # HELLO's implicit ack
+                    self._consume(rank, self._base + taken)
+        if problem:
+            return self._reject(identity, h, codec.E_REJECTED,
+                                "this worker's history does not match the engine's: restart "
+                                "the worker group", problem)
+        link.connect(identity, h.worker, now)
+        link.sent = self._base + h.seq - 1
+        self._send(link, [codec.pack_header(codec.WELCOME, rank, self.tp_size, aux=group.epoch,
+                                            engine=self.instance, group=group.incarnation,
+                                            worker=h.worker)])
+        log.info("TaskQueue %s: rank %d connected (worker %016x, group %016x), wants seq %d",
+                 self.name, rank, h.worker, group.incarnation, h.seq)
+
+    def _new_group(self, incarnation):
+        self._epochs += 1
+        group = _Group(incarnation, self._epochs, self.tp_size)
+        with self._mutex:
+            self._group = group
+        self._counters["groups"] += 1
+        return group
+
+    def _link_of(self, h):
+        """The link ``h`` speaks for, or None (counted as stale) if it belongs to another
+        engine, another group or another worker of that rank."""
+        group = self._group
+        if (h.engine != self.instance or group is None or h.group != group.incarnation
+                or group.links[h.rank].worker != h.worker):
+            self._counters["stale"] += 1
+            return None
+        return group.links[h.rank]
+
+    def _ack(self, h):
+        link = self._link_of(h)
+        if link is None:
+            return
+        link.heard(time.monotonic())
+        with self._not_full:
+            seq = self._base + h.seq
             if seq > self._next_seq - 1:
-                raise ProtocolError(f"rank {rank} acknowledged seq {seq}, "
-                                    f"only {self._next_seq - 1} were put")
+                raise ProtocolError(f"rank {h.rank} acknowledged seq {h.seq}, only "
+                                    f"{self._next_seq - 1 - self._base} were sent to its group")
             self._counters["acks"] += 1
-            if seq > self._consumed[rank]:  # else stale or duplicate: acks are cumulative
-                self._consume(rank, seq)
+            if seq > self._consumed[h.rank]:  # else stale or duplicate: acks are cumulative
+                self._consume(h.rank, seq)
+
+    def _ping(self, identity, h):
+        self._counters["pings"] += 1
+        link = self._link_of(h)
+        if link is None:
+            # tell a straggler why nobody answers it, so it fails with the right error
+            if h.engine and h.engine != self.instance:
+                code, why = codec.E_STALE_ENGINE, "the engine this worker was bound to is gone"
+            elif h.group in self._retired:
+                code, why = codec.E_GROUP_LOST, "this worker group was retired"
+            else:
+                return  # not welcomed yet: its HELLO is being handled or parked
+            return self._reject(identity, h, code, why)
+        link.heard(time.monotonic())
+        self._send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
+                                                group=h.group, worker=h.worker)])
+
+    def _probe(self, group):
+        """Send a PONG to every rank thought reachable: a socket that went away fails the
+        send at once (ROUTER_MANDATORY), which is quicker than waiting for silence."""
+        for link in group.links:
+            if link.identity is not None:
+                self._send(link, [codec.pack_header(codec.PONG, link.rank, engine=self.instance,
+                                                    group=group.incarnation, worker=link.worker)])
+
+    def _tick(self, now):
+        """Liveness: mark silent ranks, retire a group that lost one, admit parked HELLOs."""
+        group = self._group
+        if group is not None:
+            timeout = self.heartbeat.timeout
+            for link in group.links:
+                if link.state != NEVER and link.silent_for(now) > timeout:
+                    silent = link.silent_for(now)
+                    link.disconnect(f"silent for {silent:.1f} s")
+                    self._retire(group, f"rank {link.rank} was silent for {silent:.1f} s "
+                                        f"(died, hung or unreachable)")
+                    break
+        if self._parked:
+            parked, self._parked = self._parked, []
+            for since, identity, h, name in parked:
+                self._hello(identity, h, name, now, parked_since=since)
+
+    def _retire(self, group, reason):
+        """Stop serving ``group``: tell its reachable ranks, hand back what it did not
+        finish as a ``GroupLost`` event, and reset the queue for the next group."""
+        with self._not_full:
+            self._read_board()
+            low = min(self._consumed)
+            consumed = list(self._consumed)
+            unfinished = [(seq, frames, tuple(r for r, c in enumerate(consumed) if c >= seq))
+                          for seq, (frames, _) in self._retained.items() if seq > low]
+            self._retained.clear()
+            self._base = self._next_seq - 1
+            self._consumed = [self._base] * self.tp_size
+            self._group = None
+            self._not_full.notify_all()
+        self._retired.append(group.incarnation)
+        self._counters["groups_retired"] += 1
+        for link in group.links:
+            if link.identity is not None:
+                self._send(link, [codec.pack_header(
+                    codec.ERROR, link.rank, aux=codec.E_GROUP_LOST, engine=self.instance,
+                    group=group.incarnation, worker=link.worker),
+                    f"the engine retired this worker group: {reason}; restart the whole "
+                    f"group".encode()])
+                link.disconnect("group retired")
+        lost = []
+        for seq, frames, taken_by in unfinished:
+            try:
+                tasks = codec.decode_payload(frames)
+            except ProtocolError as exc:  # cannot happen for our own bytes; never lose the seq
+                tasks = exc
+            lost.append(LostBatch(seq, tasks, taken_by))
+        now = time.monotonic()
+        event = GroupLost(group.incarnation, reason, time.time(),
+                          [link.snapshot(now) for link in group.links], lost)
+        log.warning("TaskQueue %s: retired worker group %016x: %s; %d batch(es) unfinished "
+                    "(group_events)", self.name, group.incarnation, reason, len(lost))
+        self.group_events.put(event)
 
     def _send_new(self):
         """Send each connected rank every retained batch it has not been sent yet."""
-        if not self._peers:
+        group = self._group
+        if group is None:
             return
         with self._mutex:
             last = self._next_seq - 1
+            base = self._base
             retained = self._retained
-            todo = [(rank, peer, [retained[s] for s in range(peer.sent + 1, last + 1) if s in retained])
-                    for rank, peer in self._peers.items() if peer.sent < last]
-        for rank, peer, batches in todo:
-            try:
-                for frames in batches:
-                    self._sock.send_multipart([peer.identity, *frames], copy=False)
-                    self._counters["sent"] += 1
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                # The rank's socket went away; it says HELLO again when it reconnects and
-                # gets everything it has not consumed, so nothing is lost.
-                log.warning("TaskQueue %s: rank %d disconnected", self.name, rank)
-                del self._peers[rank]
-                continue
-            peer.sent = last
+            todo = [(link, [(s, retained[s]) for s in range(link.sent + 1, last + 1) if s in retained])
+                    for link in group.links if link.identity is not None and link.sent < last]
+        for link, batches in todo:
+            for seq, (frames, check) in batches:
+                header = codec.pack_header(codec.DATA, link.rank, self.tp_size, seq=seq - base,
+                                           engine=self.instance, group=group.incarnation,
+                                           worker=link.worker, check=check)
+                if not self._send(link, [header, *frames]):
+                    break
+                self._counters["sent"] += 1
+            else:
+                link.sent = last
 
 
 def _remove_names(ipc_file, board_name):

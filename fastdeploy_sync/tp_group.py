@@ -4,7 +4,7 @@ generation-indexed step decisions and a spin-then-block barrier.
 Layout of the group's segment (int64 slots; each rank's block is one 64-byte cache line
 so that a rank writing its own watermarks never invalidates another rank's line)::
 
-    header      MAGIC, VERSION, TP_SIZE, OWNER_PID, READY
+    header      MAGIC, VERSION, TP_SIZE, OWNER_PID, READY, INCARNATION
     rank r      RECEIVED  highest seq the rank holds locally (contiguous from 1)
                 CONSUMED  highest seq the rank has taken
                 ARRIVED   the barrier generation the rank last arrived at
@@ -32,6 +32,7 @@ rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
 """
 
 import os
+import secrets
 import time
 import weakref
 
@@ -47,7 +48,7 @@ __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
 
 MAGIC = 0x46445359_4E430001  # "FDSYNC", layout 1
 VERSION = 1
-H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY = range(5)
+H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY, H_INCARNATION = range(6)
 RANK_BASE = 8
 RANK_STRIDE = 8  # 64 bytes: one cache line per rank
 R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID = range(5)
@@ -59,6 +60,13 @@ D_STRIDE = 4
 # lost wake-up (see module docstring) and the pace at which it notices a dead peer.
 _FALLBACK_WAIT_S = 0.01
 _ATTACH_POLL_S = 0.01
+
+
+def new_incarnation() -> int:
+    """A fresh group incarnation id: random, non-zero, 63 bits. Rank 0 picks it when the
+    group is created and every rank of the group reports it to the engine, which tells a
+    restarted group from the one it replaces by it."""
+    return secrets.randbits(63) | 1
 
 
 def group_shm_name(name: str, dp_id: int) -> str:
@@ -80,6 +88,7 @@ class SoloGroup:
     gen = 0
 
     def __init__(self):
+        self.incarnation = new_incarnation()
         self._received = 0
         self._consumed = 0
         self._decision = None
@@ -143,6 +152,8 @@ class ShmTPGroup:
             self._seg = self._attach(attach_timeout)
         self._sems = [posix_ipc.Semaphore(n) for n in self._sem_names]
         v = self._view = self._seg.view
+        # Same on every rank: rank 0 wrote it before READY.
+        self.incarnation = v[H_INCARNATION]
         self._my = RANK_BASE + tp_rank * RANK_STRIDE
         self._ranks = [RANK_BASE + r * RANK_STRIDE for r in range(tp_size)]
         self._received_slots = [b + R_RECEIVED for b in self._ranks]
@@ -177,6 +188,7 @@ class ShmTPGroup:
         v = seg.view
         v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
         v[H_OWNER_PID] = os.getpid()
+        v[H_INCARNATION] = new_incarnation()
         v[H_READY] = 1  # last: an attacher that sees READY sees everything above
         return seg
 

@@ -19,11 +19,20 @@ The step, every rank, every iteration of the event loop::
 
 or ``tasks = client.sync_step()``. See ``tp_group`` for why the decision is indexed by the
 barrier generation.
+
+Liveness (see ``liveness``): the thread that owns a socket it otherwise blocks on pings the
+engine every heartbeat interval (the prefetch thread; in sync mode a heartbeat thread
+with its own socket, so that a long model step never looks like a dead worker). What it
+learns is left in ``_error``, the one slot every step call already reads, so liveness
+adds nothing to the step's critical path. Errors about the engine are raised only where
+a step starts (``exist_tasks``, ``barrier``, ``num_tasks``), never by ``get_tasks()`` once
+the group's decision is made: every rank takes what the group decided, or none does.
 """
 
 import collections
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -31,8 +40,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import codec, envs
-from .errors import ClosedError, EngineRejectedError, PrefetchError, ProtocolError
-from .ack_board import AckBoard
+from .ack_board import EPOCH_SHIFT, AckBoard
+from .errors import (ClosedError, EngineClosedError, EngineGoneError, EngineRejectedError,
+                     GroupLostError, PrefetchError, ProtocolError)
+from .liveness import Heartbeat
+from .logs import RateLimitedLog
 from .step_profiler import StepProfiler
 from .tp_group import ShmTPGroup, SoloGroup
 from .transport import WakePipe, default_endpoint, ipc_path, new_socket, validate_name
@@ -71,7 +83,7 @@ class TaskClient:
     (``FD_SYNC_ATTACH_TIMEOUT`` seconds, then ``TimeoutError``).
 
     ``async_prefetch=None`` reads ``DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM`` (``0``, the
-    default: background prefetch thread; ``1``: synchronous polling, no thread).
+    default: background prefetch thread; ``1``: synchronous polling, no prefetch thread).
 
     ``coordinator`` says how the TP ranks agree on each step: ``"shm"`` (node-local
     shared memory, the default), ``"paddle"`` (ranks on several nodes: one
@@ -79,9 +91,25 @@ class TaskClient:
     ``paddle_group``), or a paddle.distributed group object (the TP ranks' group).
     ``None`` reads ``FD_SYNC_TP_COORDINATOR`` (default ``shm``). Ignored at tp_size=1.
 
+    ``heartbeat``: a ``liveness.Heartbeat`` (None: ``FD_SYNC_HEARTBEAT_INTERVAL`` /
+    ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s / 3 s). Once the engine has welcomed this
+    rank, hearing nothing from it for the timeout makes the next step call raise
+    ``EngineGoneError``.
+
     ``profile=None`` reads ``FD_SYNC_PROFILE`` (default ``0``). When on, ``profiler`` is a
     ``StepProfiler`` timing ``exist_tasks``/``barrier``/``get_tasks`` of every step (they
     are wrapped on this instance); when off, ``profiler`` is None and nothing is timed.
+
+    Errors from the engine side, raised by ``exist_tasks``/``barrier``/``num_tasks``/
+    ``sync_step`` on every rank (``get_tasks`` still takes what the group decided):
+
+    * ``EngineClosedError``: the engine called ``TaskQueue.close()`` and this rank has
+      taken everything it was sent (raised as is, in both modes);
+    * ``EngineGoneError`` (engine silent for the heartbeat timeout, or restarted),
+      ``GroupLostError`` (the engine retired this group) and ``EngineRejectedError``:
+      in async mode wrapped in ``PrefetchError`` (``__cause__`` holds them), as every
+      failure of the prefetch thread; in sync mode the first call raises them as is and
+      later calls raise ``PrefetchError``.
 
     Threading: call the step methods from one thread (the event loop). Use as a context
     manager, or call ``close()``.
@@ -91,16 +119,20 @@ class TaskClient:
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
                  endpoint: str = None, async_prefetch: bool = None, coordinator=None,
-                 profile: bool = None):
+                 profile: bool = None, heartbeat: Heartbeat = None):
         validate_name(name, dp_id)
-        if not isinstance(tp_size, int) or tp_size < 1:
+        if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
-        if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        if type(tp_rank) is not int or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank!r}: expected an int in [0, {tp_size})")
         self.name, self.tp_size, self.tp_rank, self.dp_id = name, tp_size, tp_rank, dp_id
         self.async_prefetch = (envs.async_task_comm_enabled() if async_prefetch is None
                                else bool(async_prefetch))
         self.endpoint = endpoint or default_endpoint(name, dp_id)
+        self.heartbeat = heartbeat or Heartbeat()
+        # This process's claim on its rank: the engine refuses another worker id for the
+        # same rank while this one is alive, and accepts this one back after a reconnect.
+        self.worker_id = secrets.randbits(63) | 1
         profile = envs.profile_enabled() if profile is None else bool(profile)
         self.profiler = StepProfiler() if profile else None
         # Lock invariant: _slot holds (seq, tasks) for seqs (_taken, _received], in order;
@@ -109,41 +141,62 @@ class TaskClient:
         self._slot = collections.deque()
         self._received = 0
         self._taken = 0  # event loop only
-        self._error = None  # the prefetch thread's failure, re-raised by every call
-        self._engine_instance = 0  # the engine's id, from the first batch (receiver only)
+        # What the receiving side learned for the event loop: a failure, the engine's
+        # CLOSE (EngineClosedError, deferred until everything sent was taken), or this
+        # client's own close() (ClosedError). Every step call reads it first.
+        self._error = None
+        self._error_raised = False  # sync mode: the original error was raised once
+        self._close_seq = None  # the engine's last seq, from its CLOSE message
+        self._engine_instance = 0  # the engine that welcomed this rank (receiver only)
+        self._epoch_tag = 0  # the group's ack board tag, from WELCOME
+        self._bound = False  # welcomed once: from now on, silence means the engine is gone
+        self._last_heard = time.monotonic()
         self._closed = False
         self._counters = collections.Counter()
+        self._peer_log = RateLimitedLog(log)
 
         # Node-local engine (ipc): acknowledge through its ack board (a store, no send).
-        # Attached by the receiver on the first batch, when the engine surely exists.
+        # Attached by the receiver when the engine welcomes it: the engine exists then.
         self._board = None
         self._board_wanted = ipc_path(self.endpoint) is not None
         self._group = _make_group(name, dp_id, tp_size, tp_rank, coordinator)
+        self.incarnation = self._group.incarnation
         self._ctx = zmq.Context(io_threads=1)
+        self._hb_sock = None
         try:
-            self._data = new_socket(self._ctx, zmq.DEALER)
+            self._data = self._connect()
             # HELLO tells the engine where this rank (re)starts. The first one is sent at
             # once (a DEALER queues it until the connection is up, so a worker may start
             # before the engine); the monitor re-sends it on every *re*connection.
             self._monitor = self._data.get_monitor_socket(zmq.EVENT_CONNECTED)
             self._connections = 0
-            self._data.connect(self.endpoint)
-            self._ack = new_socket(self._ctx, zmq.DEALER)
-            self._ack.connect(self.endpoint)
+            self._ack = self._connect()
+            if not self.async_prefetch:
+                self._hb_sock = self._connect()
         except BaseException:
             self._ctx.destroy(linger=0)
             self._group.close()
             raise
+        self._wake = WakePipe()
         self._thread = None
         if not self.async_prefetch:
             self._send_hello()
+            target, role = self._heartbeat_main, "heartbeat"
         else:
-            self._wake = WakePipe()
-            self._thread = threading.Thread(target=self._prefetch_main, daemon=True,
-                                            name=f"fdsync-prefetch-{name}-r{tp_rank}")
-            self._thread.start()
+            target, role = self._prefetch_main, "prefetch"
+        self._thread = threading.Thread(target=target, daemon=True,
+                                        name=f"fdsync-{role}-{name}-r{tp_rank}")
+        self._thread.start()
         if profile:
             self.profiler.attach(self)
+
+    def _connect(self) -> zmq.Socket:
+        sock = new_socket(self._ctx, zmq.DEALER)
+        # What the engine may make us allocate: one batch, plus room for the header.
+        sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
+        self.heartbeat.configure_socket(sock)
+        sock.connect(self.endpoint)
+        return sock
 
     # -- step API (event loop thread) --------------------------------------------------------
 
@@ -177,7 +230,9 @@ class TaskClient:
 
         Node-local shared memory: spins ~50 µs, then blocks on a semaphore (no CPU).
         ``timeout`` in seconds (None = forever) raises ``BarrierTimeoutError`` naming the
-        missing ranks, early if one of them exited. A no-op at tp_size=1.
+        missing ranks, early if one of them exited. A no-op at tp_size=1. While waiting it
+        also raises what the engine side learned (see the class docstring), so a rank
+        whose peer stopped at an engine error does not wait for the timeout.
         """
         if self._error is not None:
             self._raise_error()
@@ -196,11 +251,14 @@ class TaskClient:
         every rank of the group has taken everything this rank has taken; it is True on at
         least one rank of a step and never before every rank has taken the set.
 
-        Raises ``ProtocolError`` if this rank's history disagrees with rank 0's decision
-        (e.g. ``get_tasks()`` was called on some ranks of an earlier step but not others).
+        It raises nothing the engine side learned (those wait for the next step's
+        ``exist_tasks``/``barrier``): the batches were latched only once every rank held
+        them, so every rank can take them. Raises ``ClosedError`` after ``close()``, and
+        ``ProtocolError`` if this rank's history disagrees with rank 0's decision (e.g.
+        ``get_tasks()`` was called on some ranks of an earlier step but not others).
         """
-        if self._error is not None:
-            self._raise_error()
+        if self._closed:
+            raise ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
         decision = self._group.decision(self._group.gen)
         tasks = []
         if decision is not None and decision[1] > self._taken:
@@ -224,17 +282,21 @@ class TaskClient:
         return self.get_tasks()[0]
 
     def stats(self) -> dict:
-        """Counters (``garbage_frames``, ``duplicates``...) and watermarks, for logs and tests."""
+        """Counters (``garbage_frames``, ``duplicates``, ``stale``, ``pongs``...), watermarks,
+        and the ids this rank is bound to, for logs and tests."""
         with self._lock:
             out = dict(self._counters)
             out.update(received=self._received, taken=self._taken, held=len(self._slot))
+        out.update(worker=f"{self.worker_id:016x}", group=f"{self.incarnation:016x}",
+                   engine=f"{self._engine_instance:016x}" if self._engine_instance else None,
+                   engine_silent_s=round(time.monotonic() - self._last_heard, 3))
         return out
 
     def prefetch_cpu_seconds(self) -> float:
         """CPU time the prefetch thread has used so far (user + system), from its own
         thread clock; None in sync mode or where the platform has no per-thread clock.
         A thread blocked in poll, as it should be while idle, adds nothing here."""
-        if self._thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        if not self.async_prefetch or not hasattr(time, "pthread_getcpuclockid"):
             return None
         try:
             return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
@@ -244,9 +306,8 @@ class TaskClient:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the prefetch thread, close every socket, release the shared memory. Idempotent.
-
-        Blocks at most ~5 s for the prefetch thread (it is normally blocked in poll and
+        """Stop the background thread, close every socket, release the shared memory.
+        Idempotent. Blocks at most ~5 s for the thread (it is normally blocked in poll and
         wakes at once)."""
         if self._closed:
             return
@@ -254,15 +315,13 @@ class TaskClient:
         profile_dir = envs.profile_dir() if self.profiler is not None else None
         if profile_dir:
             self._dump_profile(profile_dir)
-        if self._thread is not None:
-            self._wake.wake()
-            self._thread.join(timeout=5.0)
-            if self._thread.is_alive():
-                log.error("TaskClient %s rank %d: prefetch thread did not stop within 5 s",
-                          self.name, self.tp_rank)
-            self._wake.close()
-        if self._error is None:  # the one check every step call already makes
-            self._error = ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
+        self._wake.wake()
+        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            log.error("TaskClient %s rank %d: background thread did not stop within 5 s",
+                      self.name, self.tp_rank)
+        self._wake.close()
+        self._error = ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
         self._data.disable_monitor()
         self._ctx.destroy(linger=0)
         self._group.close()
@@ -284,36 +343,92 @@ class TaskClient:
             log.error("TaskClient %s rank %d: could not write the step profile to %s: %s",
                       self.name, self.tp_rank, path, exc)
 
-    # -- receiving (the data socket's owner: prefetch thread, or event loop in sync mode) ---
+    # -- background threads ------------------------------------------------------------------
 
     def _prefetch_main(self):
+        """Async mode: own the data socket; receive, decode, ping, watch the engine."""
         poller = zmq.Poller()
         poller.register(self._data, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
+        interval = self.heartbeat.interval
         try:
             self._send_hello()
+            next_ping = time.monotonic() + interval
             while not self._closed:
-                poller.poll()  # blocks with the GIL released: no CPU when idle
+                wait_s = max(0.0, next_ping - time.monotonic())
+                poller.poll(wait_s * 1000)  # blocks with the GIL released: no CPU when idle
                 if self._closed:
                     return
                 self._receive_available()
+                now = time.monotonic()
+                self._check_engine(now)
+                if now >= next_ping:
+                    next_ping = now + interval
+                    self._send_ping(self._data)
         except BaseException as exc:  # never silent: re-raised on the event loop
+            self._fail(exc)
+
+    def _heartbeat_main(self):
+        """Sync mode: the event loop owns the data socket; this thread only pings the
+        engine on its own socket and watches for its silence, so a step longer than the
+        heartbeat timeout is not taken for a dead worker."""
+        poller = zmq.Poller()
+        poller.register(self._hb_sock, zmq.POLLIN)
+        poller.register(self._wake.r, zmq.POLLIN)
+        interval = self.heartbeat.interval
+        try:
+            while not self._closed:
+                poller.poll(interval * 1000)
+                if self._closed:
+                    return
+                while True:
+                    try:
+                        frames = self._hb_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+                if self._error is not None and not isinstance(self._error, EngineClosedError):
+                    return  # the event loop already has something to raise
+                if self._bound:
+                    self._check_engine(time.monotonic())
+                    self._send_ping(self._hb_sock)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc):
+        if self._closed:
+            return
+        if self._error is None or isinstance(self._error, EngineClosedError):
             self._error = exc
-            log.error("TaskClient %s rank %d: prefetch thread failed; the next step call "
-                      "raises PrefetchError", self.name, self.tp_rank, exc_info=exc)
-            self._group.wake()  # a barrier wait in progress raises it now
+        log.error("TaskClient %s rank %d: %s; the next step call raises it", self.name,
+                  self.tp_rank, exc, exc_info=not isinstance(exc, (EngineGoneError,
+                                                                   EngineRejectedError)))
+        self._group.wake()  # a barrier wait in progress raises it now
+
+    def _check_engine(self, now):
+        if self._bound and self._close_seq is None:
+            silent = now - self._last_heard
+            if silent > self.heartbeat.timeout:
+                raise EngineGoneError(
+                    f"rank {self.tp_rank} of {self.name!r}: nothing heard from the engine at "
+                    f"{self.endpoint} for {silent:.1f} s (heartbeat timeout "
+                    f"{self.heartbeat.timeout:g} s): it died, hangs, or the network to it is "
+                    f"down; restart the worker group once the engine is back "
+                    f"(FD_SYNC_HEARTBEAT_TIMEOUT sets the bound)")
+
+    # -- receiving (the data socket's owner: prefetch thread, or event loop in sync mode) ---
 
     def _receive_now(self):
         """Sync mode: receive what has arrived, on the calling (event loop) thread.
 
-        A failure is raised as is, and latched like a prefetch thread's: every later call
-        raises ``PrefetchError``, so nothing can step past a batch this rank lost.
-        (After ``close()`` the step calls raise ``ClosedError`` before reaching this.)"""
+        A failure is raised as is, and latched: every later call raises
+        ``PrefetchError``, so nothing can step past a batch this rank lost."""
         try:
             self._receive_available()
         except BaseException as exc:
             self._error = exc
+            self._error_raised = True
             raise
 
     def _receive_available(self):
@@ -333,53 +448,96 @@ class TaskClient:
                 return
             self._on_message(frames)
 
+    def _header(self, kind, seq=0, aux=0):
+        return codec.pack_header(kind, self.tp_rank, self.tp_size, seq=seq, aux=aux,
+                                 engine=self._engine_instance, group=self.incarnation,
+                                 worker=self.worker_id)
+
     def _send_hello(self):
         # seq: the first batch this rank does not hold; aux: what it has taken (an
         # implicit acknowledgement, in case an ACK was lost with a broken connection);
-        # then the name and the id of the engine it has received from (0: none yet).
-        header = codec.pack_header(codec.HELLO, self.tp_rank, self.tp_size,
-                                   seq=self._received + 1, aux=self._taken)
-        self._data.send_multipart([header, self.name.encode(),
-                                   self._engine_instance.to_bytes(8, "little")])
+        # engine: the instance it is bound to (0: none yet), so a restarted engine knows
+        # this worker holds another engine's batches.
+        self._data.send_multipart([self._header(codec.HELLO, seq=self._received + 1,
+                                                aux=self._taken), self.name.encode()])
+
+    def _send_ping(self, sock):
+        try:
+            sock.send(self._header(codec.PING), zmq.NOBLOCK)
+        except zmq.Again:  # not connected yet: the HELLO queued first will tell the engine
+            pass
 
     def _on_message(self, frames):
         try:
             header = codec.unpack_header(frames[0].buffer)
         except ProtocolError as exc:
-            self._counters["garbage_frames"] += 1
-            log.warning("TaskClient %s rank %d: dropped an undecodable message: %s",
-                        self.name, self.tp_rank, exc)
+            self._garbage(exc)
             return
-        if header.kind == codec.DATA:
-            if header.aux != self._engine_instance:
-                if self._engine_instance:
-                    raise EngineRejectedError(
-                        f"rank {self.tp_rank}: the engine of {self.name!r} restarted mid-stream "
-                        f"(a batch from another engine instance arrived); restart the worker "
-                        f"group together with its engine")
-                self._engine_instance = header.aux
-            seq = header.seq
-            if seq <= self._received:
-                self._counters["duplicates"] += 1  # replayed after a reconnect
+        if header.worker != self.worker_id or header.rank != self.tp_rank:
+            self._counters["stale"] += 1  # addressed to another worker: not ours
+            return
+        kind = header.kind
+        if kind == codec.ERROR:
+            raise self._engine_error(header, frames)
+        if header.engine != self._engine_instance:
+            if kind == codec.WELCOME and not self._bound:
+                self._engine_instance = header.engine
+            else:
+                self._counters["stale"] += 1  # from an engine this rank is not bound to
                 return
-            if seq != self._received + 1:
-                raise ProtocolError(f"rank {self.tp_rank} received seq {seq} after "
-                                    f"{self._received}: a batch was lost in transport")
-            tasks = codec.decode_payload(frames[1:])
+        self._last_heard = time.monotonic()
+        if kind == codec.DATA:
+            self._on_data(header, frames)
+        elif kind == codec.PONG:
+            self._counters["pongs"] += 1
+        elif kind == codec.WELCOME:
+            self._epoch_tag = header.aux << EPOCH_SHIFT
             if self._board_wanted:
                 self._board_wanted = False
                 self._board = AckBoard.attach(self.name, self.dp_id, self.tp_size)
-            with self._lock:
-                self._slot.append((seq, tasks))
-                self._received = seq
-            self._group.publish_received(seq)  # after the slot: whoever sees it can take it
-        elif header.kind == codec.ERROR:
-            raise EngineRejectedError(bytes(frames[1].buffer).decode("utf-8", "replace")
-                                      if len(frames) > 1 else "the engine rejected this worker")
+            self._bound = True
+        elif kind == codec.CLOSE:
+            self._close_seq = header.seq
+            if self._error is None:
+                self._error = EngineClosedError(
+                    f"rank {self.tp_rank} of {self.name!r}: the engine at {self.endpoint} "
+                    f"closed the queue; every batch it sent was taken")
+            self._group.wake()
         else:
-            self._counters["garbage_frames"] += 1
-            log.warning("TaskClient %s rank %d: dropped unexpected message kind %d",
-                        self.name, self.tp_rank, header.kind)
+            self._garbage(ProtocolError(f"unexpected message kind {kind}"))
+
+    def _on_data(self, header, frames):
+        if not self._bound:
+            self._garbage(ProtocolError("a batch before the engine's WELCOME"))
+            return
+        seq = header.seq
+        if seq <= self._received:
+            self._counters["duplicates"] += 1  # replayed after a reconnect
+            return
+        if seq != self._received + 1:
+            raise ProtocolError(f"rank {self.tp_rank} received seq {seq} after "
+                                f"{self._received}: a batch was lost in transport")
+        tasks = codec.decode_payload(frames[1:], header.check)
+        with self._lock:
+            self._slot.append((seq, tasks))
+            self._received = seq
+        self._group.publish_received(seq)  # after the slot: whoever sees it can take it
+
+    def _engine_error(self, header, frames):
+        reason = (bytes(frames[1].buffer[:4096]).decode("utf-8", "replace") if len(frames) > 1
+                  else "no reason given")
+        msg = f"rank {self.tp_rank} of {self.name!r}, engine at {self.endpoint}: {reason}"
+        if header.aux == codec.E_STALE_ENGINE:
+            return EngineGoneError(msg)
+        if header.aux == codec.E_GROUP_LOST:
+            return GroupLostError(msg)
+        return EngineRejectedError(msg)
+
+    def _garbage(self, exc):
+        self._counters["garbage_frames"] += 1
+        self._peer_log.log("garbage", logging.WARNING,
+                           "TaskClient %s rank %d: dropped a message (%d so far): %s",
+                           self.name, self.tp_rank, self._counters["garbage_frames"], exc)
 
     # -- taking (event loop) ---------------------------------------------------------------
 
@@ -402,10 +560,9 @@ class TaskClient:
         self._group.publish_consumed(to_seq)
         board = self._board
         if board is not None:
-            board.publish(self.tp_rank, to_seq)
+            board.publish(self.tp_rank, self._epoch_tag | to_seq)
         else:
-            self._ack.send(codec.pack_header(codec.ACK, self.tp_rank, self.tp_size, seq=to_seq),
-                           zmq.NOBLOCK)
+            self._ack.send(self._header(codec.ACK, seq=to_seq), zmq.NOBLOCK)
         return [tasks for _, tasks in items]
 
     def _check_error(self):
@@ -413,8 +570,18 @@ class TaskClient:
             self._raise_error()
 
     def _raise_error(self):
-        if isinstance(self._error, ClosedError):
-            raise ClosedError(str(self._error))
+        """Raise what ``_error`` holds, in this client's terms; return (raise nothing) for
+        an engine CLOSE while this rank still has batches it was sent to take."""
+        err = self._error
+        if isinstance(err, ClosedError):
+            raise ClosedError(str(err))
+        if isinstance(err, EngineClosedError):
+            if self._taken < self._close_seq:
+                return
+            raise EngineClosedError(str(err))
+        if not self.async_prefetch and not self._error_raised:
+            self._error_raised = True
+            raise err
         where = "the prefetch thread" if self.async_prefetch else "an earlier receive"
         raise PrefetchError(f"TaskClient {self.name} rank {self.tp_rank}: {where} failed: "
-                            f"{self._error!r}") from self._error
+                            f"{err}") from err

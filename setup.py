@@ -13,6 +13,7 @@ setup(
         "pyzmq>=25",
         "numpy>=1.22",
         "posix_ipc>=1.1",
+        "xxhash>=3.0",  # payload checksum (xxh3_64), fastdeploy_sync/codec.py
         "tqdm>=4.60",
         "matplotlib>=3.5",
     ],

@@ -1,0 +1,239 @@
+"""Payload codec: round trips, the checksum, structural checks, and a fuzz run in a child
+process (a decoding bug shows as a failed test, not as a dead test runner)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from fastdeploy_sync import codec
+from fastdeploy_sync.errors import ProtocolError
+
+FUZZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    "scripts", "fuzz_codec.py")
+
+
+def fastdeploy_batch(count=64, length=512):
+    requests = [{"request_id": f"req-{i}", "prompt_token_ids": np.arange(length, dtype=np.int64) + i,
+                 "sampling_params": {"temperature": 0.7, "top_p": 0.9}} for i in range(count)]
+    return requests, count
+
+
+def checked_round_trip(obj):
+    frames = codec.encode_payload(obj)
+    return frames, codec.decode_payload(frames, codec.payload_checksum(frames))
+
+
+@pytest.mark.parametrize("obj", [
+    ([], 0),
+    None,
+    [1, 2.5, "three", b"four", None, (5,)],
+    {"nested": {"deeper": [{"ids": list(range(300))}, ("tuple", frozenset({1}))]}},
+    ["x" * 100_000],
+], ids=["empty-batch", "none", "list", "nested", "big-string"])
+def test_plain_objects_round_trip(obj):
+    frames, decoded = checked_round_trip(obj)
+    assert len(frames) == 1
+    assert decoded == obj
+
+
+def test_arrays_round_trip_out_of_band_as_read_only_views():
+    batch = fastdeploy_batch()
+    frames, (requests, bsz) = checked_round_trip(batch)
+    assert len(frames) == 3 and bsz == 64
+    data = np.frombuffer(frames[2], dtype=np.uint8)
+    for sent, got in zip(batch[0], requests):
+        np.testing.assert_array_equal(got["prompt_token_ids"], sent["prompt_token_ids"])
+        assert got["sampling_params"] == sent["sampling_params"]
+        assert not got["prompt_token_ids"].flags.writeable
+        assert np.shares_memory(got["prompt_token_ids"], data)  # zero-copy
+        with pytest.raises(ValueError, match="read-only"):
+            got["prompt_token_ids"][0] = 1
+
+
+def test_small_and_strided_arrays_travel_in_band():
+    obj = {"small": np.arange(10, dtype=np.int64),  # 80 bytes < OOB_MIN_BYTES
+           "strided": np.arange(4000, dtype=np.int64)[::2],  # not contiguous: pickled in band
+           "big": np.ones((64, 64), dtype=np.float32)}
+    frames, decoded = checked_round_trip(obj)
+    offsets = np.frombuffer(frames[1], dtype=np.int64)
+    assert len(offsets) == 2  # only "big" went out of band
+    for key, value in obj.items():
+        np.testing.assert_array_equal(decoded[key], value)
+        assert decoded[key].dtype == value.dtype
+
+
+def test_checksum_of_zmq_frames_bytes_and_memoryviews_agree():
+    frames = codec.encode_payload(fastdeploy_batch())
+    expected = codec.payload_checksum(frames)
+    assert 0 < expected < 1 << 64
+    assert codec.payload_checksum([memoryview(f) for f in frames]) == expected
+    assert codec.payload_checksum([bytearray(f) for f in frames]) == expected
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://checksum")
+        b.connect("inproc://checksum")
+        a.send_multipart(frames)
+        assert b.poll(5000)
+        received = b.recv_multipart(copy=False)
+        assert all(isinstance(f, zmq.Frame) for f in received)
+        assert codec.payload_checksum(received) == expected
+        requests, _ = codec.decode_payload(received, expected)
+        assert not requests[0]["prompt_token_ids"].flags.writeable
+        assert np.shares_memory(requests[0]["prompt_token_ids"],
+                                np.frombuffer(received[2].buffer, dtype=np.uint8))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_checksum_is_never_zero(monkeypatch):
+    class ZeroHash:
+        def update(self, _):
+            pass
+
+        def intdigest(self):
+            return 0
+
+    monkeypatch.setattr(codec.xxhash, "xxh3_64", ZeroHash)
+    assert codec.payload_checksum([b"\x80\x05N."]) == 1
+
+
+def corruptions(frames):
+    """(label, frames) for every corruption the checksum must catch."""
+    for i, frame in enumerate(frames):
+        for pos in (0, len(frame) // 2, len(frame) - 1):
+            flipped = bytearray(frame)
+            flipped[pos] ^= 0x01
+            yield f"flip frame {i} byte {pos}", frames[:i] + [bytes(flipped)] + frames[i + 1:]
+        yield f"truncate frame {i}", frames[:i] + [frame[:-1]] + frames[i + 1:]
+    yield "swap offsets and data", [frames[0], frames[2], frames[1]]
+    yield "swap body and offsets", [frames[1], frames[0], frames[2]]
+    # the same bytes in the same order, cut differently: only the lengths tell
+    yield "move a byte from body to offsets", [frames[0][:-1], frames[0][-1:] + frames[1], frames[2]]
+    yield "move a byte from offsets to data", [frames[0], frames[1][:-1], frames[1][-1:] + frames[2]]
+
+
+def test_checksum_detects_each_corruption():
+    frames = codec.encode_payload(fastdeploy_batch())
+    expected = codec.payload_checksum(frames)
+    labels = []
+    for label, corrupted in corruptions(frames):
+        assert codec.payload_checksum(corrupted) != expected, label
+        with pytest.raises(ProtocolError):
+            codec.decode_payload(corrupted, expected)
+        labels.append(label)
+    assert len(labels) == 3 * 4 + 4
+
+
+def test_checksum_mismatch_names_both_values_and_stops_before_unpickling():
+    body = codec.encode_payload(Recorder())[0]
+    codec.decode_payload([body])
+    assert calls_made == ["unpickled"]  # without a checksum the body runs
+    calls_made.clear()
+    good = codec.payload_checksum([body])
+    with pytest.raises(ProtocolError, match=f"expected {good + 1:#018x}.*computed {good:#018x}"):
+        codec.decode_payload([body], good + 1)
+    with pytest.raises(ProtocolError, match="checksum mismatch"):
+        codec.decode_payload([body], 0)  # 0 ("no checksum" on the wire) never matches
+    assert calls_made == []  # neither body was unpickled
+
+
+calls_made = []
+
+
+def _record(what):
+    calls_made.append(what)
+
+
+class Recorder:
+    def __reduce__(self):
+        return _record, ("unpickled",)
+
+
+def test_structural_errors_are_protocol_errors(monkeypatch):
+    body, offsets, data = codec.encode_payload([np.arange(1000), np.arange(2000)])
+    pairs = np.frombuffer(offsets, dtype=np.int64)
+
+    def with_pairs(**changes):
+        bad = pairs.copy()
+        for index, value in changes.items():
+            bad[int(index[1:])] = value
+        return [body, bad.tobytes(), data]
+
+    cases = [
+        ([], "0 payload frames"),
+        ([body, offsets], "2 payload frames"),
+        ([body, offsets, data, data], "4 payload frames"),
+        ([b"hello"], "not a protocol-5 pickle"),
+        ([b""], "not a protocol-5 pickle"),
+        ([body[:-1]], "not a protocol-5 pickle"),
+        ([body, b"", data], "offsets frame of 0 bytes"),
+        ([body, offsets[:-8], data], "offsets frame of 24 bytes"),
+        (with_pairs(i0=-64), "outside"),
+        (with_pairs(i1=-1), "outside"),
+        (with_pairs(i3=len(data)), "outside"),
+        (with_pairs(i2=len(data) - 8), "outside"),
+        ([body, offsets, data[:-1]], "outside"),
+        ([b"\x80\x05\x95garbage."], "does not decode"),
+    ]
+    for frames, message in cases:
+        with pytest.raises(ProtocolError, match=message):
+            codec.decode_payload(frames)
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_payload([b"\x80\x05\x95garbage."])
+    assert info.value.__cause__ is not None  # the unpickling error is chained
+    monkeypatch.setattr(codec, "MAX_BUFFERS", 1)
+    with pytest.raises(ProtocolError, match="lists 2 buffers, more than codec.MAX_BUFFERS"):
+        codec.decode_payload([body, offsets, data])
+    monkeypatch.setattr(codec, "MAX_DATA_BYTES", len(data) - 1)
+    monkeypatch.setattr(codec, "MAX_BUFFERS", 2)
+    with pytest.raises(ProtocolError, match="MAX_DATA_BYTES"):
+        codec.decode_payload([body, offsets, data])
+    monkeypatch.setattr(codec, "MAX_BODY_BYTES", len(body) - 1)
+    with pytest.raises(ProtocolError, match="MAX_BODY_BYTES"):
+        codec.decode_payload([body, offsets, data])
+
+
+def test_encode_refuses_what_a_worker_would_reject(monkeypatch):
+    monkeypatch.setattr(codec, "MAX_BODY_BYTES", 1000)
+    with pytest.raises(ValueError, match="MAX_BODY_BYTES"):
+        codec.encode_payload(list(range(1000)))
+    monkeypatch.undo()
+    monkeypatch.setattr(codec, "MAX_BUFFERS", 63)
+    with pytest.raises(ValueError, match="MAX_BUFFERS"):
+        codec.encode_payload(fastdeploy_batch())
+    monkeypatch.setattr(codec, "MAX_BUFFERS", 64)
+    monkeypatch.setattr(codec, "MAX_DATA_BYTES", 64 * 4096 - 1)
+    with pytest.raises(ValueError, match="MAX_DATA_BYTES"):
+        codec.encode_payload(fastdeploy_batch())
+    with pytest.raises(TypeError, match="not picklable"):
+        codec.encode_payload(lambda: None)
+
+
+def test_fuzz_mutated_batches_in_a_child_process():
+    """50 000 mutated real batches (and random frames) through decode_payload with the
+    encoder's checksum, in a child limited to 2 GiB of address space: every input decodes
+    unchanged or raises ProtocolError; no signal, no MemoryError, no large allocation."""
+    inputs, seed = 50_000, 20261123
+    command = [sys.executable, FUZZ, "--child", "--seed", str(seed), "--start", "0",
+               "--stop", str(inputs), "--mem-limit-gib", "2", "--big-alloc-mib", "256"]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    replay = f"replay: python scripts/fuzz_codec.py --replay N --seed {seed}"
+    assert child.returncode >= 0, (
+        f"the decoding child died of {signal.Signals(-child.returncode).name}; {replay}\n{child.stderr}")
+    assert child.returncode == 0, f"child exit status {child.returncode}; {replay}\n{child.stderr}"
+    counts = json.loads(child.stdout.strip().splitlines()[-1])
+    assert counts["next"] == inputs
+    for finding in ("memory_error", "other_error", "decoded_changed", "big_alloc"):
+        assert counts[finding] == 0, f"{finding}: {counts}; {replay}\n{child.stderr}"
+    assert counts["protocol_error"] + counts["decoded_noop"] == inputs
+    # the mutations really change the input: only the rare no-op (a frame swapped with
+    # itself, two flips of one byte that cancel) may decode
+    assert counts["protocol_error"] >= 0.9 * inputs, counts

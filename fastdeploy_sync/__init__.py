@@ -4,9 +4,11 @@ Engine side: ``TaskQueue``. Worker side, one per TP rank: ``TaskClient``.
 Importing this package does not import paddle.
 """
 
-from .engine import TaskQueue
-from .errors import (BarrierTimeoutError, ClosedError, EndpointInUseError, EngineRejectedError,
-                     GroupInUseError, PrefetchError, ProtocolError, TaskSyncError)
+from .engine import GroupLost, LostBatch, TaskQueue
+from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
+                     EngineClosedError, EngineGoneError, EngineRejectedError, GroupInUseError,
+                     GroupLostError, PrefetchError, ProtocolError, TaskSyncError)
+from .liveness import Heartbeat
 from .worker import TaskClient
 
 __version__ = "0.1.0"
@@ -14,6 +16,9 @@ __version__ = "0.1.0"
 __all__ = [
     "TaskQueue",
     "TaskClient",
+    "GroupLost",
+    "LostBatch",
+    "Heartbeat",
     "TaskSyncError",
     "PrefetchError",
     "ProtocolError",
@@ -22,4 +27,8 @@ __all__ = [
     "GroupInUseError",
     "EndpointInUseError",
     "ClosedError",
+    "EngineGoneError",
+    "EngineClosedError",
+    "GroupLostError",
+    "AuthenticationError",
 ]

@@ -392,8 +392,9 @@ class TaskQueue:
         behind = []
         for rank, consumed in enumerate(self._consumed):
             if consumed == low:
-                state = group.links[rank].describe() if group is not None else (
-                    "no worker group connected")
+                state = (group.links[rank].describe() if group is not None else
+                         NEVER if self._epochs == 0 else
+                         "its group was retired; waiting for a new worker group")
                 behind.append(f"rank {rank} consumed up to seq {consumed} of {last} ({state})")
         return (f"{last - low} batch(es) in flight (max_inflight={self.max_inflight}); "
                 f"behind: " + "; ".join(behind))

@@ -361,6 +361,8 @@ class TaskClient:
                 if self._closed:
                     return
                 self._receive_available()
+                if self._close_seq is not None:
+                    return  # the engine closed: nothing more will come, say nothing more
                 now = time.monotonic()
                 self._check_engine(now)
                 if now >= next_ping:
@@ -388,8 +390,8 @@ class TaskClient:
                     except zmq.Again:
                         break
                     self._on_message(frames)
-                if self._error is not None and not isinstance(self._error, EngineClosedError):
-                    return  # the event loop already has something to raise
+                if self._error is not None:
+                    return  # the engine closed, or the event loop has something to raise
                 if self._bound:
                     self._check_engine(time.monotonic())
                     self._send_ping(self._hb_sock)
@@ -432,6 +434,8 @@ class TaskClient:
             raise
 
     def _receive_available(self):
+        if self._close_seq is not None:
+            return  # the engine closed: a later engine on the endpoint is not ours
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -447,6 +451,8 @@ class TaskClient:
             except zmq.Again:
                 return
             self._on_message(frames)
+            if self._close_seq is not None:
+                return
 
     def _header(self, kind, seq=0, aux=0):
         return codec.pack_header(kind, self.tp_rank, self.tp_size, seq=seq, aux=aux,

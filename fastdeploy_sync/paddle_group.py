@@ -18,15 +18,62 @@ Differences from the node-local group, all inherent to having no shared memory:
     them is only known at the barrier (the step may then take fewer, or none).
   * ``read_finished`` is derived from the consumed watermarks reduced at the barrier, so
     it reports the previous step's takes: it lags one step.
-  * ``barrier(timeout=...)`` cannot interrupt a collective: the process group's own
-    timeout applies (``FLAGS_...``/gloo timeout of your paddle.distributed set-up).
+
+Failures and time bounds (paddle 3.3.1, gloo backend on CPU):
+  * gloo's collectives time out after gloo's default **30 s** (``GLOO_TIMEOUT_S``), and
+    paddle gives no way to change that for a gloo process group: ``new_group(timeout=...)``
+    only bounds store operations, ``PADDLE_PG_TIMEOUT`` only reaches NCCL/FlagCX groups,
+    and ``ProcessGroupGloo``/``GlooCommContext`` never call gloo's ``setTimeout``.
+  * So ``barrier(timeout)`` with ``timeout < GLOO_TIMEOUT_S`` runs the all-reduce on a
+    helper thread (paddle releases the GIL inside it; the hand-off costs ~10 µs) and stops
+    waiting after ``timeout``. ``timeout=None`` or ``>= GLOO_TIMEOUT_S`` runs it inline,
+    bounded by gloo's 30 s. The constructor's collective is bounded by gloo's 30 s too:
+    every rank must build its group within 30 s of the others.
+  * A rank that dies (process killed, node rebooted) resets its TCP connections: the
+    peers waiting in the collective learn it within milliseconds and raise
+    ``PeerLostError``. A rank that is alive but silent (stopped, stuck, or a network
+    partition) is only detected by the timeout: ``BarrierTimeoutError``.
+  * Both messages name this TP rank, its node (hostname and paddle endpoint) and the
+    peer's TP rank and endpoint when gloo's error names it; gloo's exception is chained.
+  * After either error the group is unusable (gloo leaves a collective half done, and the
+    abandoned one may still complete on the peers): every later ``barrier()`` raises
+    again. Restart every rank of the TP group; ``incarnation`` tells the new group from
+    the old one.
 
 paddle is imported here only, when this coordinator is built: ``import fastdeploy_sync``
 never imports it. The caller owns paddle.distributed: call ``init_parallel_env()`` (or
 fleet's init) before building a TaskClient with ``coordinator="paddle"``.
 """
 
-__all__ = ["PaddleTPGroup"]
+import os
+import queue
+import re
+import secrets
+import socket
+import threading
+import time
+
+from .errors import BarrierTimeoutError, TaskSyncError
+
+__all__ = ["PaddleTPGroup", "PeerLostError", "GLOO_TIMEOUT_S"]
+
+# gloo's kTimeoutDefault: what every collective of a paddle gloo process group waits for.
+GLOO_TIMEOUT_S = 30.0
+
+# gloo's messages name the peer as "pair_rank = N" (its rank in the group, -1 if unknown)
+# and/or as "[ip]:port" (the peer's gloo listening port, not its paddle endpoint).
+_PAIR_RANK = re.compile(r"pair_rank\s*=\s*(-?\d+)")
+_PEER_ADDR = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+_CONNECTION_LOST = re.compile(r"reset by peer|closed by peer|connection closed|broken pipe|"
+                              r"connection refused|read error|write error|EOF", re.I)
+
+
+class PeerLostError(BarrierTimeoutError):
+    """A rank of a paddle-coordinated TP group died or its connection was reset while this
+    rank waited in the group's collective; the message names both ranks and their nodes.
+
+    A subclass of ``BarrierTimeoutError`` because the node-local group raises that when a
+    rank exits: one ``except BarrierTimeoutError`` covers both coordinators."""
 
 
 class PaddleTPGroup:
@@ -34,6 +81,11 @@ class PaddleTPGroup:
 
     ``group``: the paddle.distributed communication group of the TP ranks (None = the
     default, whole-world group); the rank's position in it must equal ``tp_rank``.
+
+    The constructor runs one collective (all ranks must construct the group within
+    ``GLOO_TIMEOUT_S`` of each other) that agrees on ``incarnation``: a random non-zero
+    63-bit int chosen by rank 0, identical on every rank, different for every construction.
+    Raises ``PeerLostError``/``BarrierTimeoutError`` as ``barrier()`` does.
     """
 
     def __init__(self, tp_size: int, tp_rank: int, group=None):
@@ -51,12 +103,21 @@ class PaddleTPGroup:
                              f"tp_rank={tp_rank}")
         self._paddle, self._dist, self._group = paddle, dist, group
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self._endpoints = _group_endpoints(dist, group, tp_size)
+        self._node = f"{socket.gethostname()} (paddle endpoint {self._endpoints[tp_rank]})"
+        self._broken = None  # the error that made this group unusable
+        self._runner = None  # helper thread for collectives bounded below gloo's timeout
         self.gen = 0
         self._received = 0
         self._consumed = 0
         self._min_consumed = 0
         self._offer = None  # (gen, to) latched by rank 0's exist_tasks()
         self._decision = None  # (gen, from, to) reduced at the last barrier
+        # rank 0 draws, the others contribute 0: MAX hands rank 0's draw to everyone
+        mine = secrets.randbelow(2**63 - 1) + 1 if tp_rank == 0 else 0
+        tensor = paddle.to_tensor([mine], dtype="int64")
+        self._all_reduce(tensor, dist.ReduceOp.MAX, None, "building the group")
+        self.incarnation = int(tensor.numpy()[0])
 
     def publish_received(self, seq):
         self._received = seq
@@ -81,7 +142,16 @@ class PaddleTPGroup:
 
     def barrier(self, timeout=None, service=None, check=None):
         """One ``all_reduce(MIN)`` across the TP ranks; blocks until every rank joins it.
-        ``timeout`` is not enforced here (see the module docstring)."""
+
+        ``timeout`` (seconds): the wait is bounded by ``min(timeout, GLOO_TIMEOUT_S)``;
+        None means ``GLOO_TIMEOUT_S`` (30 s), not forever (gloo cannot wait longer).
+        Raises ``BarrierTimeoutError`` when the bound passes, ``PeerLostError`` as soon as
+        a rank's connection is reset (it died), both naming the ranks and nodes; after
+        either, every call raises again (restart the TP group).
+
+        ``check`` runs first (the worker raises its prefetch failure this way); ``service``
+        runs once before the offer is computed (sync mode receives what has arrived).
+        """
         if check is not None:
             check()
         if service is not None:
@@ -92,7 +162,7 @@ class PaddleTPGroup:
         else:
             offer = self._received
         tensor = self._paddle.to_tensor([offer, self._consumed], dtype="int64")
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
+        self._all_reduce(tensor, self._dist.ReduceOp.MIN, timeout, f"barrier {gen}")
         upto, self._min_consumed = (int(x) for x in tensor.numpy())
         # every rank has taken the same (consumed is equal everywhere), so "from" agrees
         self._decision = (gen, self._consumed, upto) if upto > self._consumed else None
@@ -102,4 +172,119 @@ class PaddleTPGroup:
         pass
 
     def close(self):
-        pass
+        """Stop the helper thread (if any) once its collective ends. Never blocks."""
+        if self._runner is not None:
+            self._runner.stop()
+            self._runner = None
+
+    # -- the collective, bounded and in the library's terms ------------------------------
+
+    def _all_reduce(self, tensor, op, timeout, what):
+        if self._broken is not None:
+            raise type(self._broken)(
+                f"TP rank {self.tp_rank} on {self._node}: {what} refused: this paddle TP "
+                f"group failed earlier ({self._broken}). Restart every rank of the TP "
+                f"group.") from self._broken
+        start = time.monotonic()
+
+        def run():
+            self._dist.all_reduce(tensor, op=op, group=self._group)
+
+        try:
+            if timeout is None or timeout >= GLOO_TIMEOUT_S:
+                run()
+            else:
+                if self._runner is None:
+                    self._runner = _CollectiveRunner(f"fdsync-paddle-tp{self.tp_rank}")
+                if not self._runner.run(run, max(timeout, 0.0)):
+                    self._broken = BarrierTimeoutError(
+                        f"TP rank {self.tp_rank} on {self._node}: {what} timed out after "
+                        f"{time.monotonic() - start:.2f}s (timeout={timeout}) waiting for "
+                        f"{self._describe_peers(None)}: that rank is stuck or far behind, "
+                        f"or the network between the nodes is down. Check those ranks' "
+                        f"logs and the network, then restart every rank of the TP group.")
+                    raise self._broken
+        except TaskSyncError:
+            raise
+        except Exception as exc:  # gloo's errors reach Python as RuntimeError/OSError
+            self._broken = self._translate(exc, what, time.monotonic() - start)
+            raise self._broken from exc
+
+    def _translate(self, exc, what, elapsed):
+        text = str(exc)
+        m = _PAIR_RANK.search(text)
+        peer = int(m.group(1)) if m and 0 <= int(m.group(1)) < self.tp_size else None
+        addr = _PEER_ADDR.search(text)
+        if peer is None and addr is not None:
+            on_host = [r for r, ep in enumerate(self._endpoints)
+                       if r != self.tp_rank and ep.rpartition(":")[0] == addr.group(1)]
+            peer = on_host[0] if len(on_host) == 1 else None
+        gloo_addr = f", gloo peer {addr.group(1)}:{addr.group(2)}" if addr else ""
+        who = self._describe_peers(peer) + gloo_addr
+        # gloo labels a reset connection "TIMEOUT" too: a wait shorter than gloo's bound
+        # cannot have timed out, so it is the connection that was lost
+        lost = _CONNECTION_LOST.search(text) or elapsed < GLOO_TIMEOUT_S * 0.9
+        if lost:
+            return PeerLostError(
+                f"TP rank {self.tp_rank} on {self._node}: {what} failed after {elapsed:.2f}s: "
+                f"lost the connection to {who} (that rank's process died or its node "
+                f"became unreachable). Check that rank's log; then restart every rank of "
+                f"the TP group (gloo cannot rejoin a rank). gloo said: {text.strip()}")
+        return BarrierTimeoutError(
+            f"TP rank {self.tp_rank} on {self._node}: {what} timed out after {elapsed:.2f}s "
+            f"(gloo's own {GLOO_TIMEOUT_S:.0f}s timeout, which paddle cannot change for a "
+            f"gloo group) waiting for {who}: that rank is stuck or far behind, or the "
+            f"network between the nodes is down. Check those ranks' logs and the network, "
+            f"then restart every rank of the TP group. gloo said: {text.strip()}")
+
+    def _describe_peers(self, peer):
+        ranks = [peer] if peer is not None else [r for r in range(self.tp_size)
+                                                  if r != self.tp_rank]
+        named = ", ".join(f"TP rank {r} (paddle endpoint {self._endpoints[r]})" for r in ranks)
+        return named if len(ranks) == 1 else f"one of {named}"
+
+
+def _group_endpoints(dist, group, tp_size):
+    """Each TP rank's paddle endpoint "ip:port" (or "?" where paddle does not say)."""
+    env = dist.ParallelEnv()
+    everyone = list(env.trainer_endpoints or []) or \
+        [e for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e]
+    ranks = list(group.ranks) if group is not None else list(range(tp_size))
+    return [everyone[r] if r < len(everyone) else "?" for r in ranks]
+
+
+class _CollectiveRunner:
+    """A daemon thread that runs one blocking collective at a time for a caller that waits
+    with a timeout. A collective abandoned on timeout keeps the thread until gloo's own
+    timeout ends it; the group is unusable by then anyway."""
+
+    def __init__(self, name):
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn, timeout):
+        """Run ``fn`` on the thread; True when it finished within ``timeout`` seconds
+        (its exception, if any, is re-raised here), False when it is still running."""
+        done, box = threading.Event(), []
+        self._jobs.put((fn, done, box))
+        if not done.wait(timeout):
+            return False
+        if box:
+            raise box[0]
+        return True
+
+    def stop(self):
+        self._jobs.put(None)  # ends the thread after the job in flight, if any
+
+    def _loop(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done, box = job
+            try:
+                fn()
+            except BaseException as exc:  # handed to the waiting caller
+                box.append(exc)
+            done.set()

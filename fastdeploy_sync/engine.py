@@ -154,6 +154,7 @@ class TaskQueue:
         self._base = 0  # the global seq before the current group's first batch
         self._consumed = [0] * tp_size  # highest global seq acknowledged by each rank
         self._group = None  # the _Group being served, None before the first / after a retire
+        self._previous = None  # the last retired group, for ranks() until a new one comes
         self._error = None  # an I/O thread failure, re-raised by every call
         # Stamped on every message to workers and echoed by them: traffic meant for another
         # engine of the same endpoint (a restart) is recognised on both sides.
@@ -266,7 +267,7 @@ class TaskQueue:
         now = time.monotonic()
         with self._mutex:
             self._read_board()
-            group, consumed = self._group, list(self._consumed)
+            group, consumed = self._group or self._previous, list(self._consumed)
         if group is None:
             return [{"rank": r, "state": NEVER, "since": None, "silent_s": None,
                      "worker": None, "reason": None, "consumed": consumed[r]}
@@ -393,8 +394,9 @@ class TaskQueue:
         for rank, consumed in enumerate(self._consumed):
             if consumed == low:
                 state = (group.links[rank].describe() if group is not None else
-                         NEVER if self._epochs == 0 else
-                         "its group was retired; waiting for a new worker group")
+                         NEVER if self._previous is None else
+                         f"its group was retired ({self._previous.links[rank].describe()}); "
+                         f"waiting for a new worker group")
                 behind.append(f"rank {rank} consumed up to seq {consumed} of {last} ({state})")
         return (f"{last - low} batch(es) in flight (max_inflight={self.max_inflight}); "
                 f"behind: " + "; ".join(behind))
@@ -674,7 +676,7 @@ class TaskQueue:
             self._retained.clear()
             self._base = self._next_seq - 1
             self._consumed = [self._base] * self.tp_size
-            self._group = None
+            self._group, self._previous = None, group
             self._not_full.notify_all()
         self._retired.append(group.incarnation)
         self._counters["groups_retired"] += 1

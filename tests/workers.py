@@ -266,3 +266,74 @@ def wait_until(predicate, timeout=10.0):
             return True
         time.sleep(0.005)
     return predicate()
+
+
+# -- liveness and restarts --------------------------------------------------------------
+
+FAST_HEARTBEAT = (0.2, 1.0)  # interval, timeout (s): liveness tests stay short
+
+
+def _engine_cause(exc):
+    """The engine-side condition behind a step call's exception (async mode wraps it in
+    PrefetchError)."""
+    from fastdeploy_sync import PrefetchError
+
+    if isinstance(exc, PrefetchError) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc
+
+
+@_report_errors
+def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=None,
+                          report_after=0, deadline_s=60.0, heartbeat=FAST_HEARTBEAT,
+                          retry_barrier_timeouts=False):
+    """sync_step() until a step call raises a TaskSyncError; report ("took_n", rank, ids)
+    once ``report_after`` batches are taken, then ("raised", rank, {...}) with the type of
+    the exception, of its engine-side cause, the message, the monotonic time and every
+    batch taken. With ``retry_barrier_timeouts``, BarrierTimeoutError is retried (as a
+    loop that does not know better would) until something else is raised."""
+    from fastdeploy_sync import BarrierTimeoutError, Heartbeat, TaskSyncError
+
+    taken = []
+    barrier_retries = 0
+    deadline = time.monotonic() + deadline_s
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint,
+                    heartbeat=Heartbeat(*heartbeat)) as client:
+        out.put(("ready", rank, (os.getpid(), client.worker_id, client.incarnation)))
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: nothing raised within {deadline_s}s "
+                                   f"(took {len(taken)})")
+            try:
+                tasks = client.sync_step(timeout=10)
+            except TaskSyncError as exc:
+                if retry_barrier_timeouts and isinstance(exc, BarrierTimeoutError):
+                    barrier_retries += 1
+                    time.sleep(0.01)
+                    continue
+                cause = _engine_cause(exc)
+                out.put(("raised", rank, dict(type=type(exc).__name__,
+                                              cause=type(cause).__name__, message=str(cause),
+                                              at=time.monotonic(), taken=taken,
+                                              barrier_retries=barrier_retries)))
+                return
+            if tasks:
+                before = len(taken)
+                taken.extend(tasks)
+                if before < report_after <= len(taken):
+                    out.put(("took_n", rank, list(taken)))
+            time.sleep(0.001)
+
+
+@_report_errors
+def serve_engine(out, rank, name, tp, n, endpoint=None, heartbeat=FAST_HEARTBEAT,
+                 seconds=60.0):
+    """An engine process: put batches 0..n-1, report ("served", 0, (pid, endpoint)), then
+    stay until killed or ``seconds`` pass."""
+    from fastdeploy_sync import Heartbeat
+
+    with TaskQueue(name, tp, endpoint=endpoint, heartbeat=Heartbeat(*heartbeat)) as queue:
+        for i in range(n):
+            queue.put_tasks(i, timeout=30)
+        out.put(("served", rank, (os.getpid(), queue.endpoint)))
+        time.sleep(seconds)

@@ -1,0 +1,253 @@
+"""Liveness and restarts, with real processes: every process learns that its peer is gone
+within a bounded time, in the library's terms, and a restarted worker group just works.
+
+Heartbeats are shortened (0.2 s interval, 1 s timeout) so that the tests stay short; no
+test asserts a duration tighter than its collect timeout (timings live in
+scripts/liveness_times.py).
+"""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from fastdeploy_sync import Heartbeat, TaskQueue
+
+from workers import FAST_HEARTBEAT, collect, serve_engine, step_until_error_rank, wait_until
+
+HB = Heartbeat(*FAST_HEARTBEAT)
+MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+
+
+@pytest.fixture(autouse=True)
+def _insecure_loopback_tcp(monkeypatch):
+    # These tests are about liveness, not authentication (tests/test_trust.py covers that):
+    # their tcp endpoints are loopback only.
+    monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
+
+
+def _reclaim(name):
+    """A SIGKILLed engine leaves its socket file and ack board: the next engine of the name
+    reclaims them (and this one removes them on close)."""
+    TaskQueue(name, 1).close()
+
+
+def _free_tcp_endpoint():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _check_same_prefix(raised, n):
+    """Every rank took the same batches, in order, and the first ``n`` at least."""
+    taken = [raised[r]["taken"] for r in sorted(raised)]
+    assert all(t == taken[0] for t in taken), f"ranks took different batches: {taken}"
+    assert taken[0][:n] == list(range(n)) and taken[0] == list(range(len(taken[0])))
+
+
+@MODES
+def test_a_killed_engine_is_reported_gone_on_every_rank(name, procs, results, doomed,
+                                                        async_prefetch):
+    n = 5
+    engine = procs(serve_engine, doomed, 0, name, 2, n)
+    collect(doomed, "served", 1, timeout=30)
+    for rank in range(2):
+        procs(step_until_error_rank, results, rank, name, 2, async_prefetch, report_after=n)
+    collect(results, "took_n", 2)
+    os.kill(engine.pid, signal.SIGKILL)
+    raised = collect(results, "raised", 2, timeout=30)
+    for rank in range(2):
+        assert raised[rank]["cause"] == "EngineGoneError", raised[rank]
+        assert "nothing heard from the engine" in raised[rank]["message"]
+        assert f"rank {rank}" in raised[rank]["message"]
+        if async_prefetch:
+            assert raised[rank]["type"] == "PrefetchError"
+    _check_same_prefix(raised, n)
+    engine.join(timeout=10)
+    _reclaim(name)
+
+
+def test_a_stopped_engine_is_reported_gone(name, procs, results, doomed):
+    """SIGSTOP for longer than the heartbeat timeout: to its workers it is gone."""
+    engine = procs(serve_engine, doomed, 0, name, 2, 3)
+    collect(doomed, "served", 1, timeout=30)
+    for rank in range(2):
+        procs(step_until_error_rank, results, rank, name, 2, True, report_after=3)
+    collect(results, "took_n", 2)
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        raised = collect(results, "raised", 2, timeout=30)
+    finally:
+        os.kill(engine.pid, signal.SIGKILL)
+    assert [raised[r]["cause"] for r in range(2)] == ["EngineGoneError"] * 2
+    _check_same_prefix(raised, 3)
+    engine.join(timeout=10)
+    _reclaim(name)
+
+
+@MODES
+def test_close_lets_every_rank_take_everything_then_reports_closed(name, procs, results,
+                                                                   async_prefetch):
+    n = 20
+    queue = TaskQueue(name, 2, heartbeat=HB)
+    try:
+        for rank in range(2):
+            procs(step_until_error_rank, results, rank, name, 2, async_prefetch)
+        for i in range(n):
+            queue.put_tasks(i, timeout=30)
+    finally:
+        unconsumed = queue.close(timeout=30)
+    assert unconsumed == []
+    raised = collect(results, "raised", 2, timeout=30)
+    for rank in range(2):
+        assert raised[rank]["type"] == raised[rank]["cause"] == "EngineClosedError", raised[rank]
+        assert raised[rank]["taken"] == list(range(n))
+
+
+def test_close_reports_what_was_not_consumed(name):
+    with TaskQueue(name, 2, heartbeat=HB) as queue:
+        for i in range(3):
+            queue.put_tasks(i, timeout=1)
+        assert queue.close(timeout=0.2) == [1, 2, 3]  # no worker ever connected
+
+
+def test_the_engine_reports_a_killed_rank_disconnected(name, procs, results, doomed):
+    queue = TaskQueue(name, 2, heartbeat=HB, max_inflight=2)
+    try:
+        victim = procs(step_until_error_rank, doomed, 0, name, 2, True)
+        procs(step_until_error_rank, results, 1, name, 2, True)
+        collect(doomed, "ready", 1)
+        assert wait_until(lambda: [r["state"] for r in queue.ranks()] == ["connected"] * 2)
+        os.kill(victim.pid, signal.SIGKILL)
+        assert wait_until(lambda: queue.ranks()[0]["state"] == "disconnected", timeout=15)
+        state = queue.ranks()
+        assert state[0]["reason"] in ("its socket closed", "group retired") or \
+            state[0]["reason"].startswith("silent"), state
+        # the survivor is told its group is gone (not left to time out)
+        raised = collect(results, "raised", 1, timeout=30)
+        assert raised[1]["cause"] in ("GroupLostError", "BarrierTimeoutError"), raised[1]
+        event = queue.group_events.get(timeout=15)
+        assert "rank 0" in event.reason
+        for i in range(2):
+            queue.put_tasks(i, timeout=1)
+        with pytest.raises(TimeoutError, match="rank 0 .*retired .*waiting for a new worker group"):
+            queue.put_tasks(99, timeout=0.2)
+    finally:
+        queue.close(timeout=0)
+
+
+def test_a_restarted_engine_serves_a_fresh_group_and_refuses_the_old(name, procs, results,
+                                                                     doomed):
+    """An engine restarted on the same tcp port while the old workers still live: their
+    queued ACKs and HELLOs are recognised as another engine's and ignored, the old workers
+    are told their engine is gone, and a fresh group takes every new batch."""
+    endpoint = _free_tcp_endpoint()
+    old_engine = procs(serve_engine, doomed, 0, name, 2, 4, endpoint)
+    collect(doomed, "served", 1, timeout=30)
+    for rank in range(2):
+        procs(step_until_error_rank, results, rank, name, 2, True, endpoint, report_after=4)
+    collect(results, "took_n", 2)
+    os.kill(old_engine.pid, signal.SIGKILL)
+    old_engine.join(timeout=10)
+    with TaskQueue(name, 2, endpoint=endpoint, heartbeat=HB) as queue:
+        old = collect(results, "raised", 2, timeout=30)
+        assert [old[r]["cause"] for r in range(2)] == ["EngineGoneError"] * 2
+        n = 6
+        for rank in range(2):
+            procs(step_until_error_rank, results, rank, name, 2, True, endpoint, report_after=n)
+        for i in range(100, 100 + n):
+            queue.put_tasks(i, timeout=30)
+        fresh = collect(results, "took_n", 2, timeout=30)
+        assert fresh[0] == fresh[1] == list(range(100, 100 + n))
+        assert wait_until(lambda: queue.stats()["consumed"] == [n, n])  # tcp ACKs in flight
+        assert queue.stats()["stale"] == 0 or queue.stats()["stale"] > 0  # counted, never applied
+        assert queue.close(timeout=10) == []
+    collect(results, "raised", 2, timeout=30)  # the fresh group: EngineClosedError
+    _reclaim(name)  # the old engine's ack board was never removed (the new one is tcp)
+
+
+def test_a_whole_group_restart_under_a_live_engine(name, procs, results, doomed):
+    queue = TaskQueue(name, 2, heartbeat=HB)
+    try:
+        first = [procs(step_until_error_rank, doomed, rank, name, 2, True, report_after=3)
+                 for rank in range(2)]
+        for i in range(3):
+            queue.put_tasks(i, timeout=30)
+        collect(doomed, "took_n", 2)
+        for p in first:
+            os.kill(p.pid, signal.SIGKILL)
+        queue.put_tasks(3, timeout=30)  # put while the group is dead: never finished
+        queue.put_tasks(4, timeout=30)
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [4, 5]
+        assert [b.tasks for b in event.unfinished] == [3, 4]
+        assert all(b.taken_by == () for b in event.unfinished)
+        start = time.monotonic()
+        for rank in range(2):
+            procs(step_until_error_rank, results, rank, name, 2, True, report_after=3)
+        for i in range(10, 13):
+            queue.put_tasks(i, timeout=30)
+        fresh = collect(results, "took_n", 2, timeout=30)
+        print(f"new group took its first batches {time.monotonic() - start:.2f} s after start")
+        assert fresh[0] == fresh[1] == [10, 11, 12]
+    finally:
+        assert queue.close(timeout=10) == []
+    collect(results, "raised", 2, timeout=30)
+
+
+def test_a_new_group_waits_for_the_old_one_to_go(name, procs, results, doomed):
+    """The new group asks while the old one's sockets are still up (SIGSTOPped, not
+    killed): it is held back, not refused, and accepted once the old one is silent."""
+    queue = TaskQueue(name, 2, heartbeat=HB)
+    try:
+        first = [procs(step_until_error_rank, doomed, rank, name, 2, True, report_after=1)
+                 for rank in range(2)]
+        queue.put_tasks(0, timeout=30)
+        collect(doomed, "took_n", 2)
+        for p in first:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            # the new rank 0 must create a new segment: remove the stopped group's names
+            from fastdeploy_sync.tp_group import group_shm_name
+            from fastdeploy_sync.shm import unlink_segment
+            unlink_segment(group_shm_name(name, 0))
+            for rank in range(2):
+                procs(step_until_error_rank, results, rank, name, 2, True, report_after=2)
+            queue.put_tasks(1, timeout=30)
+            queue.put_tasks(2, timeout=30)
+            event = queue.group_events.get(timeout=15)
+            assert "silent" in event.reason or "replaced" in event.reason
+            queue.put_tasks(3, timeout=30)
+            queue.put_tasks(4, timeout=30)
+            fresh = collect(results, "took_n", 2, timeout=30)
+            assert fresh[0] == fresh[1] and fresh[0][-2:] == [3, 4]
+        finally:
+            for p in first:
+                os.kill(p.pid, signal.SIGKILL)
+    finally:
+        queue.close(timeout=10)
+    collect(results, "raised", 2, timeout=30)
+
+
+def test_a_single_restarted_rank_is_refused_on_every_rank(name, procs, results, doomed):
+    queue = TaskQueue(name, 2, heartbeat=HB)
+    try:
+        procs(step_until_error_rank, results, 0, name, 2, True, report_after=2,
+              retry_barrier_timeouts=True)
+        victim = procs(step_until_error_rank, doomed, 1, name, 2, True, report_after=2)
+        for i in range(2):
+            queue.put_tasks(i, timeout=30)
+        collect(doomed, "took_n", 1)
+        collect(results, "took_n", 1)
+        os.kill(victim.pid, signal.SIGKILL)
+        procs(step_until_error_rank, results, 1, name, 2, True)  # the restarted rank 1
+        raised = collect(results, "raised", 2, timeout=30)
+        for rank in range(2):
+            assert raised[rank]["cause"] == "GroupLostError", raised[rank]
+            assert "restart the whole group" in raised[rank]["message"]
+        event = queue.group_events.get(timeout=15)
+        assert "rank 1" in event.reason
+    finally:
+        queue.close(timeout=0)

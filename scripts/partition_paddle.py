@@ -77,7 +77,8 @@ def start_ranks(nets, port, timeout):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=dev, PYTHONUNBUFFERED="1",
                    GLOG_minloglevel="2")  # gloo binds the veth, not the hostname's address
         cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
-               "--rank", str(rank), "--endpoints", endpoints, "--timeout", str(-1 if timeout is None else timeout)]
+               "--rank", str(rank), "--endpoints", endpoints,
+               "--timeout", str(-1 if timeout is None else timeout)]  # -1: None
         # ip netns exec execs the command: the pid is the rank's own
         log = tempfile.TemporaryFile(mode="w+")  # paddle's chatter; shown if a rank fails
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)

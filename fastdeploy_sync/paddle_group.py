@@ -25,16 +25,20 @@ Failures and time bounds (paddle 3.3.1, gloo backend on CPU):
     only bounds store operations, ``PADDLE_PG_TIMEOUT`` only reaches NCCL/FlagCX groups,
     and ``ProcessGroupGloo``/``GlooCommContext`` never call gloo's ``setTimeout``.
   * So ``barrier(timeout)`` with ``timeout < GLOO_TIMEOUT_S`` runs the all-reduce on a
-    helper thread (paddle releases the GIL inside it; the hand-off costs ~10 µs) and stops
-    waiting after ``timeout``. ``timeout=None`` or ``>= GLOO_TIMEOUT_S`` runs it inline,
-    bounded by gloo's 30 s. The constructor's collective is bounded by gloo's 30 s too:
-    every rank must build its group within 30 s of the others.
-  * A rank that dies (process killed, node rebooted) resets its TCP connections: the
-    peers waiting in the collective learn it within milliseconds and raise
-    ``PeerLostError``. A rank that is alive but silent (stopped, stuck, or a network
-    partition) is only detected by the timeout: ``BarrierTimeoutError``.
+    helper thread (paddle releases the GIL inside it) and stops waiting after
+    ``timeout``; the hand-off costs nothing measurable next to the all-reduce itself
+    (``scripts/partition_paddle.py --overhead``). ``timeout=None`` or ``>= GLOO_TIMEOUT_S``
+    runs it inline, bounded by gloo's 30 s. The constructor's collective is bounded by
+    gloo's 30 s too: every rank must build its group within 30 s of the others.
+  * A rank whose process dies while its node stays up (killed, crashed) has its TCP
+    connections reset by its kernel: the peers learn it within milliseconds (25 ms
+    measured) and raise ``PeerLostError``. A rank that is alive but silent (stopped,
+    stuck, node powered off, network partition) is only detected by the timeout:
+    ``BarrierTimeoutError``.
   * Both messages name this TP rank, its node (hostname and paddle endpoint) and the
-    peer's TP rank and endpoint when gloo's error names it; gloo's exception is chained.
+    peer's TP rank and paddle endpoint (from gloo's ``pair_rank``, else from the IP in
+    its message, else every other rank); gloo's exception, when there is one, is chained
+    (a timeout of the helper thread's wait has none).
   * After either error the group is unusable (gloo leaves a collective half done, and the
     abandoned one may still complete on the peers): every later ``barrier()`` raises
     again. Restart every rank of the TP group; ``incarnation`` tells the new group from

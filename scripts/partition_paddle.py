@@ -16,6 +16,10 @@ Every wait is bounded; the namespaces and processes are removed on exit (try/fin
 also after Ctrl-C. Usage::
 
     sudo python scripts/partition_paddle.py [--timeout 5] [--scenarios kill,partition,...]
+
+``--overhead`` (no root, loopback) measures instead what honouring ``barrier(timeout)``
+costs: the all-reduce inline (``timeout=None``) against the same all-reduce handed to
+the helper thread (``timeout=5``), in alternating blocks of the same run.
 """
 
 import argparse
@@ -73,7 +77,8 @@ def start_ranks(nets, port, timeout):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=dev, PYTHONUNBUFFERED="1",
                    GLOG_minloglevel="2")  # gloo binds the veth, not the hostname's address
         cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
-               "--rank", str(rank), "--endpoints", endpoints, "--timeout", str(-1 if timeout is None else timeout)]
+               "--rank", str(rank), "--endpoints", endpoints,
+               "--timeout", str(-1 if timeout is None else timeout)]  # -1: None
         # ip netns exec execs the command: the pid is the rank's own
         log = tempfile.TemporaryFile(mode="w+")  # paddle's chatter; shown if a rank fails
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -176,13 +181,84 @@ def rank_main(rank, endpoints, timeout):
              cause=type(exc.__cause__).__name__, barriers=n)
 
 
+def overhead_rank(rank, endpoints, rounds, block):
+    """Alternate blocks of inline and helper-thread barriers; rank 0 prints the medians."""
+    import statistics
+
+    eps = endpoints.split(",")
+    os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(len(eps)),
+                      PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=eps[rank],
+                      PADDLE_DISTRI_BACKEND="gloo")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import paddle
+    import paddle.distributed as dist
+
+    from fastdeploy_sync.paddle_group import PaddleTPGroup
+
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    group = PaddleTPGroup(len(eps), rank)
+    times = {None: [], 5.0: []}
+    for _ in range(50):
+        group.barrier(5.0)  # warm up both paths
+        group.barrier(None)
+    for _ in range(rounds):
+        for timeout in (None, 5.0):
+            for _ in range(block):
+                t = time.perf_counter()
+                group.barrier(timeout)
+                times[timeout].append(time.perf_counter() - t)
+    group.close()
+    if rank == 0:
+        inline, threaded = (statistics.median(times[k]) * 1e6 for k in (None, 5.0))
+        p99 = {k: sorted(v)[int(len(v) * 0.99)] * 1e6 for k, v in times.items()}
+        print(f"barrier(timeout=None), inline all-reduce:   p50 {inline:7.1f} us  "
+              f"p99 {p99[None]:7.1f} us  ({len(times[None])} barriers)")
+        print(f"barrier(timeout=5), helper-thread all-reduce: p50 {threaded:7.1f} us  "
+              f"p99 {p99[5.0]:7.1f} us  ({len(times[5.0])} barriers)")
+        print(f"ratio threaded/inline (p50): {threaded / inline:.3f}  "
+              f"(+{threaded - inline:.1f} us)")
+
+
+def run_overhead(rounds, block):
+    import socket
+
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    endpoints = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    for s in socks:
+        s.close()
+    cmd = [sys.executable, os.path.abspath(__file__), "--overhead", "--endpoints", endpoints,
+           "--overhead-rounds", str(rounds), "--overhead-block", str(block)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, GLOG_minloglevel="2")) for r in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=5.0, help="barrier(timeout) in seconds")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--overhead", action="store_true",
+                    help="measure the helper thread's cost on loopback instead (no root)")
+    ap.add_argument("--overhead-rounds", type=int, default=10)
+    ap.add_argument("--overhead-block", type=int, default=200)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.overhead and args.rank is not None:
+        return overhead_rank(args.rank, args.endpoints, args.overhead_rounds,
+                             args.overhead_block)
+    if args.overhead:
+        return run_overhead(args.overhead_rounds, args.overhead_block)
     if args.rank is not None:
         t = args.timeout if args.timeout >= 0 else None
         return rank_main(args.rank, args.endpoints, t)

@@ -172,6 +172,12 @@ class PaddleTPGroup:
         self._decision = (gen, self._consumed, upto) if upto > self._consumed else None
         self.gen = gen
 
+    def publish_fault(self, code):
+        pass  # no shared memory across nodes: each rank learns from the engine itself
+
+    def peer_fault(self):
+        return None
+
     def wake(self):
         pass
 

@@ -10,6 +10,8 @@ so that a rank writing its own watermarks never invalidates another rank's line)
                 ARRIVED   the barrier generation the rank last arrived at
                 SLEEPING  the generation the rank is blocked on in a semaphore, else 0
                 PID
+                FAULT     non-zero once the rank stopped at an engine-side error (its code),
+                          so that a peer waiting for it raises the same error, not "exited"
     decisions   a ring of DECISION_RING entries (GEN, FROM, TO), written by rank 0 only
 
 The step protocol (the invariant: every rank takes the same batches at the same step):
@@ -51,7 +53,7 @@ VERSION = 1
 H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY, H_INCARNATION = range(6)
 RANK_BASE = 8
 RANK_STRIDE = 8  # 64 bytes: one cache line per rank
-R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID = range(5)
+R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID, R_FAULT = range(6)
 DECISION_RING = 8
 D_GEN, D_FROM, D_TO = range(3)
 D_STRIDE = 4
@@ -113,6 +115,12 @@ class SoloGroup:
 
     def barrier(self, timeout=None, service=None, check=None):
         pass
+
+    def publish_fault(self, code):
+        pass
+
+    def peer_fault(self):
+        return None
 
     def wake(self):
         pass
@@ -247,6 +255,21 @@ class ShmTPGroup:
             if v[s] < seq:
                 return False
         return True
+
+    def publish_fault(self, code: int) -> None:
+        """This rank stopped at an engine-side error ``code`` (see ``worker``); peers
+        blocked in the barrier wake and see it."""
+        self._view[self._my + R_FAULT] = code
+        for sem in self._sems:
+            sem.release()
+
+    def peer_fault(self):
+        """``(rank, code)`` of the first other rank that published a fault, or None."""
+        v = self._view
+        for r, base in enumerate(self._ranks):
+            if r != self.tp_rank and v[base + R_FAULT]:
+                return r, v[base + R_FAULT]
+        return None
 
     def received(self):
         """Every rank's RECEIVED, for error messages and stats."""

@@ -71,6 +71,13 @@ def _make_group(name, dp_id, tp_size, tp_rank, coordinator):
     return PaddleTPGroup(tp_size, tp_rank, group=coordinator)
 
 
+# Engine-side errors a rank publishes to its group when it stops at one (tp_group FAULT);
+# GroupLostError before EngineRejectedError, its base class.
+_FAULT_CODES = ((EngineGoneError, 1), (GroupLostError, 2), (EngineRejectedError, 3),
+                (EngineClosedError, 4))
+_FAULT_CLASSES = {code: cls for cls, code in _FAULT_CODES}
+
+
 class TaskClient:
     """One TP rank's end of the task channel.
 
@@ -572,18 +579,35 @@ class TaskClient:
         return [tasks for _, tasks in items]
 
     def _check_error(self):
+        """The barrier's check while it blocks: our own error, then a peer's fault."""
         if self._error is not None:
+            self._raise_error()
+        fault = self._group.peer_fault()
+        if fault is not None:
+            rank, code = fault
+            cls = _FAULT_CLASSES.get(code, EngineRejectedError)
+            if cls is EngineClosedError and self._taken < (self._close_seq or 0):
+                return  # this rank still has batches the engine sent before closing
+            self._error = cls(f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group "
+                              f"stopped at {cls.__name__} about the engine at {self.endpoint} "
+                              f"(its log says why), so this step cannot complete")
             self._raise_error()
 
     def _raise_error(self):
         """Raise what ``_error`` holds, in this client's terms; return (raise nothing) for
-        an engine CLOSE while this rank still has batches it was sent to take."""
+        an engine CLOSE while this rank still has batches it was sent to take. An
+        engine-side error is first published to the group, so that peers blocked in the
+        barrier raise the same kind of error instead of "rank N exited"."""
         err = self._error
         if isinstance(err, ClosedError):
             raise ClosedError(str(err))
+        for cls, code in _FAULT_CODES:
+            if isinstance(err, cls):
+                if cls is EngineClosedError and self._taken < self._close_seq:
+                    return
+                self._group.publish_fault(code)
+                break
         if isinstance(err, EngineClosedError):
-            if self._taken < self._close_seq:
-                return
             raise EngineClosedError(str(err))
         if not self.async_prefetch and not self._error_raised:
             self._error_raised = True

@@ -28,9 +28,11 @@ def _insecure_loopback_tcp(monkeypatch):
     monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
 
 
-def _reclaim(name):
-    """A SIGKILLed engine leaves its socket file and ack board: the next engine of the name
-    reclaims them (and this one removes them on close)."""
+@pytest.fixture
+def killed_engine_names(name):
+    """A SIGKILLed engine leaves its socket file and ack board: after the test, the next
+    engine of the name reclaims them (and removes them on close)."""
+    yield name
     TaskQueue(name, 1).close()
 
 
@@ -48,7 +50,7 @@ def _check_same_prefix(raised, n):
 
 
 @MODES
-def test_a_killed_engine_is_reported_gone_on_every_rank(name, procs, results, doomed,
+def test_a_killed_engine_is_reported_gone_on_every_rank(name, killed_engine_names, procs, results, doomed,
                                                         async_prefetch):
     n = 5
     engine = procs(serve_engine, doomed, 0, name, 2, n)
@@ -60,16 +62,17 @@ def test_a_killed_engine_is_reported_gone_on_every_rank(name, procs, results, do
     raised = collect(results, "raised", 2, timeout=30)
     for rank in range(2):
         assert raised[rank]["cause"] == "EngineGoneError", raised[rank]
-        assert "nothing heard from the engine" in raised[rank]["message"]
-        assert f"rank {rank}" in raised[rank]["message"]
+        # the rank that noticed first says why; a peer waiting for it says who noticed
+        assert ("nothing heard from the engine" in raised[rank]["message"]
+                or "stopped at EngineGoneError" in raised[rank]["message"]), raised[rank]
+        assert raised[rank]["message"].startswith(f"rank {rank} ")
         if async_prefetch:
             assert raised[rank]["type"] == "PrefetchError"
     _check_same_prefix(raised, n)
     engine.join(timeout=10)
-    _reclaim(name)
 
 
-def test_a_stopped_engine_is_reported_gone(name, procs, results, doomed):
+def test_a_stopped_engine_is_reported_gone(name, killed_engine_names, procs, results, doomed):
     """SIGSTOP for longer than the heartbeat timeout: to its workers it is gone."""
     engine = procs(serve_engine, doomed, 0, name, 2, 3)
     collect(doomed, "served", 1, timeout=30)
@@ -84,7 +87,6 @@ def test_a_stopped_engine_is_reported_gone(name, procs, results, doomed):
     assert [raised[r]["cause"] for r in range(2)] == ["EngineGoneError"] * 2
     _check_same_prefix(raised, 3)
     engine.join(timeout=10)
-    _reclaim(name)
 
 
 @MODES
@@ -138,7 +140,7 @@ def test_the_engine_reports_a_killed_rank_disconnected(name, procs, results, doo
         queue.close(timeout=0)
 
 
-def test_a_restarted_engine_serves_a_fresh_group_and_refuses_the_old(name, procs, results,
+def test_a_restarted_engine_serves_a_fresh_group_and_refuses_the_old(name, killed_engine_names, procs, results,
                                                                      doomed):
     """An engine restarted on the same tcp port while the old workers still live: their
     queued ACKs and HELLOs are recognised as another engine's and ignored, the old workers
@@ -162,10 +164,9 @@ def test_a_restarted_engine_serves_a_fresh_group_and_refuses_the_old(name, procs
         fresh = collect(results, "took_n", 2, timeout=30)
         assert fresh[0] == fresh[1] == list(range(100, 100 + n))
         assert wait_until(lambda: queue.stats()["consumed"] == [n, n])  # tcp ACKs in flight
-        assert queue.stats()["stale"] == 0 or queue.stats()["stale"] > 0  # counted, never applied
+        assert queue.stats()["rejected"] >= 2  # the old workers' HELLOs, never accepted
         assert queue.close(timeout=10) == []
     collect(results, "raised", 2, timeout=30)  # the fresh group: EngineClosedError
-    _reclaim(name)  # the old engine's ack board was never removed (the new one is tcp)
 
 
 def test_a_whole_group_restart_under_a_live_engine(name, procs, results, doomed):

@@ -185,3 +185,67 @@ def test_engine_in_default_location_works_and_leaves_nothing(ipc_env, monkeypatc
     finally:
         q.close()
     assert not os.path.exists(path)
+
+
+# -- shared memory ---------------------------------------------------------------------------
+
+from fastdeploy_sync.shm import (Segment, check_semaphore_owner, create_semaphore,  # noqa: E402
+                                 open_semaphore, reclaim_stale, segment_owner, unlink_segment,
+                                 unlink_semaphore)
+
+
+def test_segment_and_semaphore_are_created_0600(name):
+    old = os.umask(0o000)
+    try:
+        seg = Segment.create(f"/{name}", 64)
+        sem = create_semaphore(f"/{name}.w0")
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(f"/dev/shm/{name}") == 0o600
+        assert _mode(f"/dev/shm/sem.{name}.w0") == 0o600
+        assert check_semaphore_owner(f"/{name}.w0")
+        open_semaphore(f"/{name}.w0").close()
+        other = Segment.attach(f"/{name}")
+        assert other.size == 64
+        other.close()
+    finally:
+        seg.close()
+        sem.close()
+        unlink_segment(f"/{name}")
+        unlink_semaphore(f"/{name}.w0")
+
+
+@needs_root
+def test_segment_of_another_user_is_never_mapped_or_unlinked(name):
+    seg = Segment.create(f"/{name}", 64)
+    seg.view[1] = 999_999_999  # a "dead" owner pid: would be reclaimed if it were ours
+    seg.close()
+    os.chown(f"/dev/shm/{name}", OTHER, OTHER)
+    try:
+        with pytest.raises(PermissionError, match=f"shared memory /{name} is owned by uid {OTHER}"):
+            Segment.attach(f"/{name}")
+        with pytest.raises(PermissionError, match=f"uid {OTHER}"):
+            segment_owner(f"/{name}", 1)
+        with pytest.raises(PermissionError, match=f"uid {OTHER}"):
+            reclaim_stale(f"/{name}", 1)
+        assert os.path.exists(f"/dev/shm/{name}")
+        with pytest.raises(FileExistsError):
+            Segment.create(f"/{name}", 64)
+    finally:
+        unlink_segment(f"/{name}")
+
+
+@needs_root
+def test_semaphore_of_another_user_is_refused(name):
+    create_semaphore(f"/{name}.w0").close()
+    os.chown(f"/dev/shm/sem.{name}.w0", OTHER, OTHER)
+    try:
+        with pytest.raises(PermissionError, match=rf"semaphore /{name}.w0 is owned by uid {OTHER}"):
+            open_semaphore(f"/{name}.w0")
+        with pytest.raises(FileExistsError):
+            create_semaphore(f"/{name}.w0")
+    finally:
+        unlink_semaphore(f"/{name}.w0")
+    with pytest.raises(FileNotFoundError):
+        open_semaphore(f"/{name}.w0")

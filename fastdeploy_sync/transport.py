@@ -218,17 +218,21 @@ def check_ipc_endpoint(path: str) -> None:
     _check_own_socket(path, st)
 
 
-# File descriptors a TaskQueue / TaskClient needs, measured with scripts/fd_count.py (libzmq
-# 4.3.5, one io thread): a Context plus its first socket ~ 8 (reaper and io thread epoll +
-# mailbox eventfds), every further socket 1-2, a socket monitor 2-3, the WakePipe 2.
-# The constants keep about 2x headroom over the measured figures.
-ENGINE_FDS = 32
+# File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
+# 4.3.5, one io thread): a Context plus its first socket 6 (reaper and io-thread epoll and
+# mailbox fds), each further socket 1-2, a socket monitor 1-2, a WakePipe 2, each
+# connection 1. Measured whole: TaskQueue(tp_size=2) 10 before any rank connects, a
+# TaskClient 12-16, a Context with ServerAuth (its ZAP thread and socket) 11. The constants
+# keep about 2x headroom; the engine adds 2 per rank for the ranks' two connections.
 CLIENT_FDS = 32
+ENGINE_FDS = 32
 
 
 def ensure_free_fds(count: int, who: str) -> None:
     """Raise ``OSError(errno.EMFILE, ...)`` unless ``count`` more file descriptors can be
-    opened now; never blocks, never leaves an fd open.
+    opened now; never blocks, never leaves an fd open. ``who`` names the caller in the
+    message (e.g. ``"TaskClient rank 1 of 'llm' dp_id=0"``). Typical counts: ``CLIENT_FDS``
+    for a TaskClient, ``ENGINE_FDS + 2 * tp_size`` for a TaskQueue.
 
     Call it before creating a ``zmq.Context``: libzmq aborts the whole process (SIGABRT,
     ``Too many open files (src/epoll.cpp:38)``) when its I/O thread cannot create an fd,

@@ -249,3 +249,55 @@ def test_semaphore_of_another_user_is_refused(name):
         unlink_semaphore(f"/{name}.w0")
     with pytest.raises(FileNotFoundError):
         open_semaphore(f"/{name}.w0")
+
+
+# -- file-descriptor exhaustion --------------------------------------------------------------
+
+import errno  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds  # noqa: E402
+
+
+def test_ensure_free_fds_passes_and_leaves_no_fd_open():
+    before = sorted(os.listdir("/proc/self/fd"))
+    ensure_free_fds(CLIENT_FDS, "test")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_fd_exhaustion_raises_emfile_and_the_process_lives_on():
+    child = textwrap.dedent("""
+        import errno, os, resource
+        from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds
+        import zmq  # loaded before the limit, as in a real worker
+        open_now = len(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = open_now + 10  # fewer free fds than a TaskClient needs
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        try:
+            ensure_free_fds(CLIENT_FDS, "TaskClient rank 1 of 'llm' dp_id=0")
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+            print("RAISED", exc)
+        else:
+            raise SystemExit("no error with %d fds allowed" % low)
+        # still alive and usable: fds were released, we can compute and open files
+        with open(os.devnull) as f:
+            f.read()
+        print("SUM", sum(range(1000)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        ensure_free_fds(CLIENT_FDS, "after raising the limit")
+        ctx = zmq.Context(io_threads=1)
+        ctx.socket(zmq.DEALER).close(0)
+        ctx.term()
+        print("ZMQ OK")
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert f"RAISED [Errno {errno.EMFILE}] TaskClient rank 1 of 'llm' dp_id=0 needs about " \
+           f"{CLIENT_FDS} free file descriptors" in done.stdout
+    assert "raise ulimit -n" in done.stdout and "(ulimit -n is " in done.stdout
+    assert "SUM 499500" in done.stdout and "ZMQ OK" in done.stdout

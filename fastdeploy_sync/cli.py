@@ -4,6 +4,7 @@
                                               (async, sync) side by side with a FastDeploy-style
                                               multiprocessing.managers queue
     fastdeploy-sync status NAME [--dp-id N]   per-rank watermarks of a live (or stale) TP group
+    fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see auth.py)
 
 ``status`` reads the group's shared memory without joining the group: it is safe to run
 next to a running server, e.g. when a step seems stuck. ``profile`` starts its own engine
@@ -46,6 +47,22 @@ def _status(args) -> int:
                   f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
     finally:
         seg.close()
+    return 0
+
+
+def _keys(args) -> int:
+    from .auth import create_keys
+
+    try:
+        paths = create_keys(args.dir, force=args.force)
+    except (FileExistsError, PermissionError) as exc:
+        print(f"fastdeploy-sync keys: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    d = paths["dir"]
+    print(f"keys written to {d} (mode 0700; secret files 0600)")
+    print(f"  engine node : FD_SYNC_KEYS_DIR={d}  (reads server.key_secret, allowed_clients/)")
+    print(f"  worker nodes: copy {paths['server_public']} and {paths['client_secret']} "
+          f"(keep mode 0600) into a directory there and set FD_SYNC_KEYS_DIR to it")
     return 0
 
 
@@ -145,6 +162,13 @@ def main(argv=None) -> int:
     status.add_argument("name")
     status.add_argument("--dp-id", type=int, default=0)
     status.set_defaults(run=_status)
+    keys = sub.add_parser("keys", help="create CURVE keys for tcp:// endpoints",
+                          description="Create a server and a client CURVE key pair and the "
+                                      "engine's client allowlist in DIR (mode 0700). Refuses to "
+                                      "overwrite existing keys unless --force.")
+    keys.add_argument("dir", metavar="DIR")
+    keys.add_argument("--force", action="store_true", help="replace existing keys")
+    keys.set_defaults(run=_keys)
     args = parser.parse_args(argv)
     return args.run(args)
 

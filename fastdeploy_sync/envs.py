@@ -5,6 +5,7 @@ test or a launcher can set them per process before building the objects.
 """
 
 import os
+import stat
 import tempfile
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "tp_coordinator",
     "profile_enabled",
     "profile_dir",
+    "keys_dir",
+    "insecure_tcp",
 ]
 
 
@@ -41,11 +44,26 @@ def async_task_comm_enabled() -> bool:
 
 
 def ipc_dir() -> str:
-    """``FD_SYNC_IPC_DIR``: where default ``ipc://`` socket files live (default: the temp dir).
+    """``FD_SYNC_IPC_DIR``: where default ``ipc://`` socket files live.
 
-    Keep it short: a unix socket path is limited to 107 bytes.
+    Default: ``$XDG_RUNTIME_DIR/fastdeploy_sync`` when ``XDG_RUNTIME_DIR`` is an absolute
+    path to a directory owned by us, else ``<tempdir>/fastdeploy_sync-<uid>``. The directory
+    is created with mode 0700 and must stay private (``transport.private_dir``): a socket in
+    a directory others can write to can be bound by them first. Keep it short: a unix socket
+    path is limited to 107 bytes. Only computes the path; creates nothing.
     """
-    return os.environ.get("FD_SYNC_IPC_DIR") or tempfile.gettempdir()
+    explicit = os.environ.get("FD_SYNC_IPC_DIR")
+    if explicit:
+        return explicit
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            return os.path.join(runtime, "fastdeploy_sync")
+    return os.path.join(tempfile.gettempdir(), f"fastdeploy_sync-{os.geteuid()}")
 
 
 def attach_timeout_s() -> float:
@@ -116,3 +134,16 @@ def profile_dir() -> str:
     """``FD_SYNC_PROFILE_DIR`` (default unset): with profiling on, ``TaskClient.close()``
     writes the profiler's JSON summary into this directory, one file per rank and process."""
     return os.environ.get("FD_SYNC_PROFILE_DIR") or None
+
+
+def keys_dir() -> str:
+    """``FD_SYNC_KEYS_DIR`` (default unset): the directory of CURVE keys made by
+    ``fastdeploy-sync keys DIR``, needed by ``tcp://`` endpoints (see ``auth.py``)."""
+    return os.environ.get("FD_SYNC_KEYS_DIR") or None
+
+
+def insecure_tcp() -> bool:
+    """``FD_SYNC_INSECURE_TCP`` (default ``0``): ``1`` lets ``tcp://`` endpoints run without
+    CURVE keys. Anyone who reaches the port can then read users' prompts and run code in the
+    workers; use it only on a network nobody else can reach."""
+    return _flag("FD_SYNC_INSECURE_TCP")

@@ -6,13 +6,23 @@ event loop (sends acknowledgements). A ZeroMQ socket is not thread-safe, so each
 has exactly one owning thread for its whole life.
 
 Endpoints: ``endpoint=None`` means a node-local ``ipc://`` file derived from the queue's
-name and dp_id (nothing to start or configure); ``tcp://host:port`` is used as given.
+name and dp_id (nothing to start or configure); ``tcp://host:port`` is used as given (and
+needs CURVE keys, see ``auth.py``).
+
+Trust: an ipc socket file lives in a per-user directory (``envs.ipc_dir()``, mode 0700,
+owned by us, never a symlink) because whoever can create the socket file first receives
+the users' prompts and feeds pickles to the workers. The engine claims the path
+(``claim_ipc_path``: refuses another user's file, reclaims a stale one of ours) and makes
+the socket 0600 after bind (``secure_socket_file``); workers check the directory and the
+socket's owner before connecting (``check_ipc_endpoint``).
 """
 
 import errno
 import os
 import re
+import resource
 import socket
+import stat
 
 import zmq
 
@@ -23,29 +33,58 @@ __all__ = [
     "validate_name",
     "default_endpoint",
     "ipc_path",
+    "private_dir",
+    "check_private_dir",
     "claim_ipc_path",
+    "secure_socket_file",
+    "check_ipc_endpoint",
+    "ensure_free_fds",
     "unlink_quietly",
     "new_socket",
     "WakePipe",
+    "MAX_DP_ID",
+    "ENGINE_FDS",
+    "CLIENT_FDS",
 ]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# \A and \Z, not ^ and $: "$" also matches before a trailing newline ("llm\n").
+# No leading dot: "." and ".." must never become path components.
+_NAME_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+MAX_DP_ID = 4095
 _UNIX_PATH_MAX = 107
 
 
 def validate_name(name: str, dp_id: int) -> None:
-    """Names become file and shared-memory names, so keep them to a safe alphabet."""
+    """Check a queue name and data-parallel id; ``ValueError`` saying what is allowed.
+
+    Both become parts of file names (``/dev/shm``, the ipc socket file), so: ``name`` is
+    1-64 characters from ``[A-Za-z0-9_.-]`` not starting with ``.``; ``dp_id`` is a plain
+    ``int`` (not ``bool``, not a numpy integer) in ``0..MAX_DP_ID`` (4095).
+    """
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"name={name!r}: use 1-64 characters from [A-Za-z0-9_.-]")
-    if not isinstance(dp_id, int) or dp_id < 0:
-        raise ValueError(f"dp_id={dp_id!r}: expected an int >= 0")
+        raise ValueError(f"name={name!r}: use 1-64 characters from [A-Za-z0-9_.-], "
+                         f"not starting with '.' (it becomes part of file names)")
+    if type(dp_id) is not int:  # noqa: E721 -- bool and numpy ints are refused on purpose
+        raise ValueError(f"dp_id={dp_id!r} ({type(dp_id).__name__}): expected a plain int "
+                         f"in 0..{MAX_DP_ID}")
+    if not 0 <= dp_id <= MAX_DP_ID:
+        raise ValueError(f"dp_id={dp_id}: expected an int in 0..{MAX_DP_ID}")
 
 
 def default_endpoint(name: str, dp_id: int) -> str:
-    path = os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp{dp_id}.ipc")
+    """The node-local ``ipc://`` endpoint of (name, dp_id), in the private ``envs.ipc_dir()``.
+
+    Creates that directory (mode 0700) if needed and checks it (``private_dir``):
+    ``PermissionError`` if it belongs to another user, is writable by group/other or is a
+    symlink; ``ValueError`` if the socket path is too long for a unix socket.
+    """
+    validate_name(name, dp_id)
+    directory = envs.ipc_dir()
+    path = os.path.join(directory, f"fdsync-{name}-dp{dp_id}.ipc")
     if len(path.encode()) > _UNIX_PATH_MAX:
         raise ValueError(f"ipc path {path!r} is longer than {_UNIX_PATH_MAX} bytes: "
                          f"set FD_SYNC_IPC_DIR to a shorter directory or use a shorter name")
+    private_dir(directory)
     return "ipc://" + path
 
 
@@ -54,16 +93,86 @@ def ipc_path(endpoint: str):
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
+def _mode(st) -> str:
+    return oct(stat.S_IMODE(st.st_mode))
+
+
+def check_private_dir(path: str) -> None:
+    """Raise ``PermissionError`` unless ``path`` is a real directory (not a symlink) owned by
+    this process's effective uid and not writable by group or other. Never blocks.
+
+    ``FileNotFoundError`` if it does not exist. Why: whoever can create files in the
+    directory of an ipc socket can bind the socket first and feed pickles to the workers.
+    """
+    st = os.lstat(path)
+    uid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(
+            errno.EPERM, f"{path} is a symlink (owner uid {st.st_uid}); fastdeploy_sync keeps "
+            f"its ipc sockets only in a real directory of its own: remove the link, or set "
+            f"FD_SYNC_IPC_DIR to a directory you own with mode 0700", path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(
+            errno.ENOTDIR, f"{path} is not a directory (owner uid {st.st_uid}, mode "
+            f"{_mode(st)}): remove it or set FD_SYNC_IPC_DIR to a directory you own", path)
+    if st.st_uid != uid:
+        raise PermissionError(
+            errno.EPERM, f"{path} is owned by uid {st.st_uid} (mode {_mode(st)}), not by this "
+            f"process's uid {uid}: another user may have created it to intercept the engine's "
+            f"socket. Remove it (as root or its owner) or set FD_SYNC_IPC_DIR to a directory "
+            f"you own with mode 0700", path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            errno.EPERM, f"{path} (owner uid {st.st_uid}) has mode {_mode(st)}: writable by "
+            f"group or other, so another user could bind the engine's socket first. Run "
+            f"'chmod 700 {path}' or set FD_SYNC_IPC_DIR to a directory with mode 0700", path)
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` with mode 0700 if absent (its parent must exist), then
+    ``check_private_dir`` it; returns ``path``. ``PermissionError`` as in
+    ``check_private_dir``. Never blocks."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        # mkdir's mode is masked by the umask; a umask like 0o277 would leave us without
+        # write permission. Never more than 0700 in between, so no window for others.
+        os.chmod(path, 0o700)
+    check_private_dir(path)
+    return path
+
+
+def _check_own_socket(path: str, st) -> None:
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise PermissionError(
+            errno.EPERM, f"ipc socket {path} is owned by uid {st.st_uid}, not by this process's "
+            f"uid {uid}: another user's process holds this endpoint. Do not connect to it; "
+            f"remove it (as root or its owner) or use another FD_SYNC_IPC_DIR", path)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise PermissionError(
+            errno.EPERM, f"{path} is not a socket (mode {_mode(st)}): remove it, or use "
+            f"another name or FD_SYNC_IPC_DIR", path)
+
+
 def claim_ipc_path(path: str) -> None:
     """Make ``path`` free to bind, or raise ``EndpointInUseError`` if a live engine owns it.
 
+    The directory must pass ``check_private_dir`` and an existing file must be a socket
+    owned by us, else ``PermissionError`` (another user's file is never unlinked).
     libzmq would silently take over a path that another process is listening on, and it
     leaves the file behind after close, so a leftover file is the normal case after a
-    crash. We tell the two apart by connecting: a live listener accepts, a stale file
-    refuses.
+    crash. We tell the two apart by connecting (at most 1 s): a live listener accepts, a
+    stale file refuses.
     """
-    if not os.path.exists(path):
+    check_private_dir(os.path.dirname(path) or ".")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    _check_own_socket(path, st)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -78,6 +187,85 @@ def claim_ipc_path(path: str) -> None:
     raise EndpointInUseError(
         f"ipc://{path} is in use by a live TaskQueue; pick another name or dp_id, "
         f"or stop the other engine first")
+
+
+def secure_socket_file(path: str) -> None:
+    """Called by the engine right after ``bind``: make the socket file mode 0600.
+
+    ``PermissionError`` if ``path`` is not a socket owned by us. The private directory
+    already keeps others out; this keeps them out even if the directory is loosened later.
+    """
+    _check_own_socket(path, os.lstat(path))
+    os.chmod(path, 0o600)
+
+
+def check_ipc_endpoint(path: str) -> None:
+    """Called by a worker before connecting to ``ipc://path``. Never blocks.
+
+    ``PermissionError`` if the socket's directory fails ``check_private_dir``, or if the
+    socket file exists and is not a socket owned by us (someone else bound it). A missing
+    directory or file is fine: the engine may not have started yet, and once the directory
+    is ours nobody else can create the file in it.
+    """
+    try:
+        check_private_dir(os.path.dirname(path) or ".")
+    except FileNotFoundError:
+        return
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    _check_own_socket(path, st)
+
+
+# File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
+# 4.3.5, one io thread): a Context plus its first socket 6 (reaper and io-thread epoll and
+# mailbox fds), each further socket 1-2, a socket monitor 1-2, a WakePipe 2, each
+# connection 1. Measured whole: TaskQueue(tp_size=2) 10 before any rank connects, a
+# TaskClient 12-16, a Context with ServerAuth (its ZAP thread and socket) 11. The constants
+# keep about 2x headroom; the engine adds 2 per rank for the ranks' two connections.
+CLIENT_FDS = 32
+ENGINE_FDS = 32
+
+
+def ensure_free_fds(count: int, who: str) -> None:
+    """Raise ``OSError(errno.EMFILE, ...)`` unless ``count`` more file descriptors can be
+    opened now; never blocks, never leaves an fd open. ``who`` names the caller in the
+    message (e.g. ``"TaskClient rank 1 of 'llm' dp_id=0"``). Typical counts: ``CLIENT_FDS``
+    for a TaskClient, ``ENGINE_FDS + 2 * tp_size`` for a TaskQueue.
+
+    Call it before creating a ``zmq.Context``: libzmq aborts the whole process (SIGABRT,
+    ``Too many open files (src/epoll.cpp:38)``) when its I/O thread cannot create an fd,
+    instead of raising. We probe by opening ``/dev/null`` once and duplicating it up to
+    ``count`` times, then closing all of them (the probe itself fails with EMFILE, which
+    Python turns into an exception; nothing else in the process is affected).
+    """
+    opened = []
+    try:
+        base = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        base = None
+    try:
+        if base is not None:
+            opened.append(base)
+            while len(opened) < count:
+                opened.append(os.dup(base))
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+    finally:
+        available = len(opened)
+        for fd in opened:
+            os.close(fd)
+    if available < count:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise OSError(
+            errno.EMFILE,
+            f"{who} needs about {count} free file descriptors, {available} are available "
+            f"(ulimit -n is {soft}, hard limit {hard}): raise ulimit -n (e.g. 'ulimit -n 65536' "
+            f"in the launching shell) or close files/sockets this process does not need")
 
 
 def unlink_quietly(path) -> None:

@@ -13,7 +13,8 @@ def name():
     """A unique group name per test; after the test, nothing of it may remain on disk."""
     n = "t" + uuid.uuid4().hex[:12]
     yield n
-    leftovers = glob.glob(f"/dev/shm/*{n}*") + glob.glob(f"/tmp/fdsync-{n}-*")
+    from fastdeploy_sync import envs  # the default ipc directory, as the library computes it
+    leftovers = glob.glob(f"/dev/shm/*{n}*") + glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{n}-*"))
     for path in leftovers:  # clean up so one failure does not cascade, then fail
         os.unlink(path)
     assert not leftovers, f"left behind: {leftovers}"

@@ -1,0 +1,318 @@
+"""CURVE on tcp endpoints, with real sockets on 127.0.0.1: the engine side is a raw ROUTER with
+ServerAuth in this process, peers are DEALERs in child processes. Every receive has a timeout."""
+
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from fastdeploy_sync.auth import ClientAuth, ServerAuth, create_keys, handshake_failure_message
+from fastdeploy_sync.errors import AuthenticationError
+
+RECV_MS = 3000
+
+
+def _keys_cli(directory, *extra):
+    return subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "keys", str(directory),
+                           *extra], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """A key directory made by the command line, as a user would make it."""
+    d = tmp_path / "keys"
+    done = _keys_cli(d)
+    assert done.returncode == 0, done.stderr
+    return str(d)
+
+
+@pytest.fixture
+def server(keys, monkeypatch):
+    """A CURVE ROUTER on 127.0.0.1 (ROUTER_MANDATORY, as the engine's) and its endpoint."""
+    monkeypatch.delenv("FD_SYNC_KEYS_DIR", raising=False)
+    ctx = zmq.Context()
+    auth = ServerAuth.start(ctx, "tcp://127.0.0.1:0", keys_dir=keys)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.router_mandatory = 1
+    auth.apply(sock)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(0)
+    auth.close()
+    ctx.term()
+
+
+def _events(mon, until, stop_on=()):
+    out = []
+    while time.monotonic() < until:
+        if mon.poll(50):
+            ev = recv_monitor_message(mon)
+            out.append((ev["event"], ev["value"]))
+            if ev["event"] in stop_on:
+                break
+    return out
+
+
+def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
+    """A DEALER that connects, says hello and listens; reports what it saw.
+
+    mode: "good" (our keys), "anonymous" (no CURVE), "stranger" (a valid key pair that is not
+    allowlisted, right server key pinned), "wrong_pin" (pins another server's key)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.identity = identity
+    if mode == "good":
+        ClientAuth.load(endpoint, keys_dir=keys).apply(sock)
+    elif mode in ("stranger", "wrong_pin"):
+        other = os.path.join(os.path.dirname(keys), "other")
+        create_keys(other)
+        auth = ClientAuth.load(endpoint, keys_dir=other)
+        if mode == "stranger":
+            auth.server_key = ClientAuth.load(endpoint, keys_dir=keys).server_key
+        auth.apply(sock)
+    mon = sock.get_monitor_socket()
+    sock.connect(endpoint)
+    sock.send(b"hello from " + identity)
+    received = []
+    events = []
+    until = time.monotonic() + listen_s
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    while time.monotonic() < until:
+        for s, _ in poller.poll(50):
+            if s is sock:
+                received.append(sock.recv(zmq.NOBLOCK))
+                if mode == "good":
+                    until = 0  # got the reply: done
+            else:
+                ev = recv_monitor_message(mon)
+                events.append((ev["event"], ev["value"]))
+    results.put((mode, received, events))
+    sock.disable_monitor()
+    mon.close(0)
+    sock.close(0)
+    ctx.term()
+
+
+def _recv(sock, ms=RECV_MS):
+    if not sock.poll(ms):
+        return None
+    return sock.recv_multipart(zmq.NOBLOCK)
+
+
+def _result(results):
+    return results.get(timeout=30)
+
+
+def test_stream_works_with_keys(server, keys, procs, results):
+    sock, endpoint = server
+    procs(peer, endpoint, keys, "good", results)
+    got = _recv(sock, 10_000)
+    assert got == [b"r0", b"hello from r0"]
+    sock.send_multipart([b"r0", b"batch 1"])
+    mode, received, events = _result(results)
+    assert received == [b"batch 1"]
+    assert (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) in events
+
+
+def test_anonymous_peer_never_completes_a_handshake(server, keys, procs, results):
+    sock, endpoint = server
+    procs(peer, endpoint, keys, "anonymous", results, identity=b"anon")
+    assert _recv(sock) is None
+    # it never became a routable peer: the engine cannot even address a message to it
+    with pytest.raises(zmq.ZMQError) as exc:
+        sock.send_multipart([b"anon", b"a user's prompt"])
+    assert exc.value.errno == zmq.EHOSTUNREACH
+    mode, received, events = _result(results)
+    assert received == []
+    kinds = {e for e, _ in events}
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in kinds
+    # measured with libzmq 4.3.5: NO_DETAIL (EPIPE), sometimes PROTOCOL (mechanism mismatch)
+    assert kinds & {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}, events
+
+
+def test_raw_tcp_peer_gets_only_the_greeting(server):
+    """Below ZeroMQ: a plain TCP client that speaks NULL gets at most the 64-byte ZMTP
+    greeting and the connection is closed; never a byte of a message."""
+    sock, endpoint = server
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    # ZMTP 3.0 greeting: signature, version 3.0, mechanism "NULL", as-server 0, filler
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+    ready = b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
+    raw = socket.create_connection((host, int(port)), timeout=5)
+    got = b""
+    try:
+        raw.sendall(greeting + ready)
+        raw.settimeout(3)
+        while True:
+            try:
+                chunk = raw.recv(4096)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        raw.close()
+    # libzmq 4.3.5 sends the 10-byte signature, reads our greeting (NULL), and hangs up
+    # before even sending the rest of its own greeting (which would name CURVE)
+    assert got[:1] == b"\xff" and got[9:10] == b"\x7f", got
+    assert len(got) <= 64, got  # at most the greeting, never a message frame
+    assert len(got) < 17 or got[12:17] == b"CURVE", got
+    assert _recv(sock, 200) is None
+
+
+def test_key_not_in_allowlist_is_refused(server, keys, procs, results):
+    sock, endpoint = server
+    procs(peer, endpoint, keys, "stranger", results, identity=b"stranger")
+    assert _recv(sock) is None
+    mode, received, events = _result(results)
+    assert received == []
+    # measured with libzmq 4.3.5: the ZAP refusal reaches the client as AUTH, status 400
+    auth = [v for e, v in events if e == zmq.EVENT_HANDSHAKE_FAILED_AUTH]
+    assert auth == [400], events
+    msg = handshake_failure_message(zmq.EVENT_HANDSHAKE_FAILED_AUTH, endpoint, 400, keys)
+    assert "refused this worker's key" in msg and "allowlist" in msg
+
+
+def test_client_pinning_another_engine_key_gets_nothing(server, keys, procs, results):
+    """The impostor case: whoever holds the port is not the engine the worker pinned."""
+    sock, endpoint = server
+    procs(peer, endpoint, keys, "wrong_pin", results, identity=b"w0")
+    assert _recv(sock) is None
+    with pytest.raises(zmq.ZMQError) as exc:
+        sock.send_multipart([b"w0", b"pickle that runs code"])
+    assert exc.value.errno == zmq.EHOSTUNREACH
+    mode, received, events = _result(results)
+    assert received == []
+    kinds = [e for e, _ in events]
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in kinds
+    # measured with libzmq 4.3.5: NO_DETAIL (value EPIPE) on every reconnect
+    assert zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL in kinds, events
+    msg = handshake_failure_message(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, endpoint, None, keys)
+    assert f"the peer at {endpoint} is not the engine whose key you pinned" in msg
+    assert "another process holds the port" in msg
+
+
+def test_mechanism_mismatch_message():
+    msg = handshake_failure_message(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "tcp://h:1",
+                                    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    assert "does not use CURVE" in msg
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_missing_keys_raise_with_the_howto(side, monkeypatch):
+    monkeypatch.delenv("FD_SYNC_KEYS_DIR", raising=False)
+    monkeypatch.delenv("FD_SYNC_INSECURE_TCP", raising=False)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(AuthenticationError) as exc:
+            if side == "server":
+                ServerAuth.start(ctx, "tcp://0.0.0.0:5555")
+            else:
+                ClientAuth.load("tcp://10.0.0.1:5555")
+    finally:
+        ctx.term()
+    text = str(exc.value)
+    assert "fastdeploy-sync keys DIR" in text and "FD_SYNC_KEYS_DIR=DIR" in text
+    assert "tcp://" in text and "FD_SYNC_INSECURE_TCP=1" in text
+
+
+def test_ipc_needs_no_keys(monkeypatch):
+    monkeypatch.delenv("FD_SYNC_KEYS_DIR", raising=False)
+    ctx = zmq.Context()
+    try:
+        assert ServerAuth.start(ctx, "ipc:///x/y.ipc") is None
+    finally:
+        ctx.term()
+    assert ClientAuth.load("ipc:///x/y.ipc") is None
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_insecure_opt_in_warns(how, monkeypatch, caplog):
+    monkeypatch.delenv("FD_SYNC_KEYS_DIR", raising=False)
+    kwargs = {}
+    if how == "env":
+        monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
+    else:
+        kwargs["insecure"] = True
+    ctx = zmq.Context()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastdeploy_sync.auth"):
+            assert ServerAuth.start(ctx, "tcp://127.0.0.1:5555", **kwargs) is None
+            assert ClientAuth.load("tcp://127.0.0.1:5555", **kwargs) is None
+    finally:
+        ctx.term()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    for r in warnings:
+        assert "read users' prompts and run code in the workers" in r.getMessage()
+
+
+def test_keys_from_env(keys, monkeypatch):
+    monkeypatch.setenv("FD_SYNC_KEYS_DIR", keys)
+    auth = ClientAuth.load("tcp://127.0.0.1:1")
+    assert auth.keys_dir == keys
+
+
+def test_keys_command_layout_modes_and_no_overwrite(tmp_path):
+    d = tmp_path / "k"
+    done = _keys_cli(d)
+    assert done.returncode == 0, done.stderr
+    mode = lambda p: stat.S_IMODE(os.stat(d / p).st_mode)  # noqa: E731
+    assert mode(".") == 0o700
+    assert mode("server.key_secret") == 0o600 and mode("client.key_secret") == 0o600
+    assert mode("allowed_clients") == 0o700
+    assert (d / "allowed_clients" / "client.key").read_bytes() == (d / "client.key").read_bytes()
+    assert sorted(os.listdir(d)) == ["allowed_clients", "client.key", "client.key_secret",
+                                     "server.key", "server.key_secret"]
+    before = (d / "server.key_secret").read_bytes()
+    again = _keys_cli(d)
+    assert again.returncode == 1 and "--force" in again.stderr
+    assert (d / "server.key_secret").read_bytes() == before
+    forced = _keys_cli(d, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (d / "server.key_secret").read_bytes() != before
+    assert mode("server.key_secret") == 0o600
+
+
+def test_secret_readable_by_others_is_refused(keys):
+    secret = os.path.join(keys, "client.key_secret")
+    os.chmod(secret, 0o640)
+    with pytest.raises(AuthenticationError, match=rf"{secret} has mode 0o640.*chmod 600"):
+        ClientAuth.load("tcp://127.0.0.1:1", keys_dir=keys)
+    ctx = zmq.Context()
+    try:
+        os.chmod(os.path.join(keys, "server.key_secret"), 0o604)
+        with pytest.raises(AuthenticationError, match="server.key_secret has mode 0o604"):
+            ServerAuth.start(ctx, "tcp://127.0.0.1:1", keys_dir=keys)
+    finally:
+        ctx.term()
+
+
+def test_unreadable_or_corrupt_keys_name_the_file(keys):
+    os.unlink(os.path.join(keys, "server.key"))
+    with pytest.raises(AuthenticationError, match=r"server\.key: No such file"):
+        ClientAuth.load("tcp://127.0.0.1:1", keys_dir=keys)
+    with open(os.path.join(keys, "server.key"), "w") as f:
+        f.write("not a certificate\n")
+    with pytest.raises(AuthenticationError, match=r"server\.key"):
+        ClientAuth.load("tcp://127.0.0.1:1", keys_dir=keys)
+    for name in os.listdir(os.path.join(keys, "allowed_clients")):
+        os.unlink(os.path.join(keys, "allowed_clients", name))
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(AuthenticationError, match="allowed_clients holds no public key"):
+            ServerAuth.start(ctx, "tcp://127.0.0.1:1", keys_dir=keys)
+    finally:
+        ctx.term()

@@ -1,0 +1,303 @@
+"""Node-local ipc sockets live in a private per-user directory; another user's directory or
+socket file is refused, never used or unlinked. CI runs as root, so "another user" is made
+with os.chown(path, 12345, 12345)."""
+
+import os
+import socket
+import stat
+import tempfile
+
+import pytest
+
+from fastdeploy_sync import envs
+from fastdeploy_sync.engine import TaskQueue
+from fastdeploy_sync.errors import EndpointInUseError
+from fastdeploy_sync.transport import (check_ipc_endpoint, check_private_dir, claim_ipc_path,
+                                       default_endpoint, ipc_path, private_dir,
+                                       secure_socket_file)
+
+OTHER = 12345
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def _bound_socket(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    return s
+
+
+def _mode(path):
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.fixture
+def ipc_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("FD_SYNC_IPC_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return tmp_path
+
+
+def test_default_dir_under_xdg_runtime_dir_is_created_0700(ipc_env, monkeypatch):
+    runtime = ipc_env / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    old = os.umask(0o022)
+    try:
+        ep = default_endpoint("llm", 0)
+    finally:
+        os.umask(old)
+    assert ep == f"ipc://{runtime}/fastdeploy_sync/fdsync-llm-dp0.ipc"
+    assert _mode(runtime / "fastdeploy_sync") == 0o700
+
+
+def test_default_dir_falls_back_to_per_uid_temp_dir(ipc_env, monkeypatch):
+    # XDG_RUNTIME_DIR that is not ours is ignored
+    monkeypatch.setattr(tempfile, "tempdir", str(ipc_env))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(ipc_env / "missing"))
+    assert envs.ipc_dir() == str(ipc_env / f"fastdeploy_sync-{os.geteuid()}")
+    old = os.umask(0o277)  # a umask that would even strip our own write bit
+    try:
+        ep = default_endpoint("llm", 1)
+    finally:
+        os.umask(old)
+    assert ipc_path(ep) == str(ipc_env / f"fastdeploy_sync-{os.geteuid()}" / "fdsync-llm-dp1.ipc")
+    assert _mode(envs.ipc_dir()) == 0o700
+
+
+@needs_root
+def test_xdg_runtime_dir_of_another_user_is_not_used(ipc_env, monkeypatch):
+    runtime = ipc_env / "run"
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, OTHER, OTHER)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setattr(tempfile, "tempdir", str(ipc_env))
+    assert envs.ipc_dir() == str(ipc_env / f"fastdeploy_sync-{os.geteuid()}")
+
+
+@needs_root
+def test_directory_of_another_user_is_refused(ipc_env, monkeypatch):
+    d = ipc_env / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, OTHER, OTHER)
+    with pytest.raises(PermissionError, match=rf"{d} is owned by uid {OTHER} \(mode 0o700\)"):
+        private_dir(str(d))
+    # the engine refuses it too, before binding anything
+    monkeypatch.setenv("FD_SYNC_IPC_DIR", str(d))
+    with pytest.raises(PermissionError, match=f"uid {OTHER}.*FD_SYNC_IPC_DIR"):
+        TaskQueue("llm", 1)
+    assert os.listdir(d) == []
+    with pytest.raises(PermissionError, match=f"uid {OTHER}"):
+        check_ipc_endpoint(str(d / "fdsync-llm-dp0.ipc"))
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777])
+def test_group_or_other_writable_dir_is_refused(ipc_env, mode):
+    d = ipc_env / "loose"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(PermissionError, match=rf"mode {oct(mode)}: writable by group or other.*chmod 700"):
+        private_dir(str(d))
+    with pytest.raises(PermissionError):
+        claim_ipc_path(str(d / "x.ipc"))
+    with pytest.raises(PermissionError):
+        check_ipc_endpoint(str(d / "x.ipc"))
+
+
+def test_symlinked_dir_is_refused(ipc_env):
+    real = ipc_env / "real"
+    real.mkdir(mode=0o700)
+    link = ipc_env / "link"
+    link.symlink_to(real)
+    with pytest.raises(PermissionError, match=f"{link} is a symlink"):
+        private_dir(str(link))
+    with pytest.raises(PermissionError, match="symlink"):
+        check_private_dir(str(link))
+
+
+@needs_root
+def test_socket_file_of_another_user_is_refused_and_kept(ipc_env):
+    d = private_dir(str(ipc_env / "ours"))
+    path = os.path.join(d, "fdsync-llm-dp0.ipc")
+    s = _bound_socket(path)
+    s.close()  # not even listening: a stale file, but not ours to remove
+    os.chown(path, OTHER, OTHER)
+    with pytest.raises(PermissionError, match=f"{path} is owned by uid {OTHER}"):
+        claim_ipc_path(path)
+    assert os.path.exists(path)
+    with pytest.raises(PermissionError, match=f"owned by uid {OTHER}.*Do not connect"):
+        check_ipc_endpoint(path)
+    with pytest.raises(PermissionError):
+        secure_socket_file(path)
+
+
+def test_non_socket_file_is_refused(ipc_env):
+    d = private_dir(str(ipc_env / "ours"))
+    path = os.path.join(d, "fdsync-llm-dp0.ipc")
+    open(path, "w").close()
+    with pytest.raises(PermissionError, match="is not a socket"):
+        claim_ipc_path(path)
+    assert os.path.exists(path)
+
+
+def test_stale_socket_of_ours_is_reclaimed_and_live_one_is_not(ipc_env):
+    d = private_dir(str(ipc_env / "ours"))
+    path = os.path.join(d, "fdsync-llm-dp0.ipc")
+    _bound_socket(path).close()  # a crashed engine's leftover
+    check_ipc_endpoint(path)
+    claim_ipc_path(path)
+    assert not os.path.exists(path)
+    live = _bound_socket(path)
+    live.listen(1)
+    try:
+        with pytest.raises(EndpointInUseError):
+            claim_ipc_path(path)
+        assert os.path.exists(path)
+    finally:
+        live.close()
+        os.unlink(path)
+
+
+def test_secure_socket_file_makes_it_0600(ipc_env):
+    d = private_dir(str(ipc_env / "ours"))
+    path = os.path.join(d, "s.ipc")
+    old = os.umask(0o000)
+    try:
+        s = _bound_socket(path)
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(path) & 0o077  # the umask let group/other in
+        secure_socket_file(path)
+        assert _mode(path) == 0o600
+    finally:
+        s.close()
+        os.unlink(path)
+
+
+def test_engine_in_default_location_works_and_leaves_nothing(ipc_env, monkeypatch, name):
+    monkeypatch.setattr(tempfile, "tempdir", str(ipc_env))
+    q = TaskQueue(name, 1)
+    try:
+        path = ipc_path(q.endpoint)
+        assert os.path.dirname(path) == envs.ipc_dir()
+        check_ipc_endpoint(path)
+    finally:
+        q.close()
+    assert not os.path.exists(path)
+
+
+# -- shared memory ---------------------------------------------------------------------------
+
+from fastdeploy_sync.shm import (Segment, check_semaphore_owner, create_semaphore,  # noqa: E402
+                                 open_semaphore, reclaim_stale, segment_owner, unlink_segment,
+                                 unlink_semaphore)
+
+
+def test_segment_and_semaphore_are_created_0600(name):
+    old = os.umask(0o000)
+    try:
+        seg = Segment.create(f"/{name}", 64)
+        sem = create_semaphore(f"/{name}.w0")
+    finally:
+        os.umask(old)
+    try:
+        assert _mode(f"/dev/shm/{name}") == 0o600
+        assert _mode(f"/dev/shm/sem.{name}.w0") == 0o600
+        assert check_semaphore_owner(f"/{name}.w0")
+        open_semaphore(f"/{name}.w0").close()
+        other = Segment.attach(f"/{name}")
+        assert other.size == 64
+        other.close()
+    finally:
+        seg.close()
+        sem.close()
+        unlink_segment(f"/{name}")
+        unlink_semaphore(f"/{name}.w0")
+
+
+@needs_root
+def test_segment_of_another_user_is_never_mapped_or_unlinked(name):
+    seg = Segment.create(f"/{name}", 64)
+    seg.view[1] = 999_999_999  # a "dead" owner pid: would be reclaimed if it were ours
+    seg.close()
+    os.chown(f"/dev/shm/{name}", OTHER, OTHER)
+    try:
+        with pytest.raises(PermissionError, match=f"shared memory /{name} is owned by uid {OTHER}"):
+            Segment.attach(f"/{name}")
+        with pytest.raises(PermissionError, match=f"uid {OTHER}"):
+            segment_owner(f"/{name}", 1)
+        with pytest.raises(PermissionError, match=f"uid {OTHER}"):
+            reclaim_stale(f"/{name}", 1)
+        assert os.path.exists(f"/dev/shm/{name}")
+        with pytest.raises(FileExistsError):
+            Segment.create(f"/{name}", 64)
+    finally:
+        unlink_segment(f"/{name}")
+
+
+@needs_root
+def test_semaphore_of_another_user_is_refused(name):
+    create_semaphore(f"/{name}.w0").close()
+    os.chown(f"/dev/shm/sem.{name}.w0", OTHER, OTHER)
+    try:
+        with pytest.raises(PermissionError, match=rf"semaphore /{name}.w0 is owned by uid {OTHER}"):
+            open_semaphore(f"/{name}.w0")
+        with pytest.raises(FileExistsError):
+            create_semaphore(f"/{name}.w0")
+    finally:
+        unlink_semaphore(f"/{name}.w0")
+    with pytest.raises(FileNotFoundError):
+        open_semaphore(f"/{name}.w0")
+
+
+# -- file-descriptor exhaustion --------------------------------------------------------------
+
+import errno  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds  # noqa: E402
+
+
+def test_ensure_free_fds_passes_and_leaves_no_fd_open():
+    before = sorted(os.listdir("/proc/self/fd"))
+    ensure_free_fds(CLIENT_FDS, "test")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_fd_exhaustion_raises_emfile_and_the_process_lives_on():
+    child = textwrap.dedent("""
+        import errno, os, resource
+        from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds
+        import zmq  # loaded before the limit, as in a real worker
+        open_now = len(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = open_now + 10  # fewer free fds than a TaskClient needs
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        try:
+            ensure_free_fds(CLIENT_FDS, "TaskClient rank 1 of 'llm' dp_id=0")
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+            print("RAISED", exc)
+        else:
+            raise SystemExit("no error with %d fds allowed" % low)
+        # still alive and usable: fds were released, we can compute and open files
+        with open(os.devnull) as f:
+            f.read()
+        print("SUM", sum(range(1000)))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        ensure_free_fds(CLIENT_FDS, "after raising the limit")
+        ctx = zmq.Context(io_threads=1)
+        ctx.socket(zmq.DEALER).close(0)
+        ctx.term()
+        print("ZMQ OK")
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert f"RAISED [Errno {errno.EMFILE}] TaskClient rank 1 of 'llm' dp_id=0 needs about " \
+           f"{CLIENT_FDS} free file descriptors" in done.stdout
+    assert "raise ulimit -n" in done.stdout and "(ulimit -n is " in done.stdout
+    assert "SUM 499500" in done.stdout and "ZMQ OK" in done.stdout

@@ -46,11 +46,13 @@ import zmq
 
 from . import codec, envs
 from .ack_board import AckBoard
+from .auth import ServerAuth
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
 from .liveness import CONNECTED, NEVER, Heartbeat, RankLink
 from .logs import RateLimitedLog
 from .shm import unlink_segment
-from .transport import (WakePipe, claim_ipc_path, default_endpoint, ipc_path, new_socket,
+from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
+                        ensure_free_fds, ipc_path, new_socket, secure_socket_file,
                         unlink_quietly, validate_name)
 
 __all__ = ["TaskQueue", "GroupLost", "LostBatch"]
@@ -129,6 +131,12 @@ class TaskQueue:
     ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s / 3 s). A rank silent for the timeout is
     reported disconnected and its group retired (``group_events``).
 
+    Security: a ``tcp://`` endpoint uses ZeroMQ CURVE with the keys in ``keys_dir`` (None:
+    ``FD_SYNC_KEYS_DIR``; see ``auth``): only allowlisted workers can connect, and the
+    traffic is encrypted. Without keys it raises ``AuthenticationError`` saying how to make
+    them, unless ``insecure_tcp=True`` (or ``FD_SYNC_INSECURE_TCP=1``), which logs a
+    warning. ``ipc://`` endpoints live in a private 0700 directory (``transport``).
+
     ``group_events``: a ``queue.SimpleQueue`` of ``GroupLost`` events, one per retired
     worker group, with the batches it did not finish. Poll it from the engine's loop
     (``group_events.get_nowait()``) and re-queue their requests.
@@ -138,7 +146,8 @@ class TaskQueue:
     """
 
     def __init__(self, name: str, tp_size: int, *, dp_id: int = 0, endpoint: str = None,
-                 max_inflight: int = 8, heartbeat: Heartbeat = None):
+                 max_inflight: int = 8, heartbeat: Heartbeat = None, keys_dir: str = None,
+                 insecure_tcp: bool = None):
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -164,14 +173,23 @@ class TaskQueue:
         self._counters = collections.Counter()
         self.group_events = queue.SimpleQueue()
 
+        # libzmq aborts the process when it runs out of fds: fail here, cleanly, instead
+        ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
+        endpoint = endpoint or default_endpoint(name, dp_id)
         self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._auth = ServerAuth.start(self._ctx, endpoint, keys_dir, insecure_tcp)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._sock = new_socket(self._ctx, zmq.ROUTER)
         # Mandatory: a send to a rank that went away raises (EHOSTUNREACH) instead of
         # vanishing; every send goes through _send(), which handles it.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
         self.heartbeat.configure_socket(self._sock)
-        endpoint = endpoint or default_endpoint(name, dp_id)
+        if self._auth is not None:
+            self._auth.apply(self._sock)
         self._ipc_path = ipc_path(endpoint)
         self._board = None
         try:
@@ -183,10 +201,14 @@ class TaskQueue:
                 except FileExistsError as exc:
                     raise EndpointInUseError(f"TaskQueue {name!r} dp_id={dp_id}: {exc}") from None
             self._sock.bind(endpoint)
+            if self._ipc_path:
+                secure_socket_file(self._ipc_path)
         except BaseException:
             if self._board is not None:
                 self._board.close()
             self._sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.close()
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -332,6 +354,8 @@ class TaskQueue:
             log.error("TaskQueue %s: I/O thread did not stop within 5 s", self.name)
             return unconsumed  # leave the socket to the thread rather than close it under its feet
         self._sock.close()  # the I/O thread set a short linger for the CLOSE messages
+        if self._auth is not None:
+            self._auth.close()
         self._ctx.term()
         self._wake.close()
         if self._board is not None:

@@ -42,8 +42,8 @@ import posix_ipc
 
 from . import envs
 from .errors import BarrierTimeoutError, GroupInUseError
-from .shm import (Segment, pid_alive, reclaim_stale, segment_owner, unlink_segment,
-                  unlink_semaphore)
+from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore, pid_alive,
+                  reclaim_stale, segment_owner, unlink_segment, unlink_semaphore)
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
 
@@ -158,7 +158,7 @@ class ShmTPGroup:
             self._seg = self._create()
         else:
             self._seg = self._attach(attach_timeout)
-        self._sems = [posix_ipc.Semaphore(n) for n in self._sem_names]
+        self._sems = [open_semaphore(n) for n in self._sem_names]
         v = self._view = self._seg.view
         # Same on every rank: rank 0 wrote it before READY.
         self.incarnation = v[H_INCARNATION]
@@ -191,8 +191,9 @@ class ShmTPGroup:
                 raise GroupInUseError(
                     f"{self.shm_name}: another rank 0 created this group concurrently") from None
         for sem_name in self._sem_names:
-            unlink_semaphore(sem_name)  # a crashed run's leftover would carry a stale count
-            posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, initial_value=0).close()
+            if check_semaphore_owner(sem_name):  # ours (else PermissionError): a crashed
+                unlink_semaphore(sem_name)  # run's leftover would carry a stale count
+            create_semaphore(sem_name).close()
         v = seg.view
         v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
         v[H_OWNER_PID] = os.getpid()

@@ -41,13 +41,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import codec, envs
 from .ack_board import EPOCH_SHIFT, AckBoard
-from .errors import (ClosedError, EngineClosedError, EngineGoneError, EngineRejectedError,
+from .auth import HANDSHAKE_FAILED_EVENTS, ClientAuth, handshake_failure_message
+from .errors import (AuthenticationError, ClosedError, EngineClosedError, EngineGoneError, EngineRejectedError,
                      GroupLostError, PrefetchError, ProtocolError)
 from .liveness import Heartbeat
 from .logs import RateLimitedLog
 from .step_profiler import StepProfiler
 from .tp_group import ShmTPGroup, SoloGroup
-from .transport import WakePipe, default_endpoint, ipc_path, new_socket, validate_name
+from .transport import (CLIENT_FDS, WakePipe, check_ipc_endpoint, default_endpoint,
+                        ensure_free_fds, ipc_path, new_socket, validate_name)
 
 __all__ = ["TaskClient"]
 
@@ -118,6 +120,14 @@ class TaskClient:
       failure of the prefetch thread; in sync mode the first call raises them as is and
       later calls raise ``PrefetchError``.
 
+    Security: a ``tcp://`` endpoint uses ZeroMQ CURVE with the keys in ``keys_dir`` (None:
+    ``FD_SYNC_KEYS_DIR``): this worker pins the engine's public key, so it never talks to
+    (or unpickles anything from) another process that holds the port; a failed handshake
+    raises ``AuthenticationError`` from the next step call. Without keys the constructor
+    raises ``AuthenticationError``, unless ``insecure_tcp=True`` / ``FD_SYNC_INSECURE_TCP=1``.
+    An ``ipc://`` endpoint must sit in a directory private to this user (checked before
+    connecting: ``PermissionError`` otherwise).
+
     Threading: call the step methods from one thread (the event loop). Use as a context
     manager, or call ``close()``.
 
@@ -126,7 +136,8 @@ class TaskClient:
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
                  endpoint: str = None, async_prefetch: bool = None, coordinator=None,
-                 profile: bool = None, heartbeat: Heartbeat = None):
+                 profile: bool = None, heartbeat: Heartbeat = None, keys_dir: str = None,
+                 insecure_tcp: bool = None):
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -166,6 +177,13 @@ class TaskClient:
         # Attached by the receiver when the engine welcomes it: the engine exists then.
         self._board = None
         self._board_wanted = ipc_path(self.endpoint) is not None
+        who = f"TaskClient rank {tp_rank} of {name!r} dp_id={dp_id}"
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            check_ipc_endpoint(path)  # never connect to a socket another user could own
+        self._auth = ClientAuth.load(self.endpoint, keys_dir, insecure_tcp)
+        # libzmq aborts the process when it runs out of fds: fail here, cleanly, instead
+        ensure_free_fds(CLIENT_FDS, who)
         self._group = _make_group(name, dp_id, tp_size, tp_rank, coordinator)
         self.incarnation = self._group.incarnation
         self._ctx = zmq.Context(io_threads=1)
@@ -175,7 +193,8 @@ class TaskClient:
             # HELLO tells the engine where this rank (re)starts. The first one is sent at
             # once (a DEALER queues it until the connection is up, so a worker may start
             # before the engine); the monitor re-sends it on every *re*connection.
-            self._monitor = self._data.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._monitor = self._data.get_monitor_socket(
+                zmq.EVENT_CONNECTED | HANDSHAKE_FAILED_EVENTS)
             self._connections = 0
             self._ack = self._connect()
             if not self.async_prefetch:
@@ -202,6 +221,8 @@ class TaskClient:
         # What the engine may make us allocate: one batch, plus room for the header.
         sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
         self.heartbeat.configure_socket(sock)
+        if self._auth is not None:
+            self._auth.apply(sock)
         sock.connect(self.endpoint)
         return sock
 
@@ -452,6 +473,12 @@ class TaskClient:
                 self._connections += 1
                 if self._connections > 1:
                     self._send_hello()
+            elif event["event"] & HANDSHAKE_FAILED_EVENTS:
+                # nothing was received from that peer: CURVE failed before any message
+                raise AuthenticationError(
+                    f"rank {self.tp_rank} of {self.name!r}: " + handshake_failure_message(
+                        event["event"], self.endpoint, event["value"],
+                        self._auth.keys_dir if self._auth else None))
         while True:
             try:
                 frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)

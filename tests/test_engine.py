@@ -92,7 +92,11 @@ def test_second_engine_on_the_same_name_is_refused(name):
 
 
 def test_stale_ipc_file_of_a_crashed_engine_is_reclaimed(name):
-    path = f"/tmp/fdsync-{name}-dp0.ipc"
+    from fastdeploy_sync.transport import default_endpoint, ipc_path, private_dir
+    from fastdeploy_sync import envs
+
+    private_dir(envs.ipc_dir())
+    path = ipc_path(default_endpoint(name, 0))
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)  # a socket file with no listener: what a killed engine leaves
     stale.close()

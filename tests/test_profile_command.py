@@ -4,6 +4,9 @@ Asserts what is not a timing: every batch delivered, ranks agree, the JSON holds
 figure, the PNG is written, and the async prefetch thread burns ~no CPU while idle."""
 
 import glob
+import os
+
+from fastdeploy_sync.envs import ipc_dir
 import importlib.util
 import json
 import subprocess
@@ -20,7 +23,7 @@ def _run(args, timeout=300):
 
 
 def _ours():
-    return set(glob.glob("/dev/shm/*prof*")) | set(glob.glob("/tmp/fdsync-prof*"))
+    return set(glob.glob("/dev/shm/*prof*")) | set(glob.glob(os.path.join(ipc_dir(), "fdsync-prof*")))
 
 
 def test_profile_all_modes(tmp_path):

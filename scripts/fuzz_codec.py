@@ -27,6 +27,7 @@ decodes it alone.
 """
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -241,9 +242,11 @@ def supervise(args, start, stop, workdir, worker, report):
     large allocation. Fills ``report`` with the counters and the inputs that crashed/hung."""
     counters_path = os.path.join(workdir, f"counters-{worker}")
     events_path = os.path.join(workdir, f"events-{worker}")
+    stderr_path = os.path.join(workdir, f"stderr-{worker}")
     np.zeros(len(_NAMES), dtype=np.int64).tofile(counters_path)
     counters = np.memmap(counters_path, dtype=np.int64, mode="r+", shape=(len(_NAMES),))
-    report.update(counters=counters, crashes=[], hangs=[], events_path=events_path)
+    report.update(counters=counters, crashes=[], hangs=[], events_path=events_path,
+                  stderr_path=stderr_path)
     position = start
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     while position < stop:
@@ -254,7 +257,8 @@ def supervise(args, start, stop, workdir, worker, report):
         if args.recompute_checksum:
             command.append("--recompute-checksum")
         counters[NEXT] = position
-        child = subprocess.Popen(command, env=env)
+        with open(stderr_path, "ab") as stderr:  # what the decoding printed, summarised by run()
+            child = subprocess.Popen(command, env=env, stderr=stderr)
         last, last_change = int(counters[NEXT]), time.monotonic()
         while child.poll() is None:
             time.sleep(0.2)
@@ -277,8 +281,10 @@ def supervise(args, start, stop, workdir, worker, report):
             report["crashes"].append((at, signal.Signals(-code).name))
             position = at + 1
         else:
-            raise SystemExit(f"worker {worker}: child exited with status {code} at input {at} "
-                             f"(its traceback is above); replay with --replay {at}")
+            with open(stderr_path, errors="replace") as f:
+                tail = f.read()[-3000:]
+            raise SystemExit(f"worker {worker}: child exited with status {code} at input {at}; "
+                             f"replay with --replay {at}; its stderr ends:\n{tail}")
 
 
 def run(args) -> int:
@@ -299,7 +305,7 @@ def run(args) -> int:
                   file=sys.stderr)
     seconds = time.monotonic() - began
     totals = dict.fromkeys(_NAMES[1:], 0)
-    crashes, hangs, events = [], [], []
+    crashes, hangs, events, printed = [], [], [], collections.Counter()
     for report in reports:
         if "counters" not in report:
             return 2  # its thread raised; the message is above
@@ -310,6 +316,9 @@ def run(args) -> int:
         if os.path.exists(report["events_path"]):
             with open(report["events_path"]) as f:
                 events += f.read().splitlines()
+        if os.path.exists(report["stderr_path"]):
+            with open(report["stderr_path"], errors="replace") as f:
+                printed.update(line.strip()[:160] for line in f if line.strip())
     totals["crashed"], totals["hung"] = len(crashes), len(hangs)
     mode = "checksum recomputed after mutating" if args.recompute_checksum else "checksum from the encoder"
     print(f"fuzz_codec: {args.inputs} inputs, seed {args.seed}, {mode}, {args.workers} workers, "
@@ -328,8 +337,18 @@ def run(args) -> int:
     for at, name in crashes[:10]:
         print(f"  crash: input {at} ({name}); replay: --replay {at}"
               f"{' --recompute-checksum' if args.recompute_checksum else ''} --seed {args.seed}")
-    for line in sorted(events, key=lambda line: line.split()[1])[:20]:
-        print(f"  event: {line[:200]}")
+    by_kind = collections.defaultdict(list)
+    for line in events:
+        index, kind, detail = (line.split(" ", 2) + [""])[:3]
+        by_kind[kind].append((int(index), detail))
+    for kind, found in sorted(by_kind.items()):
+        found.sort()
+        print(f"  {kind} at inputs {', '.join(str(i) for i, _ in found[:8])}"
+              f"{', ...' if len(found) > 8 else ''} (first: {found[0][1][:120]})")
+    if printed:
+        print(f"  the children printed {sum(printed.values())} lines to stderr; most frequent:")
+        for line, count in printed.most_common(5):
+            print(f"  {count:>9} x {line}")
     if args.json:
         print(json.dumps(totals))
     findings = sum(totals[k] for k in ("decoded_changed", "memory_error", "other_error",
@@ -345,12 +364,14 @@ def replay(args) -> int:
     print(f"  original frames {[len(f) for f in original]} bytes, mutated {[len(f) for f in frames]}, "
           f"checksum {checksum:#018x}")
     sys.stdout.flush()
+    baseline = _peak_rss_bytes()
     try:
         codec.decode_payload(frames, checksum)
     except ProtocolError as exc:
         print(f"  ProtocolError: {exc}; cause {exc.__cause__!r}")
     else:
         print(f"  decoded; frames unchanged: {_same(frames, original)}")
+    print(f"  peak RSS +{(_peak_rss_bytes() - baseline) >> 20} MiB while decoding")
     return 0
 
 

@@ -4,7 +4,8 @@ Every input is a FastDeploy-like batch (``(list_of_requests, real_bsz)``, reques
 dicts or objects carrying numpy int64 token ids, some small enough to stay in the pickle
 body) encoded by ``codec.encode_payload``, then mutated: bytes flipped, inserted or
 truncated, frames dropped, duplicated or swapped, or replaced by random frames. Each input
-goes through the real decode path:
+goes through the real decode path (a 1-in-12 mutation changes a dtype code such as 'i8'
+in the body: 'i8' -> 'm8' is the corruption measured to segfault numpy):
 
 - default mode: with the checksum the encoder computed (what a worker does with a batch
   corrupted between the engine's encode and its decode). Every input must either decode
@@ -31,6 +32,7 @@ import collections
 import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -51,6 +53,7 @@ _NAMES = ["next", "decoded_noop", "decoded_changed", "protocol_error", "memory_e
           "other_error", "big_alloc"]
 EXIT_BIG_ALLOC = 3  # a child exits with this after an input raised its peak RSS a lot
 POOL_SIZE = 48
+_DTYPE_CODE = re.compile(rb"\x8c\x02[a-zA-Z?][0-9]")  # SHORT_BINUNICODE 'i8', 'f4'...
 
 
 class Request:
@@ -105,10 +108,22 @@ def _pick_frame(rng, frames):
 
 
 def mutate(rng: random.Random, frames: list, log: list) -> None:
-    op = rng.choices(("flip", "insert", "truncate", "drop", "duplicate", "swap"),
-                     weights=(6, 1, 1, 1, 1, 1))[0]
+    op = rng.choices(("flip", "insert", "truncate", "drop", "duplicate", "swap", "dtype"),
+                     weights=(6, 1, 1, 1, 1, 1, 1))[0]
     if not frames:
         return
+    if op == "dtype":
+        # The corruption measured to segfault numpy: a dtype code changed in the body
+        # ('i8' -> 'm8' is one flipped bit). Random flips hit it about once in 100 000.
+        body = bytes(frames[0])
+        found = [m.start() + 2 for m in _DTYPE_CODE.finditer(body)]
+        if found:
+            pos = rng.choice(found)
+            code = rng.choice(b"mMOUSVbiufc?")
+            frames[0] = body[:pos] + bytes((code,)) + body[pos + 1:]
+            log.append(f"dtype code at byte {pos} of frame 0 -> {chr(code)!r}")
+            return
+        op = "flip"
     if op in ("flip", "insert", "truncate"):
         i = _pick_frame(rng, frames)
         frame = bytearray(frames[i])
@@ -334,8 +349,18 @@ def run(args) -> int:
               "big_alloc": f"raised the child's peak RSS by > {args.big_alloc_mib} MiB"}
     for key, label in labels.items():
         print(f"  {label:<48} {totals[key]:>9}")
-    for at, name in crashes[:10]:
-        print(f"  crash: input {at} ({name}); replay: --replay {at}"
+    if crashes:
+        # Which mutations the crashing inputs carried (regenerated: inputs are deterministic).
+        pool, kinds = make_pool(args.seed), collections.Counter()
+        for at, name in crashes:
+            log = make_input(args.seed, at, pool, args.recompute_checksum)[3]
+            kinds[(name, " + ".join(sorted({entry.split(" at ")[0].split(" frame")[0]
+                                             for entry in log})))] += 1
+        for (name, kind), count in kinds.most_common():
+            print(f"  {count:>9} x {name} after: {kind}")
+        crashes.sort()
+        print(f"  crashed at inputs {', '.join(str(at) for at, _ in crashes[:8])}"
+              f"{', ...' if len(crashes) > 8 else ''}; replay one: --replay {crashes[0][0]}"
               f"{' --recompute-checksum' if args.recompute_checksum else ''} --seed {args.seed}")
     by_kind = collections.defaultdict(list)
     for line in events:

@@ -116,8 +116,8 @@ MAX_DATA_BYTES = 8 << 30
 MAX_BUFFERS = 1 << 16
 
 # Payload checksum: xxh3_64 (the `xxhash` package) rather than zlib.crc32. Measured on the
-# 64 requests x 512 int64 token ids batch (256 KiB, scripts/bench_wire.py): xxh3_64 ~8 µs,
-# crc32 ~70 µs, and crc32 is only 32 bits wide. xxhash releases the GIL for updates above
+# 64 requests x 512 int64 token ids batch (256 KiB, scripts/bench_wire.py): xxh3_64 8-10 µs,
+# crc32 ~73 µs, and crc32 is only 32 bits wide. xxhash releases the GIL for updates above
 # 64 KiB (so does zlib), so the prefetch thread does not hold it for the data frame.
 _LENGTH = struct.Struct("<Q")
 _PICKLE5_PREFIX = b"\x80\x05"  # PROTO 5, the first opcode of every body encode_payload makes
@@ -184,7 +184,7 @@ def payload_checksum(frames) -> int:
     another, dropping, duplicating or reordering frames all change the result. Never 0 (on
     the wire 0 means "no checksum"; a hash of 0 is reported as 1). ``frames`` may be
     ``zmq.Frame`` objects (their ``.buffer`` is read), bytes or memoryviews; nothing is
-    copied. Costs ~8 µs per 256 KiB batch (scripts/bench_wire.py).
+    copied. Costs ~10 µs per 256 KiB batch (scripts/bench_wire.py).
 
     This detects corruption, not forgery: anyone who can send a batch can compute it.
     """

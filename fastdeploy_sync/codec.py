@@ -22,10 +22,10 @@ structure with arithmetic only (frame count; sizes against ``MAX_BODY_BYTES``,
 ``MAX_DATA_BYTES``, ``MAX_BUFFERS``), then, when the sender's ``payload_checksum()`` is
 given, verifies it, then checks that every out-of-band buffer lies inside the data frame,
 and only then unpickles: with the checksum, corrupted bytes give ``ProtocolError``, never
-a crash or an unbounded allocation (scripts/fuzz_codec.py: 0 in 1 000 000 inputs). A checksum is not
-authentication: a sender that computes the checksum over bytes of its choosing can still
-crash the worker or run code in it (``scripts/fuzz_codec.py --recompute-checksum``
-measures that residual risk). Only connect workers to an engine you trust: tcp endpoints
+a crash or an unbounded allocation (scripts/fuzz_codec.py: none in 1 000 000 inputs).
+A checksum is not authentication: a sender that computes the checksum over bytes of its
+choosing can still crash the worker or run code in it (``scripts/fuzz_codec.py
+--recompute-checksum`` measures that residual risk). Only connect workers to an engine you trust: tcp endpoints
 authenticate peers with ZeroMQ CURVE, ipc sockets are protected by file permissions.
 """
 

@@ -4,7 +4,8 @@ Every input is a FastDeploy-like batch (``(list_of_requests, real_bsz)``, reques
 dicts or objects carrying numpy int64 token ids, some small enough to stay in the pickle
 body) encoded by ``codec.encode_payload``, then mutated: bytes flipped, inserted or
 truncated, frames dropped, duplicated or swapped, or replaced by random frames. Each input
-goes through the real decode path:
+goes through the real decode path (a 1-in-12 mutation changes a dtype code such as 'i8'
+in the body: 'i8' -> 'm8' is the corruption measured to segfault numpy):
 
 - default mode: with the checksum the encoder computed (what a worker does with a batch
   corrupted between the engine's encode and its decode). Every input must either decode
@@ -27,9 +28,11 @@ decodes it alone.
 """
 
 import argparse
+import collections
 import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -50,6 +53,7 @@ _NAMES = ["next", "decoded_noop", "decoded_changed", "protocol_error", "memory_e
           "other_error", "big_alloc"]
 EXIT_BIG_ALLOC = 3  # a child exits with this after an input raised its peak RSS a lot
 POOL_SIZE = 48
+_DTYPE_CODE = re.compile(rb"\x8c\x02[a-zA-Z?][0-9]")  # SHORT_BINUNICODE 'i8', 'f4'...
 
 
 class Request:
@@ -104,10 +108,22 @@ def _pick_frame(rng, frames):
 
 
 def mutate(rng: random.Random, frames: list, log: list) -> None:
-    op = rng.choices(("flip", "insert", "truncate", "drop", "duplicate", "swap"),
-                     weights=(6, 1, 1, 1, 1, 1))[0]
+    op = rng.choices(("flip", "insert", "truncate", "drop", "duplicate", "swap", "dtype"),
+                     weights=(6, 1, 1, 1, 1, 1, 1))[0]
     if not frames:
         return
+    if op == "dtype":
+        # The corruption measured to segfault numpy: a dtype code changed in the body
+        # ('i8' -> 'm8' is one flipped bit). Random flips hit it about once in 100 000.
+        body = bytes(frames[0])
+        found = [m.start() + 2 for m in _DTYPE_CODE.finditer(body)]
+        if found:
+            pos = rng.choice(found)
+            code = rng.choice(b"mMOUSVbiufc?")
+            frames[0] = body[:pos] + bytes((code,)) + body[pos + 1:]
+            log.append(f"dtype code at byte {pos} of frame 0 -> {chr(code)!r}")
+            return
+        op = "flip"
     if op in ("flip", "insert", "truncate"):
         i = _pick_frame(rng, frames)
         frame = bytearray(frames[i])
@@ -241,9 +257,11 @@ def supervise(args, start, stop, workdir, worker, report):
     large allocation. Fills ``report`` with the counters and the inputs that crashed/hung."""
     counters_path = os.path.join(workdir, f"counters-{worker}")
     events_path = os.path.join(workdir, f"events-{worker}")
+    stderr_path = os.path.join(workdir, f"stderr-{worker}")
     np.zeros(len(_NAMES), dtype=np.int64).tofile(counters_path)
     counters = np.memmap(counters_path, dtype=np.int64, mode="r+", shape=(len(_NAMES),))
-    report.update(counters=counters, crashes=[], hangs=[], events_path=events_path)
+    report.update(counters=counters, crashes=[], hangs=[], events_path=events_path,
+                  stderr_path=stderr_path)
     position = start
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     while position < stop:
@@ -254,7 +272,8 @@ def supervise(args, start, stop, workdir, worker, report):
         if args.recompute_checksum:
             command.append("--recompute-checksum")
         counters[NEXT] = position
-        child = subprocess.Popen(command, env=env)
+        with open(stderr_path, "ab") as stderr:  # what the decoding printed, summarised by run()
+            child = subprocess.Popen(command, env=env, stderr=stderr)
         last, last_change = int(counters[NEXT]), time.monotonic()
         while child.poll() is None:
             time.sleep(0.2)
@@ -277,8 +296,10 @@ def supervise(args, start, stop, workdir, worker, report):
             report["crashes"].append((at, signal.Signals(-code).name))
             position = at + 1
         else:
-            raise SystemExit(f"worker {worker}: child exited with status {code} at input {at} "
-                             f"(its traceback is above); replay with --replay {at}")
+            with open(stderr_path, errors="replace") as f:
+                tail = f.read()[-3000:]
+            raise SystemExit(f"worker {worker}: child exited with status {code} at input {at}; "
+                             f"replay with --replay {at}; its stderr ends:\n{tail}")
 
 
 def run(args) -> int:
@@ -299,7 +320,7 @@ def run(args) -> int:
                   file=sys.stderr)
     seconds = time.monotonic() - began
     totals = dict.fromkeys(_NAMES[1:], 0)
-    crashes, hangs, events = [], [], []
+    crashes, hangs, events, printed = [], [], [], collections.Counter()
     for report in reports:
         if "counters" not in report:
             return 2  # its thread raised; the message is above
@@ -310,6 +331,9 @@ def run(args) -> int:
         if os.path.exists(report["events_path"]):
             with open(report["events_path"]) as f:
                 events += f.read().splitlines()
+        if os.path.exists(report["stderr_path"]):
+            with open(report["stderr_path"], errors="replace") as f:
+                printed.update(line.strip()[:160] for line in f if line.strip())
     totals["crashed"], totals["hung"] = len(crashes), len(hangs)
     mode = "checksum recomputed after mutating" if args.recompute_checksum else "checksum from the encoder"
     print(f"fuzz_codec: {args.inputs} inputs, seed {args.seed}, {mode}, {args.workers} workers, "
@@ -325,11 +349,31 @@ def run(args) -> int:
               "big_alloc": f"raised the child's peak RSS by > {args.big_alloc_mib} MiB"}
     for key, label in labels.items():
         print(f"  {label:<48} {totals[key]:>9}")
-    for at, name in crashes[:10]:
-        print(f"  crash: input {at} ({name}); replay: --replay {at}"
+    if crashes:
+        # Which mutations the crashing inputs carried (regenerated: inputs are deterministic).
+        pool, kinds = make_pool(args.seed), collections.Counter()
+        for at, name in crashes:
+            log = make_input(args.seed, at, pool, args.recompute_checksum)[3]
+            kinds[(name, " + ".join(sorted({entry.split(" at ")[0].split(" frame")[0]
+                                             for entry in log})))] += 1
+        for (name, kind), count in kinds.most_common():
+            print(f"  {count:>9} x {name} after: {kind}")
+        crashes.sort()
+        print(f"  crashed at inputs {', '.join(str(at) for at, _ in crashes[:8])}"
+              f"{', ...' if len(crashes) > 8 else ''}; replay one: --replay {crashes[0][0]}"
               f"{' --recompute-checksum' if args.recompute_checksum else ''} --seed {args.seed}")
-    for line in sorted(events, key=lambda line: line.split()[1])[:20]:
-        print(f"  event: {line[:200]}")
+    by_kind = collections.defaultdict(list)
+    for line in events:
+        index, kind, detail = (line.split(" ", 2) + [""])[:3]
+        by_kind[kind].append((int(index), detail))
+    for kind, found in sorted(by_kind.items()):
+        found.sort()
+        print(f"  {kind} at inputs {', '.join(str(i) for i, _ in found[:8])}"
+              f"{', ...' if len(found) > 8 else ''} (first: {found[0][1][:120]})")
+    if printed:
+        print(f"  the children printed {sum(printed.values())} lines to stderr; most frequent:")
+        for line, count in printed.most_common(5):
+            print(f"  {count:>9} x {line}")
     if args.json:
         print(json.dumps(totals))
     findings = sum(totals[k] for k in ("decoded_changed", "memory_error", "other_error",
@@ -345,12 +389,14 @@ def replay(args) -> int:
     print(f"  original frames {[len(f) for f in original]} bytes, mutated {[len(f) for f in frames]}, "
           f"checksum {checksum:#018x}")
     sys.stdout.flush()
+    baseline = _peak_rss_bytes()
     try:
         codec.decode_payload(frames, checksum)
     except ProtocolError as exc:
         print(f"  ProtocolError: {exc}; cause {exc.__cause__!r}")
     else:
         print(f"  decoded; frames unchanged: {_same(frames, original)}")
+    print(f"  peak RSS +{(_peak_rss_bytes() - baseline) >> 20} MiB while decoding")
     return 0
 
 

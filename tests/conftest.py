@@ -55,3 +55,10 @@ def doomed():
     q = SPAWN.Queue()
     yield q
     q.close()
+
+
+@pytest.fixture
+def loopback_tcp(monkeypatch):
+    """Tests about the protocol, not authentication, run tcp on loopback without keys
+    (tests/test_auth.py and tests/test_trust.py cover CURVE)."""
+    monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")

@@ -14,6 +14,8 @@ from fastdeploy_sync.codec import ACK, pack_header
 
 from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank, wait_until
 
+pytestmark = pytest.mark.usefixtures("loopback_tcp")
+
 
 def test_put_blocks_then_times_out_naming_the_ranks_behind(name):
     with TaskQueue(name, 2, max_inflight=3) as queue:

@@ -21,11 +21,7 @@ HB = Heartbeat(*FAST_HEARTBEAT)
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 
 
-@pytest.fixture(autouse=True)
-def _insecure_loopback_tcp(monkeypatch):
-    # These tests are about liveness, not authentication (tests/test_trust.py covers that):
-    # their tcp endpoints are loopback only.
-    monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
+pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
 
 @pytest.fixture

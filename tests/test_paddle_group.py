@@ -33,7 +33,7 @@ def _free_ports(n):
 
 
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
-def test_ranks_coordinated_by_paddle_take_identical_batches(name, procs, results,
+def test_ranks_coordinated_by_paddle_take_identical_batches(name, procs, results, loopback_tcp,
                                                            async_prefetch):
     tp, n = 2, 300
     endpoints = [f"127.0.0.1:{port}" for port in _free_ports(tp)]

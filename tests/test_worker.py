@@ -13,6 +13,8 @@ from fastdeploy_sync import codec
 from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
                      scripted_rank, wait_until)
 
+pytestmark = pytest.mark.usefixtures("loopback_tcp")
+
 
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 def test_a_batch_that_does_not_decode_fails_loudly(name, procs, results, async_prefetch):

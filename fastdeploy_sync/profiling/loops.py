@@ -166,8 +166,8 @@ def _close_engine_queue(queue) -> dict:
 # -- worker ----------------------------------------------------------------------------------
 
 class FDManagerSteps:
-    """FastDeploy's task calls in ``event_loop_normal``, on the FastDeploy-style manager
-    queue, behind the three methods a ``TaskClient`` has, so that one loop and one
+    """FastDeploy's task calls in ``event_loop_normal`` (one node), on the FastDeploy-style
+    manager queue, behind the three methods a ``TaskClient`` has, so that one loop and one
     ``StepProfiler`` serve both. Round trips (RT) per call are those of ``fd_baseline``."""
 
     def __init__(self, address, tp_size, tp_rank):
@@ -176,9 +176,10 @@ class FDManagerSteps:
         self.profiler = StepProfiler().attach(self)
 
     def exist_tasks(self) -> bool:
-        """Rank 0: ``num_tasks()`` (3 RT); when a batch waits, broadcast it (1 RT)."""
-        if self.queue.num_tasks() > 0:
-            self.queue.set_read_finish_flag(True)
+        """Rank 0: the shared-memory "tasks exist" flag (0 RT); when a batch waits, set the
+        group's ``exist_task_signal`` (0 RT)."""
+        if self.queue.exist_tasks():
+            self.queue.set_exist_task_signal(True)
             return True
         return False
 
@@ -187,9 +188,15 @@ class FDManagerSteps:
         self.queue.barrier(timeout)
 
     def get_tasks(self):
-        """Read the broadcast flag (1 RT); if set, ``get_tasks()`` (tp + 9..12 RT)."""
-        if self.queue.get_read_finish_flag():
-            return self.queue.get_tasks()
+        """``exist_task_signal or read_finish_flag.get()`` (0 RT when the signal is set, else
+        1 RT); if either, ``get_tasks()`` (tp + 9, the last reader tp + 10 RT), and the last
+        reader clears the signal (0 RT)."""
+        queue = self.queue
+        if queue.exist_task_signal() or queue.get_read_finish_flag():
+            tasks, last = queue.get_tasks()
+            if last:
+                queue.set_exist_task_signal(False)
+            return tasks, last
         return [], False
 
     def close(self):

@@ -33,6 +33,7 @@ The ``load`` phase runs the model step every iteration (requests always running)
 does when nothing runs.
 """
 
+import os
 import time
 import traceback
 
@@ -81,17 +82,28 @@ def _report_failure(conn, who):
 
 # -- engine ----------------------------------------------------------------------------------
 
-def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight):
-    """The engine process: opens each segment's queue, puts batches at a rate, closes it.
+def pin_to(cpu):
+    """Pin the calling process to core ``cpu`` (None: leave it as started); return the
+    cores it may run on afterwards, as the kernel reports them. Children started later
+    (the fd-manager's server process) inherit the pinning."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    return sorted(os.sched_getaffinity(0))
 
-    Commands: ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
+
+def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None):
+    """The engine process: opens each segment's queue, puts batches at a rate, closes it.
+    ``cpu``: the core to pin it to (``--cpus``), or None.
+
+    Commands: ("ready", {"cpus"}) first; ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
     ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"}); ("close") -> ("closed", stats);
     ("exit"). ``cpu_s`` is the engine process's CPU time (all its threads) while putting.
     """
     queue = None
     try:
+        cpus = pin_to(cpu)
         pool = RequestPool(batch, prompt_len, tokens)
-        conn.send(("ready", None))
+        conn.send(("ready", {"cpus": cpus}))
         while True:
             cmd, arg = _recv(conn)
             if cmd == "open":
@@ -238,8 +250,10 @@ class TPModel:
         time.sleep(IDLE_SLEEP_S)
 
 
-def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress):
+def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, cpu=None):
     """One TP rank: calibrates the model step, then runs the segments the runner sends.
+    ``cpu``: the core to pin it to (``--cpus``), or None; the calibration it reports holds
+    the cores it runs on (``"cpus"``).
 
     Commands: ("units", n) once, after it reported its calibration; then ("segment", spec)
     -> ("ready") ... ("go") ... ("measured") ... ("drain", n) -> ("result", dict); ("exit").
@@ -248,11 +262,12 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress):
     """
     collective = None
     try:
+        cpus = pin_to(cpu)  # before calibrating: the calibration must run where the steps do
         model = ModelStep(step_kind, step_ms)
         if tp_size > 1:
             collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
                                     spin_us=COLLECTIVE_SPIN_US)
-        conn.send(("calibrated", model.calibrate()))
+        conn.send(("calibrated", {**model.calibrate(), "cpus": cpus}))
         _, model.units = _recv(conn, "units")
         tp_model = TPModel(model, collective)
         while True:

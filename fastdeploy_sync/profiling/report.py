@@ -515,7 +515,7 @@ def figure(summary, raw):
                      "yes" if m["ranks_agree"] else "NO", "OK" if good else "FAILED"])
         colors.append(["w", "w", "w", "w", "#b7e4b7" if good else "#f4a6a6"])
     table = ok_ax.table(cellText=rows, cellColours=colors, loc="center",
-                        colLabels=["mode", "put", "taken per rank", "ranks agree", "check"])
+                        colLabels=["mode", "put", "taken/rank", "ranks agree", "check"])
     table.auto_set_font_size(False)
     table.set_fontsize(11)
     table.scale(1, 2.2)
@@ -524,5 +524,5 @@ def figure(summary, raw):
                  f"{p['rate']:g} batches/s of {p['batch']} x {p['prompt_len']} tokens "
                  f"({p['tokens']}), {p['rounds']} interleaved rounds\nnoise verdict: "
                  f"{noise['verdict']}\n" + "\n".join(noise["lines"]), fontsize=11, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.tight_layout()  # leaves room for the suptitle itself
     return fig

@@ -52,9 +52,9 @@ class ProfileOptions:
     batch: int = 64
     prompt_len: int = 512
     tokens: str = "numpy"
-    steps: int = 1500  # load-phase steps per mode (split across the rounds)
+    steps: int = 1000  # load-phase steps per mode (split across the rounds)
     rounds: int = 5
-    idle_steps: int = 1000  # idle-phase iterations per mode; 0 skips the idle phase
+    idle_steps: int = 500  # idle-phase iterations per mode; 0 skips the idle phase
     max_inflight: int = 8
     cpus: Optional[list] = None  # [engine core, rank 0 core, ...] or None: not pinned
     modes: list = field(default_factory=list)  # filled by validate()

@@ -53,7 +53,7 @@ def test_profile_all_modes(tmp_path):
         assert m["batches"]["all_delivered"] and m["ranks_agree"], (mode, m["problems"])
         assert m["delivery_latency_ms"]["count"] == m["batches"]["put"]
         assert set(m["inflation_pct"]) == {"mean", "sync", "rest", "noise", "conclusive",
-                                           "per_round", "median_of_rounds"}
+                                           "verdict", "per_round", "median_of_rounds"}
         assert len(m["inflation_pct"]["per_round"]) == rounds
         assert len(m["delivery_samples_ms"]) == m["batches"]["put"]
         assert len(m["idle"]["worker_cpu_pct"]) == 2
@@ -217,6 +217,19 @@ def test_report_says_inconclusive_when_noise_exceeds_the_effect():
     text = report.format_table(summary)
     assert "noise verdict: NOISY" in text and "inconclusive (noise +-" in text
     assert "ranks' calibrations differ 2.00x" in text
+
+
+def test_report_flags_a_step_faster_than_the_reference_as_inconsistent():
+    from fastdeploy_sync.profiling import report
+
+    # async's steps 20 % shorter than the no-sync loop's with no noise at all: impossible
+    # for task sync to cause, so the noise estimate is wrong and nothing is resolved.
+    summary = report.summarize(_fake_raw(extra_ms={"async": -0.4, "sync": 0.1,
+                                                   "fd-manager": 1.0}))
+    a = summary["modes"]["async"]["inflation_pct"]
+    assert a["verdict"].startswith("inconsistent") and not a["conclusive"]
+    target = next(t for t in summary["targets"] if "inflation" in t["target"])
+    assert target["met"] is None and target["verdict"].startswith("inconclusive: inconsistent")
 
 
 def test_plot_has_the_delivery_idle_and_correctness_panels(tmp_path):

@@ -28,6 +28,13 @@ included, so it cancels out of the inflation. FastDeploy's protocol needs the lo
 without it, rank 0 can re-signal a batch a slow rank has not yet read. Every rank runs
 the same amount of work per step (the runner sends one calibration to all).
 
+The spin needs a core per process: with fewer cores than processes (the engine and the
+ranks), a rank spinning up to 3 ms for a descheduled peer takes the core that peer needs,
+and the reference loop, whose ranks meet only in this collective, ran 30-50 % slower than
+the loops with task sync (measured on 2 cores: its collective averaged ~3 ms, theirs
+0.4-2 ms). There the runner asks for ``COLLECTIVE_SPIN_SHARED_US`` instead (the library's
+own barrier default), and the wake-up skew it leaves is charged to the next barrier.
+
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
 does when nothing runs.
@@ -55,7 +62,8 @@ PHASES = ("load", "idle")
 BARRIER_TIMEOUT_S = 30.0  # every blocking call of a profiled process is bounded
 CONTROL_TIMEOUT_S = 600.0  # the runner's longest silence (a long segment) before giving up
 DRAIN_TIMEOUT_S = 60.0
-COLLECTIVE_SPIN_US = 3000.0
+COLLECTIVE_SPIN_US = 3000.0  # every process has a core of its own
+COLLECTIVE_SPIN_SHARED_US = 50.0  # fewer cores than processes: do not spin the peer off its core
 IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 
@@ -250,10 +258,11 @@ class TPModel:
         time.sleep(IDLE_SLEEP_S)
 
 
-def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, cpu=None):
+def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, cpu=None,
+                spin_us=COLLECTIVE_SPIN_US):
     """One TP rank: calibrates the model step, then runs the segments the runner sends.
     ``cpu``: the core to pin it to (``--cpus``), or None; the calibration it reports holds
-    the cores it runs on (``"cpus"``).
+    the cores it runs on (``"cpus"``). ``spin_us``: the model collective's spin.
 
     Commands: ("units", n) once, after it reported its calibration; then ("segment", spec)
     -> ("ready") ... ("go") ... ("measured") ... ("drain", n) -> ("result", dict); ("exit").
@@ -266,7 +275,7 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, 
         model = ModelStep(step_kind, step_ms)
         if tp_size > 1:
             collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
-                                    spin_us=COLLECTIVE_SPIN_US)
+                                    spin_us=spin_us)
         conn.send(("calibrated", {**model.calibrate(), "cpus": cpus}))
         _, model.units = _recv(conn, "units")
         tp_model = TPModel(model, collective)

@@ -14,8 +14,13 @@ Definitions (the JSON and the table use the same ones):
   collective ran slower (CPU and GIL the mode took) or, when negative, faster than in the
   reference, which only noise can do. The two add up to the inflation exactly.
 * noise: ``±`` the larger of half the range of the reference's per-round mean step and
-  half the range of the mode's per-round inflation, in % of R. An inflation within
-  ``±noise`` of a target (or of 0) is reported as inconclusive, not met or missed.
+  half the range of the mode's per-round inflation, in % of R. Verdict per mode: resolved
+  if ``inflation - noise > 0``; inconsistent if ``rest + noise < 0`` (the model step ran
+  faster than in the reference beyond the noise: the noise is underestimated); else
+  inconclusive. A target within ``±noise`` of the inflation, or an inconsistent one, is
+  inconclusive, not met or missed. A negative rest within the noise is expected: the TP
+  barrier (part of sync) absorbs waiting for a slower rank that the reference loop spends
+  in the model's collective.
 * noise verdict (above the tables): that spread, the ranks' calibration mismatch (their
   time per unit of model work, max over min) and the contention factor (the reference's
   mean model step over the calibrated ``step_ms``).
@@ -70,10 +75,14 @@ DEFINITIONS = {
     "sync_pct": "100 * S / R; S: the mean task sync per step over the same steps (part of "
                 "the inflation)",
     "rest_pct": "inflation - sync = 100 * (M - S - R) / R: model step and collective slower "
-                "(CPU/GIL taken) or, if negative, faster than in the reference (noise)",
+                "(CPU/GIL taken) or faster than in the reference; negative when the TP barrier "
+                "(in sync) absorbed waiting for a slower rank that the reference spends in the "
+                "model's collective, or by noise",
     "noise_pct": "larger of half the range of the reference's per-round mean step and half "
-                 "the range of the mode's per-round inflation, in % of R; an inflation within "
-                 "+-noise of a target is inconclusive",
+                 "the range of the mode's per-round inflation, in % of R; verdict: resolved "
+                 "if inflation - noise > 0, inconsistent if rest + noise < 0 (the noise is "
+                 "underestimated), else inconclusive; a target within +-noise of the inflation, "
+                 "or an inconsistent one, is inconclusive",
     "delivery_latency": "engine stamp just before put_tasks -> the last rank's get_tasks "
                         "returned the batch",
     "idle_cpu": "worker process CPU (all threads) / wall time at rate 0, 1 ms sleep per "
@@ -96,7 +105,8 @@ def summarize(raw) -> dict:
     out = {"parameters": {**{k: v for k, v in options.items() if k != "modes"},
                           "modes": options["modes"], "units_per_step": raw["units"],
                           "calibration": raw["calibration"],
-                          "engine_cpus": raw.get("engine_cpus")},
+                          "engine_cpus": raw.get("engine_cpus"),
+                          "collective_spin_us": raw.get("collective_spin_us")},
            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                        "platform": platform.platform()},
            "elapsed_s": raw["elapsed_s"], "definitions": DEFINITIONS, "modes": {}}
@@ -189,8 +199,17 @@ def _inflation(load, ref_load, ref_mean_ns, sync_ns, noise):
     total = float(100 * (mean_ns - ref_mean_ns) / ref_mean_ns)
     sync = float(100 * np.mean(sync_ns) / ref_mean_ns)
     noise_pct = max(noise["reference_spread_pct"], _half_range_pct(rounds, 100.0))
-    return {"mean": total, "sync": sync, "rest": total - sync, "noise": noise_pct,
-            "conclusive": abs(total) > noise_pct, "per_round": rounds,
+    rest = total - sync
+    if rest + noise_pct < 0:
+        # The model step ran faster than in the reference by more than the noise: the
+        # noise estimate is too small for this run (its load changed), nothing is resolved.
+        verdict = f"inconsistent (rest {rest:+.1f} % beyond noise +-{noise_pct:.1f} %)"
+    elif total - noise_pct > 0:
+        verdict = "resolved"
+    else:
+        verdict = f"inconclusive (noise +-{noise_pct:.1f} %)"
+    return {"mean": total, "sync": sync, "rest": rest, "noise": noise_pct,
+            "conclusive": verdict == "resolved", "verdict": verdict, "per_round": rounds,
             "median_of_rounds": float(np.median(rounds))}
 
 
@@ -277,6 +296,9 @@ def _targets(out):
     for name, v, noise, unit, ok in rows:
         if v is None:
             met, verdict = None, "n/a"
+        elif noise is not None and \
+                a["inflation_pct"]["verdict"].startswith("inconsistent"):
+            met, verdict = None, f"inconclusive: {a['inflation_pct']['verdict']}"
         elif noise is not None and ok(v - noise) != ok(v + noise):
             # The target lies inside the measurement's +-noise: this run cannot tell.
             met, verdict = None, f"inconclusive (noise +-{noise:.1f} %)"
@@ -302,7 +324,7 @@ def _inflation_cells(infl):
     """(inflation, sync, rest, verdict) cells of the effect table."""
     if not infl:
         return "-", "-", "-", "reference"
-    verdict = ("resolved" if infl["conclusive"] else f"inconclusive (noise +-{infl['noise']:.1f} %)")
+    verdict = infl["verdict"]
     return (f"{infl['mean']:+.1f}+-{infl['noise']:.1f} %", f"{infl['sync']:+.1f} %",
             f"{infl['rest']:+.1f} %", verdict)
 
@@ -473,7 +495,7 @@ def figure(summary, raw):
     infl_ax.errorbar(x, total, yerr=[i["noise"] for i in infl], fmt="ko", capsize=6,
                      label="inflation +- noise")
     for k, i in enumerate(infl):
-        word = "resolved" if i["conclusive"] else "inconclusive"
+        word = i["verdict"].split(" (")[0]
         infl_ax.annotate(f"{i['mean']:+.1f} % +-{i['noise']:.1f}\n{word}", (k, i["mean"]),
                          xytext=(12, 0), textcoords="offset points", fontsize=9, va="center")
     infl_ax.axhline(0, color="0.3", lw=0.8)

@@ -22,7 +22,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from .loops import MODES, REFERENCE, engine_main, worker_main
+from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
+                    engine_main, worker_main)
 from .workload import STEP_KINDS, TOKEN_KINDS
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile"]
@@ -94,6 +95,15 @@ class ProfileOptions:
                                  f"(available: {','.join(map(str, allowed))})")
         return self
 
+    def collective_spin_us(self) -> float:
+        """The model collective's spin: long only when the engine and every rank have a
+        core to themselves (pinned to distinct cores, or enough cores unpinned); see loops."""
+        if self.cpus is not None:
+            own = len(set(self.cpus)) == len(self.cpus)
+        else:
+            own = len(os.sched_getaffinity(0)) >= self.tp + 1
+        return COLLECTIVE_SPIN_US if own else COLLECTIVE_SPIN_SHARED_US
+
     def schedule(self):
         """[(mode, phase, round, steps)] in run order."""
         modes = [REFERENCE] + self.modes
@@ -137,7 +147,8 @@ class _Processes:
             for rank in range(options.tp):
                 progress = self.progress if rank == 0 else ctx.RawValue("q", 0)
                 self._start(ctx, f"worker rank {rank}", worker_main, run_name, options.tp, rank,
-                            options.step, options.step_ms, progress, cpus[rank + 1])
+                            options.step, options.step_ms, progress, cpus[rank + 1],
+                            options.collective_spin_us())
 
     def _start(self, ctx, name, target, *args):
         ours, theirs = ctx.Pipe()
@@ -243,7 +254,7 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
         procs.close()
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
-            "engine_cpus": engine["cpus"],
+            "engine_cpus": engine["cpus"], "collective_spin_us": options.collective_spin_us(),
             "segments": segments}
 
 

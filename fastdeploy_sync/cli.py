@@ -118,8 +118,8 @@ def _add_profile_parser(sub):
                     "Exit status 1 if a mode lost, duplicated or misordered a batch. Timing "
                     "targets are printed, never turned into the exit status; a noise verdict "
                     "says when the machine is too busy to resolve them. A default run takes "
-                    "about 60 s on a 2-core machine (measured 50-60 s with other processes "
-                    "sharing the cores); --steps and --idle-steps scale it.")
+                    "about 50 s on a 2-core machine shared with other work (measured 44-51 s "
+                    "of profiling, 47-51 s wall); --steps and --idle-steps scale it.")
     p.add_argument("--mode", default=d.mode, choices=["all", *MODES],
                    help="all: every mode, interleaved, same load (default)")
     p.add_argument("--tp", type=int, default=d.tp, help=f"TP ranks (default {d.tp})")

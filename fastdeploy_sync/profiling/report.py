@@ -361,7 +361,7 @@ def format_table(summary) -> str:
                      f"{ratio('mean_us'):>20}")
     lines += ["", "effect on the worker loop (rank 0; step in ms; inflation = sync + rest, in % of "
                   "none's mean step; CPU in % of one core)",
-              f"{'mode':<11}{'step p50':>9}{'mean':>7}{'inflation':>15}{'sync':>8}{'rest':>8}"
+              f"{'mode':<11}{'step p50':>9}{'mean':>7}{'inflation':>17}{'sync':>9}{'rest':>9}"
               f"  {'delivery p50/p99':>17}  {'loaded CPU: engine/thread':>26}"
               f"  {'idle CPU: worker/thread':>24}  {'put/taken':>10}  {'agree':>5}  verdict"]
     for mode in [REFERENCE] + p["modes"]:
@@ -387,7 +387,7 @@ def format_table(summary) -> str:
         else:
             loaded = "-"
         lines.append(f"{mode:<11}{_f(st.get('p50_ms'), 2):>9}{_f(st.get('mean_ms'), 2):>7}"
-                     f"{infl:>15}{sync:>8}{rest:>8}  {dl:>17}  {loaded:>26}  {idle or '-':>24}"
+                     f"{infl:>17}{sync:>9}{rest:>9}  {dl:>17}  {loaded:>26}  {idle or '-':>24}"
                      f"  {b:>10}  {agree:>5}  {verdict}")
     if summary["targets"]:
         where = ("this is the reference configuration" if summary["reference_config"] else

@@ -36,23 +36,27 @@ def _worker_loop(address, tp_size, rank, result_q):
     try:
         with FDManagerQueue(address=address, tp_size=tp_size, tp_rank=rank,
                             connect_timeout=STEP_TIMEOUT) as q:
-            received = []
+            received, lasts = [], []  # lasts: all_client_read of each of this rank's reads
             empty_reads = 0
             deadline = time.monotonic() + 45.0
             while time.monotonic() < deadline:
-                # Rank 0 decides for the whole group and broadcasts the decision through the
-                # read-finish flag; the other ranks must not decide on their own, or a rank
-                # could read a batch one step before the others and then read it again.
+                # FastDeploy's event_loop_normal on one node: rank 0 decides for the group
+                # through the shared-memory group flag; the other ranks must not decide on
+                # their own, or a rank could read a batch a step before the others and then
+                # read it again.
                 if rank == 0 and q.exist_tasks():
-                    q.set_read_finish_flag(True)
+                    q.set_exist_task_signal(True)
                 q.barrier(timeout=STEP_TIMEOUT)
-                if q.get_read_finish_flag():
-                    tasks, _ = q.get_tasks()
+                if q.exist_task_signal() or q.get_read_finish_flag():
+                    tasks, last = q.get_tasks()
+                    if last:
+                        q.set_exist_task_signal(False)
+                    lasts.append(last)
                     if not tasks:
                         empty_reads += 1
                     for batch in tasks:
                         if isinstance(batch, str) and batch == STOP:
-                            result_q.put(("ok", rank, received, empty_reads))
+                            result_q.put(("ok", rank, (received, lasts), empty_reads))
                             return
                         expected = np.arange(batch["seq"], batch["seq"] + 16, dtype=np.int64)
                         assert np.array_equal(batch["token_ids"], expected), batch
@@ -103,9 +107,15 @@ def test_every_rank_gets_every_batch_once_in_order(start_method):
             assert status == "ok", f"rank {rank}: {status}\n{payload}"
             results[rank] = (payload, empty_reads)
         for rank in range(TP_SIZE):
-            received, empty_reads = results[rank]
+            (received, _), empty_reads = results[rank]
             assert received == list(range(NUM_BATCHES)), f"rank {rank} got {received}"
             assert empty_reads == 0
+        # all_client_read is True for exactly one rank per batch, the last reader (STOP's
+        # read included: it is recorded before the loop returns).
+        lasts = [results[r][0][1] for r in range(TP_SIZE)]
+        assert all(len(l) == NUM_BATCHES + 1 for l in lasts), [len(l) for l in lasts]
+        per_batch = [sum(l[i] for l in lasts) for i in range(NUM_BATCHES + 1)]
+        assert per_batch == [1] * (NUM_BATCHES + 1), per_batch
         # STOP was read by every rank: nothing is pending and the next put would not block.
         assert server.num_tasks() == 0
         assert not server.exist_tasks()
@@ -138,10 +148,13 @@ def test_single_rank_get_tasks_and_counts():
             assert client.get_tasks() == ([], True)
             server.put_tasks({"x": 1}, timeout=1.0)
             assert client.num_tasks() == 1 and client.exist_tasks()
-            client.set_read_finish_flag(True)
             assert client.get_tasks() == ([{"x": 1}], True)
             assert client.num_tasks() == 0 and not client.exist_tasks()
-            assert not client.get_read_finish_flag()  # reset by the last reader
+            # The group flags belong to the loop: get_tasks() leaves them alone.
+            client.set_read_finish_flag(True)
+            client.set_exist_task_signal(True)
+            client.get_tasks()
+            assert client.get_read_finish_flag() and server.exist_task_signal()
             server.put_tasks({"x": 2}, timeout=1.0)  # does not block: batch 1 was read
             with pytest.raises(ValueError):
                 FDManagerQueue(address=server.address, tp_size=2, tp_rank=1, connect_timeout=5)
@@ -190,3 +203,60 @@ def test_barrier_across_processes_and_timeout():
         server.close()
     with pytest.raises(queue.Empty):
         result_q.get(timeout=0.01)
+
+
+@pytest.mark.timeout(60)
+def test_multi_node_flags_go_through_the_manager():
+    with FDManagerQueue(is_server=True, tp_size=1, single_node=False) as server, \
+            FDManagerQueue(address=server.address, tp_size=1, single_node=False,
+                           connect_timeout=5) as client:
+        server.put_tasks("b", timeout=1.0)
+        assert client.exist_tasks()
+        assert client.get_tasks() == (["b"], True)
+        assert not server.exist_tasks()
+        with pytest.raises(RuntimeError, match="single_node=False"):
+            client.exist_task_signal()
+
+
+class _RoundTrips:
+    """Counts manager requests made through proxies in this process."""
+
+    def __init__(self, monkeypatch):
+        from multiprocessing.managers import BaseProxy
+        self.n = 0
+        original = BaseProxy._callmethod
+
+        def counted(proxy, *args, **kwargs):
+            self.n += 1
+            return original(proxy, *args, **kwargs)
+        monkeypatch.setattr(BaseProxy, "_callmethod", counted)
+
+    def of(self, call):
+        n0 = self.n
+        result = call()
+        return self.n - n0, result
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("single_node", [True, False])
+def test_round_trips_match_the_module_table(monkeypatch, tp, single_node):
+    """The per-call round trips the module docstring states (and FastDeploy makes)."""
+    with FDManagerQueue(is_server=True, tp_size=tp, single_node=single_node) as server:
+        ranks = [server] + [FDManagerQueue(address=server.address, tp_size=tp, tp_rank=r,
+                                           single_node=single_node, connect_timeout=5)
+                            for r in range(1, tp)]
+        try:
+            rt = _RoundTrips(monkeypatch)
+            flag_rt = 0 if single_node else 1
+            assert rt.of(server.exist_tasks) == (flag_rt, False)
+            assert rt.of(server.num_tasks) == (3, 0)
+            assert rt.of(lambda: server.put_tasks({"b": 0}, timeout=5))[0] == tp + 6 + flag_rt
+            for r, q in enumerate(ranks):
+                n, (tasks, last) = rt.of(q.get_tasks)
+                assert tasks == [{"b": 0}] and last == (r == tp - 1)
+                assert n == (tp + 10 + flag_rt if last else tp + 9), (r, n)
+            assert rt.of(server.get_read_finish_flag) == (1, False)
+        finally:
+            for q in ranks[1:]:
+                q.close()

@@ -1,33 +1,70 @@
-"""FastDeploy-style engine<->worker task queue on ``multiprocessing.managers`` (benchmark baseline).
+"""FastDeploy's engine<->worker task queue, reproduced for benchmarks (``FDManagerQueue``).
 
-This module is the *baseline* the benchmarks compare against.  It deliberately keeps the
-design, and therefore the cost profile, of a FastDeploy-style engine/worker queue:
+This module is the *baseline* the benchmarks (``fastdeploy-sync profile --modes fd-manager``,
+``scripts/bench_sync.py``) compare against. It reproduces the calls, and therefore the cost
+profile, of FastDeploy's ``EngineWorkerQueue`` as shipped in
+
+    PaddlePaddle/FastDeploy  fastdeploy/inter_communicator/engine_worker_queue.py
+                             commit 0070bd672ed1b2d71be4bc1d3c1c3585770f5c14
+    with the worker loop of  fastdeploy/worker/worker_process.py ``event_loop_normal``
+                             commit 0009064e6f6ed105cfa5d39c4a52021251e275a2
+
+minus its two eager ``llm_logger.debug(f"...tasks={tasks}")`` lines (they format the whole
+batch on every put and get even with debug logging off; leaving them out makes the baseline
+faster, never slower, than what FastDeploy ships). The code is written for this project; only
+the protocol and the sequence of manager calls are FastDeploy's:
 
 * a manager process hosts a plain ``list`` of pending batches, a ``threading.Lock``, a
-  per-rank read-flag list, a few integer ``Value`` flags and a ``threading.Barrier``;
-* every operation on those objects from an engine or worker process is a synchronous
-  request/response over the manager's socket (one *round trip*, "RT" below), with the
-  arguments and results pickled each way.
+  per-rank read-flag list, integer ``Value`` flags and a ``threading.Barrier`` (FastDeploy's
+  ``worker_process_tp_barrier``); every operation on them from another process is a
+  synchronous request/response over the manager's socket (one *round trip*, "RT" below),
+  arguments and results pickled each way;
+* on a single node (FastDeploy: ``address[0] == "0.0.0.0"``; here ``single_node=True``, the
+  default) the "tasks exist" flag is *not* a manager ``Value`` but a shared-memory int
+  (FastDeploy's ``IPCSignal`` ``exist_tasks_intra_signal``): reading or setting it costs no
+  round trip. The worker loop's own flag (``exist_task_signal``, which rank 0 sets for the
+  group and the last reader clears) is shared memory too. Across nodes both go through the
+  manager (``exist_tasks_inter_signal``, ``read_finish_flag``).
 
-Nothing here is optimised on purpose: the point is to pay the same round trips a
-FastDeploy-style worker pays, so that a comparison measures the design, not a strawman.
-Round trips per call (``tp`` = ``tp_size``; counted as manager requests; a manager-side
-error such as the ``IndexError`` that ends a proxy iteration is still one round trip):
+Round trips per call, counted as manager requests (``tp`` = ``tp_size``; a manager-side
+error such as the ``IndexError`` that ends a proxy iteration is still one round trip;
+``tests/test_fd_baseline.py`` counts them):
 
-* ``num_tasks()``      3:          acquire, ``len``, release.
-* ``exist_tasks()``    1:          read the "tasks exist" flag.
-* ``get_tasks()``      ``tp + 9`` if this rank is not the last reader, ``tp + 12`` if it is
-                       (13 at tp=1, where the one rank is always last; 17/20 at tp=8):
-                       acquire; copy the list (``len`` hint, one ``__getitem__`` for the pending
-                       batch, one that raises ``IndexError``); set own read flag; sum all flags
-                       (``numpy.sum`` on a sequence proxy: ``len`` twice, then ``tp + 1``
-                       ``__getitem__``); when every rank has now read: clear the list, clear the
-                       "tasks exist" flag and the read-finish flag; release.
-* ``put_tasks()``      ``tp + 7`` when the previous batch is already read by every rank, plus
-                       ``tp + 3`` for every 1 ms poll while it is not.
-* ``barrier()``        1 per rank, held open on the manager until all ``tp`` ranks arrive.
+=====================  ==============================  ===================================
+call                   single node (default)           across nodes (``single_node=False``)
+=====================  ==============================  ===================================
+``exist_tasks()``      0 (shared-memory read)          1
+``num_tasks()``        3: acquire, ``len``, release    3
+``put_tasks()``        ``tp + 6``: acquire, ``sum``    ``tp + 7`` (the exist flag is a
+                       over the read flags (``tp``     ``Value``)
+                       ``__getitem__`` + the one that
+                       raises), clear the list, reset
+                       the flags, append, release;
+                       plus ``tp + 3`` per 1 ms poll
+                       while a rank has not read
+``get_tasks()``        ``tp + 9``, or ``tp + 10`` for  ``tp + 9``, or ``tp + 11`` for the
+                       the last reader: acquire; copy  last reader (it also clears the
+                       the list (``len`` hint, one     exist ``Value``)
+                       ``__getitem__`` for the batch,
+                       one that raises); set own read
+                       flag; ``numpy.sum`` of the flags
+                       (``len`` twice, ``tp + 1``
+                       ``__getitem__``); the last
+                       reader clears the list; release
+``barrier()``          1 per rank, held open on the    1
+                       manager until all ranks arrive
+=====================  ==============================  ===================================
 
-The module must stay importable without paddle (and without a GPU); it only needs numpy.
+Per step of FastDeploy's worker loop (``FDManagerSteps`` in ``loops.py`` makes these calls):
+rank 0 checks ``exist_tasks()`` (0 RT) and, if a batch waits, sets the group's
+``exist_task_signal`` (0 RT); every rank passes the TP barrier (1 RT here: FastDeploy uses
+this manager barrier on XPU and with the overlap scheduler, ``paddle.distributed.barrier``
+otherwise); every rank then tests ``exist_task_signal == EXIST or read_finish_flag.get()``:
+a step without a batch costs each rank that 1 RT for ``read_finish_flag``, a step with one
+costs ``get_tasks()``'s ``tp + 9``/``tp + 10``, and the last reader clears the signal (0 RT).
+
+The module must stay importable without paddle (and without a GPU); it needs numpy and
+posix_ipc (through ``fastdeploy_sync.shm``).
 """
 
 from __future__ import annotations
@@ -47,11 +84,12 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from ..shm import Segment, unlink_segment
+
 __all__ = ["FDManagerQueue"]
 
-# How long put_tasks() sleeps between polls of the read flags.  A FastDeploy-style engine
-# polls every millisecond with the lock released in between; keeping the same period keeps
-# the baseline's put latency (and its load on the manager) comparable.
+# How long put_tasks() sleeps between polls of the read flags: FastDeploy's 1 ms, with the
+# lock released in between (the same put latency and the same load on the manager).
 _PUT_POLL_INTERVAL_S = 0.001
 
 # First/maximum pause between connection attempts.  The worker processes usually start
@@ -60,16 +98,27 @@ _PUT_POLL_INTERVAL_S = 0.001
 _CONNECT_RETRY_FIRST_S = 0.01
 _CONNECT_RETRY_MAX_S = 0.25
 
+# The single-node flags: one shared-memory segment per queue, named after the manager's
+# port as FastDeploy names its IPCSignal (``exist_tasks_intra_signal.{port}``), so a client
+# finds it from the address alone.  Two int64 slots:
+_EXIST_TASKS = 0  # the queue's "tasks exist" flag (FastDeploy: exist_tasks_intra_signal)
+_EXIST_TASK_SIGNAL = 1  # the worker loop's group flag (FastDeploy: exist_task_signal)
+_SIGNAL_SLOTS = 2
+
+
+def _signal_name(port: int) -> str:
+    return f"/fdsync-fdq-exist-{port}"
+
 
 # --------------------------------------------------------------------------------------
 # Manager-side state.
 #
 # The shared objects must live in the *manager* process.  They are created there by
 # ``_init_server_state`` (passed as the manager's initializer) and handed out by
-# module-level getter functions.  Module-level functions (instead of closures over ``self``)
-# are what makes the manager start under the "spawn" start method too: the registry,
-# callables included, is pickled into the new process, and only top-level functions
-# pickle by reference.
+# module-level getter functions.  Module-level functions (instead of closures over ``self``,
+# as FastDeploy registers them) are what makes the manager start under the "spawn" start
+# method too: the registry, callables included, is pickled into the new process, and only
+# top-level functions pickle by reference.
 # --------------------------------------------------------------------------------------
 
 _server_state: Optional[dict] = None
@@ -85,7 +134,7 @@ def _init_server_state(tp_size: int) -> None:
         "client_read_flag": [1] * tp_size,
         "lock": threading.Lock(),
         "read_finish_flag": Value("i", 0),
-        "exist_tasks_signal": Value("i", 0),
+        "exist_tasks_inter_signal": Value("i", 0),
         "connected_client_counter": Value("i", 0),
         "barrier": threading.Barrier(tp_size),
     }
@@ -113,8 +162,8 @@ def _get_read_finish_flag() -> Any:
     return _state("read_finish_flag")
 
 
-def _get_exist_tasks_signal() -> Any:
-    return _state("exist_tasks_signal")
+def _get_exist_tasks_inter_signal() -> Any:
+    return _state("exist_tasks_inter_signal")
 
 
 def _get_connected_client_counter() -> Any:
@@ -139,7 +188,9 @@ _FDQueueManager.register("get_tasks", callable=_get_tasks, proxytype=ListProxy)
 _FDQueueManager.register("get_client_read_flag", callable=_get_client_read_flag, proxytype=ListProxy)
 _FDQueueManager.register("get_lock", callable=_get_lock, proxytype=AcquirerProxy)
 _FDQueueManager.register("get_read_finish_flag", callable=_get_read_finish_flag, proxytype=ValueProxy)
-_FDQueueManager.register("get_exist_tasks_signal", callable=_get_exist_tasks_signal, proxytype=ValueProxy)
+_FDQueueManager.register(
+    "get_exist_tasks_inter_signal", callable=_get_exist_tasks_inter_signal, proxytype=ValueProxy
+)
 _FDQueueManager.register(
     "get_connected_client_counter", callable=_get_connected_client_counter, proxytype=ValueProxy
 )
@@ -147,28 +198,34 @@ _FDQueueManager.register("get_barrier", callable=_get_barrier, proxytype=Barrier
 
 
 class FDManagerQueue:
-    """FastDeploy-style engine<->worker task queue (one batch in flight at a time).
+    """FastDeploy's ``EngineWorkerQueue`` task path (one batch in flight at a time).
 
     One instance is the *server* (``is_server=True``, normally owned by the engine): it
-    starts a manager in a separate process (``BaseManager.start()``, using the default
-    multiprocessing start method) hosting the shared objects.  Every worker rank builds a
-    *client* (``is_server=False``) with the server's :attr:`address`, its ``tp_rank`` and the
-    same ``tp_size`` and ``authkey``.  The server instance can also call every method (the
-    engine uses it for :meth:`put_tasks`); its rank for :meth:`get_tasks` is ``tp_rank``.
+    starts a manager in a separate process (``BaseManager.start()``, default start method)
+    hosting the shared objects and, with ``single_node``, creates the shared-memory flags.
+    Every worker rank builds a *client* (``is_server=False``) with the server's
+    :attr:`address`, its ``tp_rank`` and the same ``tp_size``, ``authkey`` and
+    ``single_node``.  The server instance can call every method too (the engine uses it for
+    :meth:`put_tasks`, as FastDeploy's engine uses a client with ``client_id=0``).
 
-    Protocol: the engine puts one batch; every rank of the group calls :meth:`get_tasks`
-    once for it; the last rank to read clears it, and only then can the next batch be put.
-    A rank that calls :meth:`get_tasks` twice for the same batch gets it twice, exactly like
-    FastDeploy - callers keep the ranks in step (rank 0 decides, :meth:`barrier`, all read),
-    see :meth:`set_read_finish_flag`.
+    Protocol (FastDeploy's): the engine puts one batch; every rank calls :meth:`get_tasks`
+    once for it; the rank whose read completes the set (the *last reader*, the only one that
+    gets ``all_client_read=True``) empties the list and clears the "tasks exist" flag; the
+    next :meth:`put_tasks` waits until every rank has read.  A rank that calls
+    :meth:`get_tasks` twice for one batch gets it twice and a rank that calls it early gets
+    ``[]``: callers keep the ranks in step, as FastDeploy's loop does (rank 0 checks
+    :meth:`exist_tasks` and sets the group flag, :meth:`barrier`, every rank that sees the
+    flag reads, the last reader clears the flag): see :meth:`set_exist_task_signal` and
+    :meth:`set_read_finish_flag`.
 
     Thread-safety: an instance may be used from several threads (the manager proxies keep one
     connection per thread), but a single rank is expected to be one thread.
 
-    Raises ``TimeoutError`` (client) when the manager cannot be reached within
-    ``connect_timeout`` seconds, ``multiprocessing.AuthenticationError`` on a wrong
-    ``authkey`` (not retried), ``ValueError`` on a bad ``tp_size``/``tp_rank`` or a
-    ``tp_size`` that differs from the server's.
+    Raises ``TimeoutError`` (client) when the manager, or with ``single_node`` its flags
+    segment, cannot be reached within ``connect_timeout`` seconds,
+    ``multiprocessing.AuthenticationError`` on a wrong ``authkey`` (not retried),
+    ``ValueError`` on a bad ``tp_size``/``tp_rank`` or a ``tp_size`` that differs from the
+    server's.
     """
 
     def __init__(
@@ -179,6 +236,7 @@ class FDManagerQueue:
         tp_size: int = 1,
         tp_rank: int = 0,
         connect_timeout: float = 10.0,
+        single_node: bool = True,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -187,25 +245,30 @@ class FDManagerQueue:
         self.is_server = is_server
         self.tp_size = tp_size
         self.tp_rank = tp_rank
+        self.single_node = single_node
         self._authkey = authkey
         self._closed = False
+        self._segment: Optional[Segment] = None
+        self._signals: Optional[np.ndarray] = None
         self._manager = _FDQueueManager(address=tuple(address), authkey=authkey)
 
         if is_server:
             self._manager.start(initializer=_init_server_state, initargs=(tp_size,))
-        else:
-            self._connect(connect_timeout)
-
+        deadline = time.monotonic() + connect_timeout
         try:
-            self._attach_proxies()
             if not is_server:
-                # Same registration bookkeeping a FastDeploy-style worker does on connect
-                # (4 RTs, once); also verifies the group size, which would otherwise only
-                # show up later as put_tasks() waiting forever for a rank that cannot exist.
+                self._connect(deadline, connect_timeout)
+            self._attach_proxies()
+            if single_node:
+                self._open_signals(deadline, connect_timeout)
+            if not is_server:
+                # FastDeploy's client asserts the group size on connect; a mismatch would
+                # otherwise only show up as put_tasks() waiting forever for a rank that
+                # cannot exist.  Then the same registration bookkeeping (4 RTs, once).
                 if len(self._client_read_flag) != tp_size:
                     raise ValueError(
                         f"tp_size={tp_size} does not match the server's tp_size="
-                        f"{len(self._client_read_flag)}"
+                        f"{len(self._client_read_flag)} at {self.address!r}"
                     )
                 self._lock.acquire()
                 try:
@@ -218,9 +281,8 @@ class FDManagerQueue:
 
     # ------------------------------------------------------------------ setup / teardown
 
-    def _connect(self, connect_timeout: float) -> None:
+    def _connect(self, deadline: float, connect_timeout: float) -> None:
         """Connect to the manager, retrying refused/unreachable connections until the deadline."""
-        deadline = time.monotonic() + connect_timeout
         pause = _CONNECT_RETRY_FIRST_S
         last_error: Optional[BaseException] = None
         while True:
@@ -242,6 +304,37 @@ class FDManagerQueue:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _CONNECT_RETRY_MAX_S)
 
+    def _open_signals(self, deadline: float, connect_timeout: float) -> None:
+        """Server: create the single-node flags segment (replacing a leftover of the same
+        name, as FastDeploy's IPCSignal does).  Client: attach to it; the server creates it
+        right after its manager is up, so a client that connected may have to wait briefly."""
+        name = _signal_name(self.address[1])
+        size = _SIGNAL_SLOTS * 8
+        if self.is_server:
+            unlink_segment(name)
+            self._segment = Segment.create(name, size)
+        else:
+            while True:
+                try:
+                    seg = Segment.attach(name)
+                    if seg.size >= size:
+                        self._segment = seg
+                        break
+                    seg.close()  # the server is between shm_open and ftruncate
+                except FileNotFoundError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"FDManagerQueue client (tp_rank={self.tp_rank}): the queue's shared-"
+                        f"memory flags {name} did not appear within {connect_timeout:.3g}s; the "
+                        f"server at {self.address!r} must be on this machine with "
+                        f"single_node=True (or pass single_node=False on every instance)"
+                    )
+                time.sleep(_CONNECT_RETRY_FIRST_S)
+        # Read and written through numpy, as FastDeploy's IPCSignal.value is (a numpy scalar
+        # index costs ~2-3x a memoryview's; the point is to pay what FastDeploy pays).
+        self._signals = np.frombuffer(self._segment.view, dtype=np.int64, count=_SIGNAL_SLOTS)
+
     def _attach_proxies(self) -> None:
         # One proxy per shared object, created once: creating a proxy costs round trips
         # of its own, so (as in FastDeploy) it is done at construction, not per call.
@@ -250,7 +343,7 @@ class FDManagerQueue:
         self._client_read_flag = m.get_client_read_flag()
         self._lock = m.get_lock()
         self._read_finish_flag = m.get_read_finish_flag()
-        self._exist_tasks_signal = m.get_exist_tasks_signal()
+        self._exist_tasks_inter_signal = m.get_exist_tasks_inter_signal()
         self._connected_client_counter = m.get_connected_client_counter()
         self._barrier = m.get_barrier()
 
@@ -259,7 +352,7 @@ class FDManagerQueue:
         "_client_read_flag",
         "_lock",
         "_read_finish_flag",
-        "_exist_tasks_signal",
+        "_exist_tasks_inter_signal",
         "_connected_client_counter",
         "_barrier",
     )
@@ -272,10 +365,11 @@ class FDManagerQueue:
     def close(self) -> None:
         """Release this instance; idempotent, never blocks for long.
 
-        Client: drops its proxies (each sends a decref to the manager); the manager and
-        the other ranks are unaffected.  Server: also shuts the manager process down
-        (``BaseManager.shutdown()``: asks it to stop, waits up to ~1 s, then terminates it);
-        clients still connected get connection errors on their next call.
+        Client: drops its proxies (each sends a decref to the manager) and unmaps the flags;
+        the manager and the other ranks are unaffected.  Server: also unlinks the flags
+        segment and shuts the manager process down (``BaseManager.shutdown()``: asks it to
+        stop, waits up to ~1 s, then terminates it); clients still connected get connection
+        errors on their next manager call.
         """
         if self._closed:
             return
@@ -285,6 +379,12 @@ class FDManagerQueue:
         for name in self._PROXY_ATTRS:
             if hasattr(self, name):
                 setattr(self, name, None)
+        self._signals = None  # the numpy view must go before the segment can unmap
+        if self._segment is not None:
+            if self.is_server:
+                unlink_segment(self._segment.name)
+            self._segment.close()
+            self._segment = None
         if self.is_server and getattr(self._manager, "_process", None) is not None:
             self._manager.shutdown()
 
@@ -298,25 +398,77 @@ class FDManagerQueue:
         if self._closed:
             raise RuntimeError("FDManagerQueue is closed")
 
+    # ------------------------------------------------------------------ flags
+
+    def exist_tasks(self) -> bool:
+        """True from :meth:`put_tasks` until the last reader's :meth:`get_tasks`; never blocks.
+
+        Single node: a shared-memory read (0 RT).  Otherwise the manager ``Value`` (1 RT)."""
+        self._check_open()
+        if self.single_node:
+            return self._signals[_EXIST_TASKS] == 1
+        return self._exist_tasks_inter_signal.get() == 1
+
+    def set_exist_tasks(self, flag: bool) -> None:
+        """Set the "tasks exist" flag (0 RT on a single node, else 1); never blocks."""
+        self._check_open()
+        value = 1 if flag else 0
+        if self.single_node:
+            self._signals[_EXIST_TASKS] = value
+        else:
+            self._exist_tasks_inter_signal.set(value)
+
+    def exist_task_signal(self) -> bool:
+        """The worker loop's group flag (FastDeploy's ``exist_task_signal``, single node
+        only): rank 0 sets it when :meth:`exist_tasks`, every rank reads after the barrier,
+        the last reader clears it.  A shared-memory read (0 RT), never blocks."""
+        self._check_open()
+        return self._require_signals()[_EXIST_TASK_SIGNAL] == 1
+
+    def set_exist_task_signal(self, flag: bool) -> None:
+        """Set or clear the worker loop's group flag (0 RT); see :meth:`exist_task_signal`."""
+        self._check_open()
+        self._require_signals()[_EXIST_TASK_SIGNAL] = 1 if flag else 0
+
+    def _require_signals(self) -> np.ndarray:
+        if self._signals is None:
+            raise RuntimeError(
+                "exist_task_signal is a single-node flag: this FDManagerQueue was built with "
+                "single_node=False; use set_read_finish_flag/get_read_finish_flag instead"
+            )
+        return self._signals
+
+    def set_read_finish_flag(self, flag: bool = True) -> None:
+        """Set the manager's read-finish flag (1 RT, non-blocking): the group flag across
+        nodes (FastDeploy's loop with ``nnode > 1``; the last reader clears it)."""
+        self._check_open()
+        self._read_finish_flag.set(1 if flag else 0)
+
+    def get_read_finish_flag(self) -> bool:
+        """Read the manager's read-finish flag (1 RT, non-blocking).  FastDeploy's single-node
+        loop reads it on every step on which :meth:`exist_task_signal` is clear."""
+        self._check_open()
+        return self._read_finish_flag.get() == 1
+
     # ------------------------------------------------------------------ engine side
 
     def put_tasks(self, tasks: Any, timeout: Optional[float] = None) -> None:
-        """Publish one batch ``tasks`` to every rank (engine side).
+        """Publish one batch ``tasks`` to every rank (engine side); ``tp + 6`` RT (single node).
 
-        Blocks while the previous batch has not yet been read by all ``tp_size`` ranks
-        (the last reader empties the list, so this is "wait until the list is empty"),
-        polling every 1 ms with the lock released in between.  ``timeout=None`` waits
-        forever; otherwise raises ``TimeoutError`` once ``timeout`` seconds have passed
-        without the previous batch being fully read (or without obtaining the lock), and
-        the batch is then *not* published.  ``tasks`` is stored as one element: every rank's
-        :meth:`get_tasks` returns ``[tasks]``.  It must be picklable.
+        Blocks while the previous batch has not been read by all ``tp_size`` ranks, polling
+        every 1 ms with the lock released in between (``tp + 3`` RT per poll).
+        ``timeout=None`` waits forever, as FastDeploy does; otherwise raises ``TimeoutError``
+        once ``timeout`` seconds have passed without the previous batch being fully read (or
+        without obtaining the lock), and the batch is then *not* published.  ``tasks`` is
+        stored as one element: every rank's :meth:`get_tasks` returns ``[tasks]``.  It must
+        be picklable.
         """
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         self._acquire(deadline, timeout)
         held = True
         try:
-            # sum() walks the proxy item by item (tp + 1 RTs per check): the cost FastDeploy pays.
+            # sum() walks the proxy item by item (tp + 1 RTs per check), as FastDeploy's does.
             while sum(self._client_read_flag) < self.tp_size:
                 # Release while sleeping so the ranks can take the lock to read.
                 self._lock.release()
@@ -324,8 +476,8 @@ class FDManagerQueue:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"put_tasks timed out after {timeout}s: the previous batch has not been "
-                        f"read by all {self.tp_size} rank(s) (read flags "
-                        f"{self._client_read_flag[:]})"
+                        f"read by all {self.tp_size} rank(s) of the queue at {self.address!r} "
+                        f"(read flags {self._client_read_flag[:]}); is every rank's loop running?"
                     )
                 time.sleep(_PUT_POLL_INTERVAL_S)
                 self._acquire(deadline, timeout)
@@ -334,7 +486,7 @@ class FDManagerQueue:
             self._tasks[:] = []
             self._client_read_flag[:] = [0] * self.tp_size
             self._tasks.append(tasks)
-            self._exist_tasks_signal.set(1)
+            self.set_exist_tasks(True)
         finally:
             if held:
                 self._lock.release()
@@ -345,21 +497,28 @@ class FDManagerQueue:
             self._lock.acquire()
             return
         if not self._lock.acquire(True, max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"put_tasks timed out after {timeout}s waiting for the queue lock")
+            raise TimeoutError(
+                f"put_tasks timed out after {timeout}s waiting for the queue lock at "
+                f"{self.address!r}"
+            )
 
     # ------------------------------------------------------------------ worker side
 
     def get_tasks(self) -> Tuple[List[Any], bool]:
-        """Take this rank's copy of the pending batch (worker side).
+        """Take this rank's copy of the pending batch (worker side); ``tp + 9`` RT, ``tp + 10``
+        for the last reader (single node).
 
         Returns ``(tasks, all_client_read)``: ``tasks`` is ``[batch]`` (the object given to
         :meth:`put_tasks`) or ``[]`` when nothing is pending; ``all_client_read`` is True for
-        the rank whose read completed the set (it also cleared the list and reset the
-        "tasks exist" and read-finish flags, which unblocks the next ``put_tasks``).
+        exactly one rank per batch, the one whose read completed the set (it also emptied
+        the list and cleared the "tasks exist" flag, which unblocks the next ``put_tasks``).
+        It is also True for a read while nothing was put since the last full set (every
+        flag is still set), as in FastDeploy.
 
         Does not wait for tasks: only blocks while another process holds the queue lock,
-        which is held only for the length of one put/get/num_tasks critical section; there
-        is no timeout (as in FastDeploy).  Calling it twice for one batch returns it twice.
+        which is held only for one put/get/num_tasks critical section; there is no timeout
+        (as in FastDeploy).  It does not touch the group flags: the caller clears
+        :meth:`set_exist_task_signal` (or the read-finish flag) when it was the last reader.
         """
         self._check_open()
         tasks: List[Any] = []
@@ -368,14 +527,11 @@ class FDManagerQueue:
             # extend() over a proxy: len hint, then one __getitem__ per item until IndexError.
             tasks.extend(self._tasks)
             self._client_read_flag[self.tp_rank] = 1
-            # numpy walks the proxy as a sequence (len + tp + 1 RTs), like FastDeploy's check.
+            # numpy walks the proxy as a sequence (len twice, tp + 1 __getitem__).
             all_client_read = bool(np.sum(self._client_read_flag) == self.tp_size)
             if all_client_read:
                 self._tasks[:] = []
-                self._exist_tasks_signal.set(0)
-                # The rank-0 broadcast flag (see set_read_finish_flag) is reset by the last
-                # reader, after everybody has consumed it.
-                self._read_finish_flag.set(0)
+                self.set_exist_tasks(False)
         finally:
             self._lock.release()
         return tasks, all_client_read
@@ -389,28 +545,9 @@ class FDManagerQueue:
         finally:
             self._lock.release()
 
-    def exist_tasks(self) -> bool:
-        """True while a batch is published and not yet read by every rank (1 RT, no lock, non-blocking)."""
-        self._check_open()
-        return self._exist_tasks_signal.get() == 1
-
-    def set_read_finish_flag(self, flag: bool = True) -> None:
-        """Set the shared read-finish flag (1 RT, non-blocking).
-
-        FastDeploy-style workers use it to broadcast rank 0's decision: rank 0 sets it when
-        it sees tasks, all ranks pass a :meth:`barrier`, then every rank that sees it set
-        (:meth:`get_read_finish_flag`) calls :meth:`get_tasks`; the last reader clears it.
-        """
-        self._check_open()
-        self._read_finish_flag.set(1 if flag else 0)
-
-    def get_read_finish_flag(self) -> bool:
-        """Read the shared read-finish flag (1 RT, non-blocking); see :meth:`set_read_finish_flag`."""
-        self._check_open()
-        return self._read_finish_flag.get() == 1
-
     def barrier(self, timeout: Optional[float] = None) -> None:
-        """Wait until all ``tp_size`` ranks have called ``barrier()`` (1 RT held open on the manager).
+        """Wait until all ``tp_size`` ranks have called ``barrier()`` (1 RT held open on the
+        manager; FastDeploy's ``worker_process_tp_barrier``).
 
         ``timeout=None`` waits forever.  Otherwise raises ``TimeoutError`` if the group is not
         complete within ``timeout`` seconds.  As with ``threading.Barrier`` (which this wraps),
@@ -422,6 +559,6 @@ class FDManagerQueue:
             self._barrier.wait(timeout)
         except threading.BrokenBarrierError as exc:
             raise TimeoutError(
-                f"barrier (tp_rank={self.tp_rank}, tp_size={self.tp_size}) timed out after "
-                f"{timeout}s or was broken by another rank's timeout"
+                f"barrier (tp_rank={self.tp_rank}, tp_size={self.tp_size}) at {self.address!r} "
+                f"timed out after {timeout}s or was broken by another rank's timeout"
             ) from exc

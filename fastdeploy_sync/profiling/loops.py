@@ -28,11 +28,19 @@ included, so it cancels out of the inflation. FastDeploy's protocol needs the lo
 without it, rank 0 can re-signal a batch a slow rank has not yet read. Every rank runs
 the same amount of work per step (the runner sends one calibration to all).
 
+The spin needs a core per process: with fewer cores than processes (the engine and the
+ranks), a rank spinning up to 3 ms for a descheduled peer takes the core that peer needs,
+and the reference loop, whose ranks meet only in this collective, ran 30-50 % slower than
+the loops with task sync (measured on 2 cores: its collective averaged ~3 ms, theirs
+0.4-2 ms). There the runner asks for ``COLLECTIVE_SPIN_SHARED_US`` instead (the library's
+own barrier default), and the wake-up skew it leaves is charged to the next barrier.
+
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
 does when nothing runs.
 """
 
+import os
 import time
 import traceback
 
@@ -54,7 +62,8 @@ PHASES = ("load", "idle")
 BARRIER_TIMEOUT_S = 30.0  # every blocking call of a profiled process is bounded
 CONTROL_TIMEOUT_S = 600.0  # the runner's longest silence (a long segment) before giving up
 DRAIN_TIMEOUT_S = 60.0
-COLLECTIVE_SPIN_US = 3000.0
+COLLECTIVE_SPIN_US = 3000.0  # every process has a core of its own
+COLLECTIVE_SPIN_SHARED_US = 50.0  # fewer cores than processes: do not spin the peer off its core
 IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 
@@ -81,17 +90,28 @@ def _report_failure(conn, who):
 
 # -- engine ----------------------------------------------------------------------------------
 
-def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight):
-    """The engine process: opens each segment's queue, puts batches at a rate, closes it.
+def pin_to(cpu):
+    """Pin the calling process to core ``cpu`` (None: leave it as started); return the
+    cores it may run on afterwards, as the kernel reports them. Children started later
+    (the fd-manager's server process) inherit the pinning."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    return sorted(os.sched_getaffinity(0))
 
-    Commands: ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
+
+def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None):
+    """The engine process: opens each segment's queue, puts batches at a rate, closes it.
+    ``cpu``: the core to pin it to (``--cpus``), or None.
+
+    Commands: ("ready", {"cpus"}) first; ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
     ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"}); ("close") -> ("closed", stats);
     ("exit"). ``cpu_s`` is the engine process's CPU time (all its threads) while putting.
     """
     queue = None
     try:
+        cpus = pin_to(cpu)
         pool = RequestPool(batch, prompt_len, tokens)
-        conn.send(("ready", None))
+        conn.send(("ready", {"cpus": cpus}))
         while True:
             cmd, arg = _recv(conn)
             if cmd == "open":
@@ -166,8 +186,8 @@ def _close_engine_queue(queue) -> dict:
 # -- worker ----------------------------------------------------------------------------------
 
 class FDManagerSteps:
-    """FastDeploy's task calls in ``event_loop_normal``, on the FastDeploy-style manager
-    queue, behind the three methods a ``TaskClient`` has, so that one loop and one
+    """FastDeploy's task calls in ``event_loop_normal`` (one node), on the FastDeploy-style
+    manager queue, behind the three methods a ``TaskClient`` has, so that one loop and one
     ``StepProfiler`` serve both. Round trips (RT) per call are those of ``fd_baseline``."""
 
     def __init__(self, address, tp_size, tp_rank):
@@ -176,9 +196,10 @@ class FDManagerSteps:
         self.profiler = StepProfiler().attach(self)
 
     def exist_tasks(self) -> bool:
-        """Rank 0: ``num_tasks()`` (3 RT); when a batch waits, broadcast it (1 RT)."""
-        if self.queue.num_tasks() > 0:
-            self.queue.set_read_finish_flag(True)
+        """Rank 0: the shared-memory "tasks exist" flag (0 RT); when a batch waits, set the
+        group's ``exist_task_signal`` (0 RT)."""
+        if self.queue.exist_tasks():
+            self.queue.set_exist_task_signal(True)
             return True
         return False
 
@@ -187,9 +208,15 @@ class FDManagerSteps:
         self.queue.barrier(timeout)
 
     def get_tasks(self):
-        """Read the broadcast flag (1 RT); if set, ``get_tasks()`` (tp + 9..12 RT)."""
-        if self.queue.get_read_finish_flag():
-            return self.queue.get_tasks()
+        """``exist_task_signal or read_finish_flag.get()`` (0 RT when the signal is set, else
+        1 RT); if either, ``get_tasks()`` (tp + 9, the last reader tp + 10 RT), and the last
+        reader clears the signal (0 RT)."""
+        queue = self.queue
+        if queue.exist_task_signal() or queue.get_read_finish_flag():
+            tasks, last = queue.get_tasks()
+            if last:
+                queue.set_exist_task_signal(False)
+            return tasks, last
         return [], False
 
     def close(self):
@@ -231,8 +258,11 @@ class TPModel:
         time.sleep(IDLE_SLEEP_S)
 
 
-def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress):
+def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, cpu=None,
+                spin_us=COLLECTIVE_SPIN_US):
     """One TP rank: calibrates the model step, then runs the segments the runner sends.
+    ``cpu``: the core to pin it to (``--cpus``), or None; the calibration it reports holds
+    the cores it runs on (``"cpus"``). ``spin_us``: the model collective's spin.
 
     Commands: ("units", n) once, after it reported its calibration; then ("segment", spec)
     -> ("ready") ... ("go") ... ("measured") ... ("drain", n) -> ("result", dict); ("exit").
@@ -241,11 +271,12 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress):
     """
     collective = None
     try:
+        cpus = pin_to(cpu)  # before calibrating: the calibration must run where the steps do
         model = ModelStep(step_kind, step_ms)
         if tp_size > 1:
             collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
-                                    spin_us=COLLECTIVE_SPIN_US)
-        conn.send(("calibrated", model.calibrate()))
+                                    spin_us=spin_us)
+        conn.send(("calibrated", {**model.calibrate(), "cpus": cpus}))
         _, model.units = _recv(conn, "units")
         tp_model = TPModel(model, collective)
         while True:

@@ -20,8 +20,10 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
-from .loops import MODES, REFERENCE, engine_main, worker_main
+from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
+                    engine_main, worker_main)
 from .workload import STEP_KINDS, TOKEN_KINDS
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile"]
@@ -51,10 +53,11 @@ class ProfileOptions:
     batch: int = 64
     prompt_len: int = 512
     tokens: str = "numpy"
-    steps: int = 3000  # load-phase steps per mode (split across the rounds)
+    steps: int = 1000  # load-phase steps per mode (split across the rounds)
     rounds: int = 5
-    idle_steps: int = 2000  # idle-phase iterations per mode; 0 skips the idle phase
+    idle_steps: int = 500  # idle-phase iterations per mode; 0 skips the idle phase
     max_inflight: int = 8
+    cpus: Optional[list] = None  # [engine core, rank 0 core, ...] or None: not pinned
     modes: list = field(default_factory=list)  # filled by validate()
 
     def validate(self) -> "ProfileOptions":
@@ -81,7 +84,25 @@ class ProfileOptions:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.cpus is not None:
+            allowed = sorted(os.sched_getaffinity(0))
+            if len(self.cpus) != self.tp + 1:
+                raise ValueError(f"--cpus {','.join(map(str, self.cpus))}: expected {self.tp + 1} "
+                                 f"cores (the engine, then one per rank of --tp {self.tp})")
+            bad = [c for c in self.cpus if c not in allowed]
+            if bad:
+                raise ValueError(f"--cpus: core {bad[0]} is not available to this process "
+                                 f"(available: {','.join(map(str, allowed))})")
         return self
+
+    def collective_spin_us(self) -> float:
+        """The model collective's spin: long only when the engine and every rank have a
+        core to themselves (pinned to distinct cores, or enough cores unpinned); see loops."""
+        if self.cpus is not None:
+            own = len(set(self.cpus)) == len(self.cpus)
+        else:
+            own = len(os.sched_getaffinity(0)) >= self.tp + 1
+        return COLLECTIVE_SPIN_US if own else COLLECTIVE_SPIN_SHARED_US
 
     def schedule(self):
         """[(mode, phase, round, steps)] in run order."""
@@ -120,12 +141,14 @@ class _Processes:
         self.progress = ctx.RawValue("q", 0)
         self.procs, self.conns, self.names = [], [], []
         with _child_environment():
+            cpus = options.cpus or [None] * (options.tp + 1)
             self._start(ctx, "engine", engine_main, options.tp, options.batch,
-                        options.prompt_len, options.tokens, options.max_inflight)
+                        options.prompt_len, options.tokens, options.max_inflight, cpus[0])
             for rank in range(options.tp):
                 progress = self.progress if rank == 0 else ctx.RawValue("q", 0)
                 self._start(ctx, f"worker rank {rank}", worker_main, run_name, options.tp, rank,
-                            options.step, options.step_ms, progress)
+                            options.step, options.step_ms, progress, cpus[rank + 1],
+                            options.collective_spin_us())
 
     def _start(self, ctx, name, target, *args):
         ours, theirs = ctx.Pipe()
@@ -215,7 +238,7 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
     started = time.time()
     procs = _Processes(options, run_name)
     try:
-        procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
+        (engine,) = procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
         calibration = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
         # One amount of work for every rank (the median rank's calibration): TP ranks run
         # the same model, and unequal steps would show up as barrier waits.
@@ -231,6 +254,7 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
         procs.close()
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
+            "engine_cpus": engine["cpus"], "collective_spin_us": options.collective_spin_us(),
             "segments": segments}
 
 

@@ -41,7 +41,7 @@ import weakref
 import posix_ipc
 
 from . import envs
-from .errors import BarrierTimeoutError, GroupInUseError
+from .errors import BarrierTimeoutError, GroupInUseError, GroupLostError
 from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore, pid_alive,
                   reclaim_stale, segment_owner, unlink_segment, unlink_semaphore)
 
@@ -158,6 +158,7 @@ class ShmTPGroup:
             self._seg = self._create()
         else:
             self._seg = self._attach(attach_timeout)
+            self._claim_rank()
         self._sems = [open_semaphore(n) for n in self._sem_names]
         v = self._view = self._seg.view
         # Same on every rank: rank 0 wrote it before READY.
@@ -216,6 +217,7 @@ class ShmTPGroup:
             if seg is not None:
                 why = self._usable(seg)
                 if why is None:
+                    self._seg_owner = seg.view[H_OWNER_PID]
                     return seg
                 seg.close()
             if time.monotonic() >= deadline:
@@ -223,6 +225,24 @@ class ShmTPGroup:
                     f"rank {self.tp_rank}: TP group {self.shm_name} not ready after {timeout:.1f}s "
                     f"({why}); is rank 0 of this group running? (FD_SYNC_ATTACH_TIMEOUT)")
             time.sleep(_ATTACH_POLL_S)
+
+    def _claim_rank(self) -> None:
+        """Refuse a second life in a live group: a rank whose slot already names another
+        process (alive: two processes for one rank; exited: one rank restarted, and its
+        peers' model state no longer matches a fresh one) cannot join; the whole group
+        must restart (a new rank 0 creates a new segment)."""
+        held_by = self._seg.view[RANK_BASE + self.tp_rank * RANK_STRIDE + R_PID]
+        if not held_by or held_by == os.getpid():
+            return
+        self._seg.close()
+        if pid_alive(held_by):
+            raise GroupInUseError(
+                f"rank {self.tp_rank} of TP group {self.shm_name} is held by live process "
+                f"{held_by}: check tp_rank on each worker")
+        raise GroupLostError(
+            f"rank {self.tp_rank} of TP group {self.shm_name} already ran in process {held_by}, "
+            f"which exited, while rank 0 (pid {self._seg_owner}) lives on: one rank cannot "
+            f"rejoin a live group (its peers' model state is gone too); restart the whole group")
 
     def _usable(self, seg: Segment):
         """None if ``seg`` is a live, ready segment of our shape, else why not."""

@@ -613,8 +613,9 @@ class TaskClient:
         if fault is not None:
             rank, code = fault
             cls = _FAULT_CLASSES.get(code, EngineRejectedError)
-            if cls is EngineClosedError and self._taken < (self._close_seq or 0):
-                return  # this rank still has batches the engine sent before closing
+            if cls is EngineClosedError and (self._close_seq is None
+                                             or self._taken < self._close_seq):
+                return  # our own CLOSE is on its way, or we still have batches to take
             self._error = cls(f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group "
                               f"stopped at {cls.__name__} about the engine at {self.endpoint} "
                               f"(its log says why), so this step cannot complete")
@@ -630,7 +631,7 @@ class TaskClient:
             raise ClosedError(str(err))
         for cls, code in _FAULT_CODES:
             if isinstance(err, cls):
-                if cls is EngineClosedError and self._taken < self._close_seq:
+                if cls is EngineClosedError and self._taken < (self._close_seq or 0):
                     return
                 self._group.publish_fault(code)
                 break

@@ -337,3 +337,17 @@ def serve_engine(out, rank, name, tp, n, endpoint=None, heartbeat=FAST_HEARTBEAT
             queue.put_tasks(i, timeout=30)
         out.put(("served", rank, (os.getpid(), queue.endpoint)))
         time.sleep(seconds)
+
+
+@_report_errors
+def construct_rank(out, rank, name, tp, heartbeat=FAST_HEARTBEAT):
+    """Build a TaskClient and report whether that raised (type, message) or worked."""
+    from fastdeploy_sync import Heartbeat, TaskSyncError
+
+    try:
+        client = TaskClient(name, tp, rank, heartbeat=Heartbeat(*heartbeat))
+    except TaskSyncError as exc:
+        out.put(("constructed", rank, (type(exc).__name__, str(exc))))
+        return
+    client.close()
+    out.put(("constructed", rank, (None, "")))

@@ -220,6 +220,7 @@ class TaskQueue:
         self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
         self._retired = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
         self._peer_log = RateLimitedLog(log)
+        self._current = None  # the frame being handled (its peer address, for logs)
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
@@ -492,21 +493,30 @@ class TaskQueue:
     def _receive_all(self):
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._current = msg[0]  # for _peer(): where the message came from
             try:
-                self._handle(frames)
+                self._handle([frame.bytes for frame in msg])
             except ProtocolError as exc:
-                self._garbage(frames, exc)
+                self._garbage(exc)
 
-    def _garbage(self, frames, exc):
+    def _peer(self) -> str:
+        """The address the current message came from (tcp: its IP; ipc: "local"). Logs are
+        rate-limited per address, not per connection, so a peer that reconnects in a loop
+        cannot flood them."""
+        try:
+            return self._current.get("Peer-Address") or "local"
+        except (zmq.ZMQError, AttributeError):
+            return "unknown"
+
+    def _garbage(self, exc):
         self._counters["garbage_frames"] += 1
-        peer = frames[0] if frames else b""
+        peer = self._peer()
         self._peer_log.log(("garbage", peer), logging.WARNING,
-                           "TaskQueue %s: dropped an undecodable message from peer %s "
-                           "(%d so far): %s", self.name, peer.hex(),
-                           self._counters["garbage_frames"], exc)
+                           "TaskQueue %s: dropped an undecodable message from %s (%d so far): "
+                           "%s", self.name, peer, self._counters["garbage_frames"], exc)
 
     def _handle(self, frames):
         if len(frames) < 2:
@@ -529,9 +539,11 @@ class TaskQueue:
         """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
         or watermark), the log gets ``detail`` too, at most once per peer and interval."""
         self._counters["rejected"] += 1
-        self._peer_log.log(("reject", identity, code), logging.WARNING,
-                           "TaskQueue %s: rejected a worker claiming rank %d: %s",
-                           self.name, header.rank, detail or reason)
+        peer = self._peer()
+        self._peer_log.log(("reject", peer, code), logging.WARNING,
+                           "TaskQueue %s: rejected a worker from %s claiming rank %d (%d "
+                           "rejected so far): %s", self.name, peer, header.rank,
+                           self._counters["rejected"], detail or reason)
         self._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
                                                 engine=self.instance, group=header.group,
                                                 worker=header.worker), reason.encode()])

@@ -351,3 +351,11 @@ def construct_rank(out, rank, name, tp, heartbeat=FAST_HEARTBEAT):
         return
     client.close()
     out.put(("constructed", rank, (None, "")))
+
+
+def construct_and_exit(out, name):
+    """A worker built with the wrong tp_size (1, against the engine's 2): connects, says
+    HELLO, and is gone before the engine's refusal can reach it."""
+    client = TaskClient(name, 1, 0)
+    time.sleep(0.05)
+    client.close()

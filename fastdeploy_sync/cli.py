@@ -3,11 +3,14 @@
     fastdeploy-sync profile [options]         CPU interruption per worker step: this library
                                               (async, sync) side by side with a FastDeploy-style
                                               multiprocessing.managers queue
-    fastdeploy-sync status NAME [--dp-id N]   per-rank watermarks of a live (or stale) TP group
+    fastdeploy-sync status NAME [--dp-id N]   what the engine knows of every rank (state,
+                                              watermarks), and the node-local group's shared
+                                              memory if there is one
     fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see auth.py)
 
-``status`` reads the group's shared memory without joining the group: it is safe to run
-next to a running server, e.g. when a step seems stuck. ``profile`` starts its own engine
+``status`` asks the engine (a STATUS message; tcp needs the worker keys) and reads the
+group's shared memory without joining the group: it is safe to run next to a running
+server, e.g. when a step seems stuck. ``profile`` starts its own engine
 and workers (real processes) and needs nothing else running.
 """
 
@@ -19,22 +22,54 @@ from . import __version__
 from .shm import Segment, pid_alive
 from .tp_group import (H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, MAGIC, R_ARRIVED, R_CONSUMED,
                        R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name)
-from .transport import validate_name
+from .transport import default_endpoint, validate_name
 
 
 def _status(args) -> int:
     validate_name(args.name, args.dp_id)
+    endpoint = args.endpoint or default_endpoint(args.name, args.dp_id)
+    engine_seen = _engine_status(endpoint, args)
+    group_seen = _group_status(args)
+    return 0 if engine_seen or group_seen else 1
+
+
+def _engine_status(endpoint, args) -> bool:
+    """What the engine knows: every rank's state and watermark (any coordinator)."""
+    from .engine import query_status
+    from .errors import TaskSyncError
+
+    try:
+        st = query_status(endpoint, keys_dir=args.keys, timeout=args.timeout)
+    except (TimeoutError, OSError, TaskSyncError) as exc:
+        print(f"engine at {endpoint}: {exc}")
+        return False
+    print(f"engine {st['name']!r} dp_id={st['dp_id']} tp_size={st['tp_size']} at "
+          f"{st['endpoint']} (pid {st['pid']}, instance {st['engine']}): last seq "
+          f"{st['last_seq']}, {st['retained']} retained, max_inflight {st['max_inflight']}, "
+          f"worker group {st['group'] or '(none connected)'}, "
+          f"{st.get('groups_retired', 0)} group(s) retired")
+    print(f"{'rank':>4} {'state':<16} {'consumed':>9} {'silent s':>8} {'worker':>16}  reason")
+    for r in st["ranks"]:
+        silent = "-" if r["silent_s"] is None else f"{r['silent_s']:.1f}"
+        print(f"{r['rank']:>4} {r['state']:<16} {r['consumed']:>9} {silent:>8} "
+              f"{r['worker'] or '-':>16}  {r['reason'] or ''}")
+    return True
+
+
+def _group_status(args) -> bool:
+    """What the node-local TP group's shared memory says (shm coordinator, TP > 1)."""
     shm_name = group_shm_name(args.name, args.dp_id)
     try:
         seg = Segment.attach(shm_name)
     except FileNotFoundError:
-        print(f"{shm_name}: no such group on this node (TP=1 groups have no shared memory)")
-        return 1
+        print(f"{shm_name}: no node-local group segment (TP=1, ranks on other nodes, or "
+              f"paddle-coordinated: the engine's view above is the whole story)")
+        return False
     try:
         v = seg.view
         if seg.size < RANK_BASE * 8 or v[H_MAGIC] != MAGIC or v[H_READY] != 1:
             print(f"{shm_name}: not a ready fastdeploy_sync group")
-            return 1
+            return False
         tp, owner = v[H_TP_SIZE], v[H_OWNER_PID]
         print(f"{shm_name}: tp_size={tp} owner pid {owner} "
               f"({'alive' if pid_alive(owner) else 'exited: stale, reclaimed by the next rank 0'})")
@@ -47,7 +82,7 @@ def _status(args) -> int:
                   f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
     finally:
         seg.close()
-    return 0
+    return True
 
 
 def _keys(args) -> int:
@@ -182,6 +217,12 @@ def main(argv=None) -> int:
     status = sub.add_parser("status", help="show a TP group's per-rank watermarks")
     status.add_argument("name")
     status.add_argument("--dp-id", type=int, default=0)
+    status.add_argument("--endpoint", help="the engine's endpoint (default: the node-local "
+                                           "ipc endpoint of NAME and --dp-id)")
+    status.add_argument("--keys", metavar="DIR", help="worker keys for a tcp endpoint "
+                                                      "(default: FD_SYNC_KEYS_DIR)")
+    status.add_argument("--timeout", type=float, default=2.0,
+                        help="seconds to wait for the engine's answer (default 2)")
     status.set_defaults(run=_status)
     keys = sub.add_parser("keys", help="create CURVE keys for tcp:// endpoints",
                           description="Create a server and a client CURVE key pair and the "

@@ -47,7 +47,15 @@ __all__ = [
     "PING",
     "PONG",
     "CLOSE",
+    "STATUS",
+    "STATUS_REPLY",
+    "E_REJECTED",
+    "E_PLACE_TAKEN",
+    "E_STALE_ENGINE",
+    "E_GROUP_LOST",
+    "E_GROUP_BUSY",
     "HEADER_SIZE",
+    "payload_checksum",
     "pack_header",
     "unpack_header",
     "encode_payload",
@@ -71,7 +79,9 @@ WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack bo
 PING = 6  # worker -> engine: heartbeat (see liveness.py)
 PONG = 7  # engine -> worker: heartbeat reply
 CLOSE = 8  # engine -> worker: the queue closed cleanly; seq = the last seq sent to the group
-_KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE))
+STATUS = 9  # anyone who passed authentication -> engine: asks for the queue's state
+STATUS_REPLY = 10  # engine -> asker: frames[1] = the state as utf-8 JSON (TaskQueue.stats())
+_KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE, STATUS, STATUS_REPLY))
 
 # ERROR codes (Header.aux of an ERROR message): what the worker raises.
 E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError

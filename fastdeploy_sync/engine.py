@@ -35,7 +35,9 @@ I/O thread touches the socket.
 """
 
 import collections
+import json
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -55,7 +57,7 @@ from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
                         ensure_free_fds, ipc_path, new_socket, secure_socket_file,
                         unlink_quietly, validate_name)
 
-__all__ = ["TaskQueue", "GroupLost", "LostBatch"]
+__all__ = ["TaskQueue", "GroupLost", "LostBatch", "query_status"]
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +318,16 @@ class TaskQueue:
         out["ranks"] = self.ranks()
         return out
 
+    def status(self) -> dict:
+        """Everything ``fastdeploy-sync status`` shows: the queue's name, dp_id, tp_size,
+        endpoint, engine instance and ``stats()`` (per-rank state and watermarks included).
+        JSON-serialisable. Never blocks on the workers."""
+        out = {"name": self.name, "dp_id": self.dp_id, "tp_size": self.tp_size,
+               "endpoint": self.endpoint, "engine": f"{self.instance:016x}",
+               "max_inflight": self.max_inflight, "pid": os.getpid()}
+        out.update(self.stats())
+        return out
+
     def close(self, timeout: float = 5.0) -> list:
         """Close the queue: drain, tell the workers, stop. Idempotent; returns the seqs that
         were put but not consumed by every rank (``[]`` after a clean drain).
@@ -532,6 +544,12 @@ class TaskQueue:
             self._ack(header)
         elif header.kind == codec.PING:
             self._ping(identity, header)
+        elif header.kind == codec.STATUS:
+            # Only peers that passed authentication get here (CURVE on tcp, the private
+            # directory on ipc): the same people who could run a worker.
+            self._counters["status_requests"] += 1
+            self._send(identity, [codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
+                                  json.dumps(self.status()).encode()])
         else:
             raise ProtocolError(f"a worker sent message kind {header.kind}")
 
@@ -759,6 +777,43 @@ class TaskQueue:
                 self._counters["sent"] += 1
             else:
                 link.sent = last
+
+
+def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
+                 timeout: float = 2.0) -> dict:
+    """Ask the live ``TaskQueue`` at ``endpoint`` for its ``status()``; the engine knows
+    every rank's state and watermark whatever the TP coordinator (shared memory or
+    paddle.distributed). tcp endpoints need the worker keys (``keys_dir`` or
+    ``FD_SYNC_KEYS_DIR``), exactly as a ``TaskClient`` would.
+
+    Blocks at most ``timeout`` seconds; raises ``TimeoutError`` naming the endpoint when no
+    engine answers (none running, or the handshake failed), ``ProtocolError`` for a reply
+    that is not a status."""
+    from .auth import ClientAuth
+    from .transport import check_ipc_endpoint
+
+    path = ipc_path(endpoint)
+    if path is not None:
+        check_ipc_endpoint(path)
+    auth = ClientAuth.load(endpoint, keys_dir, insecure_tcp)
+    ctx = zmq.Context(io_threads=1)
+    try:
+        sock = new_socket(ctx, zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        if auth is not None:
+            auth.apply(sock)
+        sock.connect(endpoint)
+        sock.send(codec.pack_header(codec.STATUS))
+        if not sock.poll(timeout * 1000):
+            raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s (none "
+                               f"running there, or keys that do not match)")
+        frames = sock.recv_multipart()
+        header = codec.unpack_header(frames[0])
+        if header.kind != codec.STATUS_REPLY or len(frames) != 2:
+            raise ProtocolError(f"{endpoint} answered with message kind {header.kind}")
+        return json.loads(frames[1])
+    finally:
+        ctx.destroy(linger=0)
 
 
 def _remove_names(ipc_file, board_name):

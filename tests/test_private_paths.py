@@ -183,15 +183,21 @@ def test_secure_socket_file_makes_it_0600(ipc_env):
 
 
 def test_engine_in_default_location_works_and_leaves_nothing(ipc_env, monkeypatch, name):
-    monkeypatch.setattr(tempfile, "tempdir", str(ipc_env))
-    q = TaskQueue(name, 1)
+    short = tempfile.mkdtemp(prefix="fdt")  # pytest's tmp_path can exceed the 107-byte limit
+    monkeypatch.setattr(tempfile, "tempdir", short)
     try:
-        path = ipc_path(q.endpoint)
-        assert os.path.dirname(path) == envs.ipc_dir()
-        check_ipc_endpoint(path)
+        q = TaskQueue(name, 1)
+        try:
+            path = ipc_path(q.endpoint)
+            assert os.path.dirname(path) == envs.ipc_dir() == f"{short}/fastdeploy_sync-{os.geteuid()}"
+            assert _mode(os.path.dirname(path)) == 0o700
+            check_ipc_endpoint(path)
+        finally:
+            q.close()
+        assert not os.path.exists(path)
     finally:
-        q.close()
-    assert not os.path.exists(path)
+        os.rmdir(envs.ipc_dir())
+        os.rmdir(short)
 
 
 # -- shared memory ---------------------------------------------------------------------------

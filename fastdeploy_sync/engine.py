@@ -653,11 +653,14 @@ class TaskQueue:
         self._counters["groups"] += 1
         return group
 
-    def _link_of(self, h):
+    def _link_of(self, h, unbound_ok=False):
         """The link ``h`` speaks for, or None (counted as stale) if it belongs to another
-        engine, another group or another worker of that rank."""
+        engine, another group or another worker of that rank. ``unbound_ok``: a worker
+        that has not read its WELCOME yet (engine id 0) counts too (a sync-mode heartbeat
+        thread pings before the event loop's first step reads the WELCOME)."""
         group = self._group
-        if (h.engine != self.instance or group is None or h.group != group.incarnation
+        engine_ok = h.engine == self.instance or (unbound_ok and h.engine == 0)
+        if (not engine_ok or group is None or h.group != group.incarnation
                 or group.links[h.rank].worker != h.worker):
             self._counters["stale"] += 1
             return None
@@ -679,7 +682,7 @@ class TaskQueue:
 
     def _ping(self, identity, h):
         self._counters["pings"] += 1
-        link = self._link_of(h)
+        link = self._link_of(h, unbound_ok=True)
         if link is None:
             # tell a straggler why nobody answers it, so it fails with the right error
             if h.engine and h.engine != self.instance:

@@ -420,9 +420,10 @@ class TaskClient:
                     self._on_message(frames)
                 if self._error is not None:
                     return  # the engine closed, or the event loop has something to raise
-                if self._bound:
-                    self._check_engine(time.monotonic())
-                    self._send_ping(self._hb_sock)
+                # ping even before the event loop has read the WELCOME (a model may load
+                # for minutes before the first step): the engine must hear this rank
+                self._check_engine(time.monotonic())
+                self._send_ping(self._hb_sock)
         except BaseException as exc:
             self._fail(exc)
 

@@ -15,8 +15,8 @@ import pytest
 
 from fastdeploy_sync import Heartbeat, TaskQueue
 
-from workers import (FAST_HEARTBEAT, collect, construct_rank, serve_engine, step_until_error_rank,
-                     wait_until)
+from workers import (FAST_HEARTBEAT, collect, construct_rank, late_stepper_rank, serve_engine,
+                     step_until_error_rank, wait_until)
 
 HB = Heartbeat(*FAST_HEARTBEAT)
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
@@ -253,3 +253,21 @@ def test_a_single_restarted_rank_is_refused_on_every_rank(name, procs, results, 
         assert "rank 1" in event.reason
     finally:
         queue.close(timeout=0)
+
+
+@MODES
+def test_a_worker_busy_before_its_first_step_stays_connected(name, procs, results,
+                                                            async_prefetch):
+    """Three heartbeat timeouts between building the client and the first step call (a
+    model loading): the rank keeps pinging, so the engine neither marks it silent nor
+    retires its group."""
+    with TaskQueue(name, 2, heartbeat=HB) as queue:
+        for rank in range(2):
+            procs(late_stepper_rank, results, rank, name, 2, async_prefetch, 3.0, 3)
+        collect(results, "ready", 2)
+        for i in range(3):
+            queue.put_tasks(i, timeout=30)
+        taken = collect(results, "taken", 2, timeout=30)
+        assert taken[0] == taken[1] == [0, 1, 2]
+        assert queue.group_events.empty()
+        assert queue.stats().get("groups_retired", 0) == 0

@@ -359,3 +359,23 @@ def construct_and_exit(out, name):
     client = TaskClient(name, 1, 0)
     time.sleep(0.05)
     client.close()
+
+
+@_report_errors
+def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=FAST_HEARTBEAT):
+    """Build the client, make no step call for ``idle_s`` (a model loading), then take
+    ``n`` batches and report them."""
+    from fastdeploy_sync import Heartbeat
+
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch,
+                    heartbeat=Heartbeat(*heartbeat)) as client:
+        out.put(("ready", rank, None))
+        time.sleep(idle_s)
+        got = []
+        deadline = time.monotonic() + 30
+        while len(got) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: took {len(got)}/{n}")
+            got.extend(client.sync_step(timeout=10))
+            time.sleep(0.001)
+        out.put(("taken", rank, got))

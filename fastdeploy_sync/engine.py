@@ -498,7 +498,9 @@ class TaskQueue:
                                    "TaskQueue %s: send failed: %s", self.name, exc)
             self._counters["unreachable"] += 1
             if link is not None and link.identity is not None:
-                log.warning("TaskQueue %s: rank %d's socket went away", self.name, link.rank)
+                # INFO: a rank closing first is the normal shutdown order; a rank that
+                # stays away is reported (WARNING) when its silence retires the group
+                log.info("TaskQueue %s: rank %d's socket went away", self.name, link.rank)
                 link.disconnect("its socket closed")
             return False
 

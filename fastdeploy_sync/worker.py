@@ -384,7 +384,7 @@ class TaskClient:
             self._send_hello()
             next_ping = time.monotonic() + interval
             while not self._closed:
-                wait_s = max(0.0, next_ping - time.monotonic())
+                wait_s = max(0.0, min(next_ping, self._silence_deadline()) - time.monotonic())
                 poller.poll(wait_s * 1000)  # blocks with the GIL released: no CPU when idle
                 if self._closed:
                     return
@@ -408,8 +408,10 @@ class TaskClient:
         poller.register(self._wake.r, zmq.POLLIN)
         interval = self.heartbeat.interval
         try:
+            next_ping = time.monotonic()
             while not self._closed:
-                poller.poll(interval * 1000)
+                wait_s = max(0.0, min(next_ping, self._silence_deadline()) - time.monotonic())
+                poller.poll(wait_s * 1000)
                 if self._closed:
                     return
                 while True:
@@ -422,8 +424,11 @@ class TaskClient:
                     return  # the engine closed, or the event loop has something to raise
                 # ping even before the event loop has read the WELCOME (a model may load
                 # for minutes before the first step): the engine must hear this rank
-                self._check_engine(time.monotonic())
-                self._send_ping(self._hb_sock)
+                now = time.monotonic()
+                self._check_engine(now)
+                if now >= next_ping:
+                    next_ping = now + interval
+                    self._send_ping(self._hb_sock)
         except BaseException as exc:
             self._fail(exc)
 
@@ -436,6 +441,12 @@ class TaskClient:
                   self.tp_rank, exc, exc_info=not isinstance(exc, (EngineGoneError,
                                                                    EngineRejectedError)))
         self._group.wake()  # a barrier wait in progress raises it now
+
+    def _silence_deadline(self) -> float:
+        """When the engine's silence would become "gone" (wake up then to say so)."""
+        if self._bound and self._close_seq is None:
+            return self._last_heard + self.heartbeat.timeout + 0.001
+        return float("inf")
 
     def _check_engine(self, now):
         if self._bound and self._close_seq is None:

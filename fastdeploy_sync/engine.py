@@ -460,8 +460,9 @@ class TaskQueue:
                     self._receive_all()
                 now = time.monotonic()
                 if now >= next_tick:
-                    next_tick = now + tick_s
-                    self._tick(now)
+                    # the next tick: in tick_s, or when a rank's silence would reach the
+                    # timeout, whichever comes first (so silence is reported on time)
+                    next_tick = min(now + tick_s, self._tick(now))
                 self._send_new()
         except Exception as exc:
             log.exception("TaskQueue %s: I/O thread failed", self.name)
@@ -706,8 +707,9 @@ class TaskQueue:
                 self._send(link, [codec.pack_header(codec.PONG, link.rank, engine=self.instance,
                                                     group=group.incarnation, worker=link.worker)])
 
-    def _tick(self, now):
-        """Liveness: mark silent ranks, retire a group that lost one, admit parked HELLOs."""
+    def _tick(self, now) -> float:
+        """Liveness: mark silent ranks, retire a group that lost one, admit parked HELLOs.
+        Returns when the first rank still heard from would become silent."""
         group = self._group
         if group is not None:
             timeout = self.heartbeat.timeout
@@ -722,6 +724,11 @@ class TaskQueue:
             parked, self._parked = self._parked, []
             for since, identity, h, name in parked:
                 self._hello(identity, h, name, now, parked_since=since)
+        group = self._group
+        if group is None:
+            return float("inf")
+        return min((link.last_heard + self.heartbeat.timeout + 0.001 for link in group.links
+                    if link.state != NEVER), default=float("inf"))
 
     def _retire(self, group, reason):
         """Stop serving ``group``: tell its reachable ranks, hand back what it did not

@@ -190,10 +190,16 @@ def bench_take(iters):
         name = "bt" + uuid.uuid4().hex[:8]
         samples = []
         here, there = SPAWN.Pipe()
-        engine = SPAWN.Process(target=engine_on_demand, args=(name, there))
+        engine = SPAWN.Process(target=engine_on_demand, args=(name, there), daemon=True)
         engine.start()
         here.recv()
         with TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
+            # the engine's WELCOME arrives on the data socket first: read it before timing,
+            # so that below "something arrived" means the batch
+            deadline = time.monotonic() + 10
+            while not client._bound and time.monotonic() < deadline:
+                client.num_tasks()
+                time.sleep(0.001)
             for i in range(iters + 20):
                 here.send(True)
                 here.recv()
@@ -209,7 +215,13 @@ def bench_take(iters):
                 client.exist_tasks()
                 tasks, _ = client.get_tasks()
                 dt = ns() - t0
-                assert len(tasks) == 1 and len(tasks[0][0]) == 64
+                if len(tasks) != 1 or len(tasks[0][0]) != 64:
+                    from fastdeploy_sync.engine import query_status
+                    from fastdeploy_sync.transport import default_endpoint
+                    raise RuntimeError(
+                        f"{mode} step {i}: took {len(tasks)} batch(es); worker "
+                        f"{client.stats()}, error {client._error!r}; engine "
+                        f"{query_status(default_endpoint(name, 0))}")
                 del tasks  # freeing the batch is the model runner's business, not timed
                 if i >= 20:
                     samples.append(dt)

@@ -9,7 +9,7 @@ Scenarios (TP=2, node-local ipc, async and sync mode where it matters), each rep
   engine close()      -> every rank raises EngineClosedError        (target: <= 100 ms)
   rank SIGKILL        -> the engine reports the rank disconnected   (bound: heartbeat timeout)
   whole group SIGKILL -> a new group takes its first batch          (target: <= 5 s after the new
-                         group starts)
+                         group starts; the engine re-puts what the GroupLost event hands back)
 Prints one line per run and the median per scenario. Asserts nothing.
 """
 
@@ -138,6 +138,11 @@ def group_restart(hb):
         t0 = time.monotonic()
         new = start_ranks(q, name, 2, True, hb)
         queue.put_tasks("new", timeout=30)
+        # as an engine must: what a retired group did not finish comes back as an event
+        # (a batch put before the old group was known gone is among it): put it again
+        event = queue.group_events.get(timeout=30)
+        for lost in event.unfinished:
+            queue.put_tasks(lost.tasks, timeout=30)
         took = wait_for(q, "took", 2)
         out = [("new group took", max(took.values()) - t0)]
         queue.close(timeout=10)

@@ -179,7 +179,10 @@ def _load(path: str, secret: bool):
 
 
 def _resolve(endpoint: str, keys, insecure, side: str):
-    """The key directory to use, or None for the insecure opt-in (warned about)."""
+    """The key directory to use, or None when no CURVE applies: a node-local endpoint, or
+    tcp with the insecure opt-in (warned about)."""
+    if not needs_auth(endpoint):
+        return None
     directory = keys_dir(keys)
     if directory is not None:
         return directory
@@ -217,8 +220,6 @@ class ServerAuth:
         a secret file is accessible by group/other, or the allowlist is missing or empty.
         Returns promptly (starting the thread waits for it to be ready, milliseconds).
         """
-        if not needs_auth(endpoint):
-            return None
         directory = _resolve(endpoint, keys_dir, insecure, "TaskQueue")
         if directory is None:
             return None
@@ -274,8 +275,6 @@ class ClientAuth:
         logged). Otherwise loads ``DIR/server.key`` (the engine's public key, pinned) and
         ``DIR/client.key_secret``; ``AuthenticationError`` under the same rules as
         ``ServerAuth.start``. Never blocks."""
-        if not needs_auth(endpoint):
-            return None
         directory = _resolve(endpoint, keys_dir, insecure, "TaskClient")
         if directory is None:
             return None

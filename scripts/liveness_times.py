@@ -80,9 +80,10 @@ def reap(procs):
 def engine_fault(sig, async_prefetch, hb):
     name = "lt" + uuid.uuid4().hex[:8]
     q = SPAWN.Queue()
-    engine = SPAWN.Process(target=engine_proc, args=(q, name, 2, hb), daemon=True)
+    doomed = SPAWN.Queue()  # a process SIGKILLed while writing may keep its queue's lock
+    engine = SPAWN.Process(target=engine_proc, args=(doomed, name, 2, hb), daemon=True)
     engine.start()
-    wait_for(q, "served", 1)
+    wait_for(doomed, "served", 1)
     ranks = start_ranks(q, name, 2, async_prefetch, hb)
     wait_for(q, "took", 2)
     t0 = time.monotonic()
@@ -128,10 +129,11 @@ def rank_kill(hb):
 def group_restart(hb):
     name = "lt" + uuid.uuid4().hex[:8]
     q = SPAWN.Queue()
+    doomed = SPAWN.Queue()  # a process SIGKILLed while writing may keep its queue's lock
     with TaskQueue(name, 2, heartbeat=Heartbeat(*hb)) as queue:
-        old = start_ranks(q, name, 2, True, hb)
+        old = start_ranks(doomed, name, 2, True, hb)
         queue.put_tasks("old", timeout=30)
-        wait_for(q, "took", 2)
+        wait_for(doomed, "took", 2)
         for p in old:
             os.kill(p.pid, signal.SIGKILL)
         reap(old)

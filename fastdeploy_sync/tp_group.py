@@ -39,14 +39,14 @@ one fallback interval, never a hang.
 
 The adaptive barrier: spinning releases ranks that arrive together in about a µs but
 burns the CPU for as long as the partner is late; blocking costs no CPU but ~30 µs of
-wake-up. Each rank keeps an estimate of how late its partners were at recent barriers
-(from their ARRIVED_AT, so it is exact even when it slept) that rises at once and decays
-over a few barriers. It spins the full window only while partners arrive within the
-window *and* work is in flight (some rank holds a batch not yet taken), or while they
-arrive within ``_CHEAP_SPIN_US`` (spinning that briefly costs less than a sleep and a
-wake-up); otherwise it blocks at once. An idle 1 ms polling loop, whose ranks arrive tens
-of µs apart, therefore sleeps instead of spinning, and ranks that arrive together are
-still released by the spin.
+wake-up. Each rank remembers how late its partners were at its last two barriers (from
+their ARRIVED_AT, so it is exact even when it slept; 0 when it came last). It spins the
+full window only while work is in flight (some rank holds a batch not yet taken) and the
+partners came within the window both times; with no work in flight it spins only
+``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only if they came within
+that. Otherwise it blocks at once. An idle 1 ms polling loop, whose ranks arrive tens of
+µs apart, therefore sleeps instead of spinning; ranks that arrive together are still
+released by the spin, and one late arrival costs the spin for two barriers at most.
 
 The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
 rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
@@ -78,16 +78,17 @@ DECISION_RING = 8
 D_GEN, D_FROM, D_TO = range(3)
 D_STRIDE = 4
 
-# A blocked barrier waiter re-checks this often even without a post: the fallback for a
-# lost wake-up (see module docstring) and the pace at which it notices a dead peer.
+# A blocked waiter re-checks this soon even without a post: the fallback for a lost
+# wake-up (see module docstring). Each re-check that finds nothing doubles the interval up
+# to _IDLE_FALLBACK_WAIT_S, so that a rank idle for seconds wakes ~10 times a second, not
+# 100; a dead peer is still noticed within ~0.2 s.
 _FALLBACK_WAIT_S = 0.01
+_IDLE_FALLBACK_WAIT_S = 0.1
 _ATTACH_POLL_S = 0.01
 # Partners arriving within this many µs: spin even with no work in flight (a sleep and a
 # wake-up cost the waiter more CPU than that), so that ranks arriving together are released
 # in a µs, not ~30 µs.
 _CHEAP_SPIN_US = 8.0
-# The lateness estimate decays by 1/2**_DECAY_SHIFT of the gap per barrier (and rises at once).
-_DECAY_SHIFT = 2
 
 
 def new_incarnation() -> int:
@@ -225,8 +226,8 @@ class ShmTPGroup:
         self._arrived_slots = [b + R_ARRIVED for b in self._ranks]
         self._arrived_at_slots = [b + R_ARRIVED_AT for b in self._ranks]
         self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
-        # How late (ns) the partners were at recent barriers: rises at once, decays slowly.
-        self._late_ns = 0
+        # How late (ns) the partners were at the last two barriers (0: this rank came last).
+        self._late_prev = self._late_last = 0
         self._spin_ns = int(self._spin_s * 1e9)
         self._cheap_ns = int(min(_CHEAP_SPIN_US * 1e3, self._spin_ns))
         self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
@@ -342,8 +343,8 @@ class ShmTPGroup:
 
         Blocks on rank 0's semaphore with the GIL released (no CPU); the receiver that
         completes ``seq`` posts it (``publish_received``), so the wake-up is one semaphore
-        post (~30 µs). Re-checks at least every 10 ms without a post (the bounded fallback
-        of the module docstring). ``check`` runs after every wake-up (``wake()`` posts the
+        post (~30 µs). Without a post it re-checks after 10 ms, then every 20, 40, 80, 100 ms
+        (the bounded fallback of the module docstring: an idle wait costs ~nothing). ``check`` runs after every wake-up (``wake()`` posts the
         same semaphore); whatever it raises ends the wait."""
         if self.tp_rank != 0:
             raise RuntimeError(f"rank {self.tp_rank} of {self.shm_name}: wait_received() is "
@@ -353,6 +354,7 @@ class ShmTPGroup:
         deadline = time.monotonic() + timeout
         sem = self._sems[0]
         v = self._view
+        wait_s = _FALLBACK_WAIT_S
         try:
             v[self._waiting_slot] = seq
             while True:
@@ -364,9 +366,9 @@ class ShmTPGroup:
                 if remaining <= 0:
                     return False
                 try:
-                    sem.acquire(min(remaining, _FALLBACK_WAIT_S))
+                    sem.acquire(min(remaining, wait_s))
                 except posix_ipc.BusyError:
-                    pass
+                    wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)  # idle: re-check less often
                 if check is not None:
                     check()
         finally:
@@ -452,9 +454,9 @@ class ShmTPGroup:
         Waits by spinning on shared memory for up to ``spin_us`` (sub-µs release when
         ranks arrive together), then blocking on this rank's semaphore (GIL released, no
         CPU; ~30 µs wake-up when the last rank arrives). It blocks at once, without
-        spinning, while recent barriers say the spin would be wasted (partners arrived
-        later than the window, or later than ``_CHEAP_SPIN_US`` with no work in flight):
-        see the module docstring.
+        spinning, when the last two barriers say the spin would be wasted (partners came
+        later than the window, or later than ``_CHEAP_SPIN_US`` with no work in flight,
+        when it spins ``_CHEAP_SPIN_US`` at most): see the module docstring.
 
         ``timeout`` (seconds, None = forever): raises ``BarrierTimeoutError`` naming the
         ranks that did not arrive. It is raised early if one of them has exited. After a
@@ -473,18 +475,23 @@ class ShmTPGroup:
         v[self._my + R_ARRIVED_AT] = arrived_at  # before ARRIVED: whoever sees one sees both
         v[self._my + R_ARRIVED] = gen
         if self._all_arrived(gen):
-            self._late_ns -= self._late_ns >> _DECAY_SHIFT  # last to arrive: nobody was late
+            self._lateness(0)  # last to arrive: nobody was late
         else:
             self._wait(gen, timeout, service, check, self._spin_budget_s())
-            self._learn_lateness(gen, arrived_at)
+            self._lateness(self._partner_lateness(gen, arrived_at))
         self._wake_sleepers(gen)
         self.gen = gen
 
+    def _lateness(self, late_ns: int) -> None:
+        self._late_prev, self._late_last = self._late_last, late_ns
+
     def _spin_budget_s(self) -> float:
-        """How long to spin before blocking, from how late the partners were recently."""
-        late = self._late_ns
+        """How long to spin before blocking: the window while work is in flight and the
+        partners came within it at the last two barriers; a few µs with no work in flight
+        if they came within that; else 0 (block at once)."""
+        late = max(self._late_prev, self._late_last)
         if late <= self._cheap_ns:
-            return self._spin_s
+            return self._spin_s if self._work_in_flight() else self._cheap_ns * 1e-9
         if late <= self._spin_ns and self._work_in_flight():
             return self._spin_s
         return 0.0
@@ -499,18 +506,15 @@ class ShmTPGroup:
                 return True
         return False
 
-    def _learn_lateness(self, gen, arrived_at):
+    def _partner_lateness(self, gen, arrived_at) -> int:
+        """ns between this rank's arrival at ``gen`` and the last partner's."""
         v = self._view
         last = arrived_at
         for r, s in enumerate(self._arrived_at_slots):
             # a partner already at the next barrier has overwritten its time: skip it
             if v[self._arrived_slots[r]] == gen and v[s] > last:
                 last = int(v[s])
-        late = last - arrived_at
-        if late >= self._late_ns:
-            self._late_ns = late
-        else:
-            self._late_ns -= (self._late_ns - late) >> _DECAY_SHIFT
+        return last - arrived_at
 
     def _wait(self, gen, timeout, service, check, spin_s):
         now = time.perf_counter()
@@ -533,9 +537,11 @@ class ShmTPGroup:
                 if service is not None:
                     service()
                 try:
-                    sem.acquire(wait_s)
+                    sem.acquire(wait_s if deadline is None
+                                else max(0.0, min(wait_s, deadline - time.perf_counter())))
                 except posix_ipc.BusyError:
-                    pass
+                    if service is None:  # nothing posted: a long wait, re-check less often
+                        wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)
                 if self._all_arrived(gen):
                     return
                 if check is not None:

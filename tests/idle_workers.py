@@ -21,9 +21,9 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
 
     1. no batch exists: rank 0's ``wait_for_tasks(idle_timeout)`` must time out; one
        empty step; report ("timed_out", rank, (result, seconds waited)).
-    2. the test puts one batch: rank 0's ``wait_for_tasks(30)`` must return True; one
+    2. the test puts one batch: rank 0's ``wait_for_tasks(20)`` must return True; one
        step takes it; report ("arrived", rank, (result, monotonic time it returned,
-       tasks taken)).
+       tasks taken, (stats, every rank's received watermark) when the wait returned)).
     3. the test closes the engine: rank 0 blocks in ``wait_for_tasks(30)``, the others in
        ``barrier(30)``; report ("raised", rank, (type, message, monotonic time)).
     """
@@ -39,11 +39,13 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
         assert client.get_tasks()[0] == [], "a batch before the test put one"
         out.put(("timed_out", rank, (result, waited)))
 
-        result = client.wait_for_tasks(30) if rank == 0 else None
+        # 20 s < the others' barrier timeout: a failed wait reports its state, below
+        result = client.wait_for_tasks(20) if rank == 0 else None
         returned = time.monotonic()
+        state = (client.stats(), list(getattr(client._group, "received", lambda: [])()))
         client.barrier(timeout=30)
         tasks, _ = client.get_tasks()
-        out.put(("arrived", rank, (result, returned, tasks)))
+        out.put(("arrived", rank, (result, returned, tasks, state)))
 
         try:
             if rank == 0:

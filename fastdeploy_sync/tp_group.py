@@ -343,9 +343,10 @@ class ShmTPGroup:
 
         Blocks on rank 0's semaphore with the GIL released (no CPU); the receiver that
         completes ``seq`` posts it (``publish_received``), so the wake-up is one semaphore
-        post (~30 µs). Without a post it re-checks after 10 ms, then every 20, 40, 80, 100 ms
-        (the bounded fallback of the module docstring: an idle wait costs ~nothing). ``check`` runs after every wake-up (``wake()`` posts the
-        same semaphore); whatever it raises ends the wait."""
+        post (~30 µs). Without a post it re-checks after 10 ms, then 20, 40, 80 and every
+        100 ms (the bounded fallback of the module docstring; an idle wait costs ~nothing).
+        ``check`` runs after every wake-up, posted or not (``wake()`` posts the same
+        semaphore); whatever it raises ends the wait."""
         if self.tp_rank != 0:
             raise RuntimeError(f"rank {self.tp_rank} of {self.shm_name}: wait_received() is "
                                f"rank 0's (receivers post rank 0's semaphore only)")

@@ -265,7 +265,8 @@ class TaskClient:
 
         Blocks with the GIL released and no CPU: the receiver of whichever rank completes
         the batch posts rank 0's semaphore (node-local group, ~30 µs wake-up; TP=1: a
-        condition variable). It re-checks at least every 10 ms without a post.
+        condition variable). Without a post it re-checks after 10 ms, backing off to every
+        100 ms while nothing comes.
 
         Raises what ``exist_tasks()`` raises, promptly when the engine side fails or
         closes while it waits (``EngineClosedError`` once this rank has taken everything

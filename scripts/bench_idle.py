@@ -6,6 +6,7 @@
 1. CPU of idle TP=2 workers (% of one core per process: event loop, prefetch thread and
    ZeroMQ's I/O thread together), nothing put:
      - FastDeploy's polling loop without task sync (sleep 1 ms, no client): the floor;
+     - a client built, its loop calling only num_tasks(): the client's background cost;
      - FastDeploy's 1 ms loop (rank 0: exist_tasks, barrier, get_tasks, sleep 1 ms; other
        ranks: barrier, get_tasks, sleep 1 ms), adaptive barrier (this library);
      - the same loop with the barrier forced to spin its full window first (50 µs, the
@@ -14,7 +15,8 @@
        barrier, get_tasks).
 2. Put -> rank 0 sees the batch (TP=2, both ranks must hold it): rank 0 blocked in
    wait_for_tasks() vs polling exist_tasks() every 1 ms. Includes the engine's send, the
-   transport, decoding and the wake-up (CLOCK_MONOTONIC is shared across processes).
+   transport, decoding and the wake-up (CLOCK_MONOTONIC is shared across processes), then
+   split at the moment the last rank's receiver published the batch.
 3. barrier() at TP=2 with both ranks arriving together: adaptive vs fixed 50 µs spin.
 
 Absolute figures drift ~30 % between runs on a shared 2-core machine: compare the rows

@@ -161,7 +161,7 @@ def bench_idle_cpu(seconds, tp=2):
             ("FastDeploy 1 ms loop, fixed 50 us spin (before)", "polling", "fixed"),
             ("FastDeploy 1 ms loop, never spin (SPIN_US=0)", "polling", "block"),
             ("rank 0 wait_for_tasks(0.1), others barrier()", "wait", "adaptive")):
-        for queue, out in _run(idle_loop_rank, tp, (loop, seconds, barrier), "bi"):
+        for queue, out in _run(idle_loop_rank, tp, (loop, seconds, barrier), "ibi"):
             for _ in range(tp):
                 assert out.get(timeout=90)[0] == "ready"
             time.sleep(seconds)
@@ -178,7 +178,7 @@ def bench_idle_cpu(seconds, tp=2):
 def bench_wake(n, tp=2):
     rows = {}
     for loop in ("wait", "poll"):
-        for queue, out in _run(wake_rank, tp, (loop, n), "bw"):
+        for queue, out in _run(wake_rank, tp, (loop, n), "ibw"):
             for _ in range(tp):
                 assert out.get(timeout=60)[0] == "ready"
             time.sleep(0.3)
@@ -204,7 +204,7 @@ def bench_wake(n, tp=2):
 def bench_together(iters):
     rows = {}
     for label, fixed in (("adaptive", False), ("fixed 50 us spin (before)", True)):
-        name = "bt" + uuid.uuid4().hex[:8]
+        name = "ibt" + uuid.uuid4().hex[:8]
         out = SPAWN.Queue()
         with TaskQueue(name, 2):
             ps = [SPAWN.Process(target=together_rank, args=(name, r, iters, fixed, out))

@@ -1,5 +1,6 @@
 """Coordination of the TP ranks of one group on one node: shared-memory watermarks,
-generation-indexed step decisions and a spin-then-block barrier.
+generation-indexed step decisions, an adaptive spin-then-block barrier, and rank 0's
+blocking wait for work (``wait_received``).
 
 Layout of the group's segment (int64 slots; each rank's block is one 64-byte cache line
 so that a rank writing its own watermarks never invalidates another rank's line)::
@@ -12,6 +13,12 @@ so that a rank writing its own watermarks never invalidates another rank's line)
                 PID
                 FAULT     non-zero once the rank stopped at an engine-side error (its code),
                           so that a peer waiting for it raises the same error, not "exited"
+                WAITING   rank 0 only: the seq it is blocked waiting for every rank to hold
+                          (``wait_received``), else 0; a receiver that completes it posts
+                          rank 0's semaphore
+                ARRIVED_AT  CLOCK_MONOTONIC ns of the rank's last barrier arrival (written
+                          before ARRIVED): how late a partner was, exactly, even for a rank
+                          that was asleep when it came
     decisions   a ring of DECISION_RING entries (GEN, FROM, TO), written by rank 0 only
 
 The step protocol (the invariant: every rank takes the same batches at the same step):
@@ -26,8 +33,20 @@ The step protocol (the invariant: every rank takes the same batches at the same 
 Memory ordering: rank 0 writes the decision before its ARRIVED slot, and readers read
 ARRIVED before the decision; x86-64 keeps store->store and load->load order, so a rank
 that saw the arrival sees the decision. The only store->load (Dekker) patterns, "I sleep"
-vs "you arrived", have a bounded fallback (semaphore waits time out and re-check), so a
-theoretically lost wake-up costs at most one fallback interval, never a hang.
+vs "you arrived" and "I wait for seq N" vs "I received N", have a bounded fallback
+(semaphore waits time out and re-check), so a theoretically lost wake-up costs at most
+one fallback interval, never a hang.
+
+The adaptive barrier: spinning releases ranks that arrive together in about a µs but
+burns the CPU for as long as the partner is late; blocking costs no CPU but ~30 µs of
+wake-up. Each rank remembers how late its partners were at its last two barriers (from
+their ARRIVED_AT, so it is exact even when it slept; 0 when it came last). It spins the
+full window only while work is in flight (some rank holds a batch not yet taken) and the
+partners came within the window both times; with no work in flight it spins only
+``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only if they came within
+that. Otherwise it blocks at once. An idle 1 ms polling loop, whose ranks arrive tens of
+µs apart, therefore sleeps instead of spinning; ranks that arrive together are still
+released by the spin, and one late arrival costs the spin for two barriers at most.
 
 The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
 rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
@@ -35,6 +54,7 @@ rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
 
 import os
 import secrets
+import threading
 import time
 import weakref
 
@@ -53,15 +73,22 @@ VERSION = 1
 H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY, H_INCARNATION = range(6)
 RANK_BASE = 8
 RANK_STRIDE = 8  # 64 bytes: one cache line per rank
-R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID, R_FAULT = range(6)
+R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID, R_FAULT, R_WAITING, R_ARRIVED_AT = range(8)
 DECISION_RING = 8
 D_GEN, D_FROM, D_TO = range(3)
 D_STRIDE = 4
 
-# A blocked barrier waiter re-checks this often even without a post: the fallback for a
-# lost wake-up (see module docstring) and the pace at which it notices a dead peer.
+# A blocked waiter re-checks this soon even without a post: the fallback for a lost
+# wake-up (see module docstring). Each re-check that finds nothing doubles the interval up
+# to _IDLE_FALLBACK_WAIT_S, so that a rank idle for seconds wakes ~10 times a second, not
+# 100; a dead peer is still noticed within ~0.2 s.
 _FALLBACK_WAIT_S = 0.01
+_IDLE_FALLBACK_WAIT_S = 0.1
 _ATTACH_POLL_S = 0.01
+# Partners arriving within this many µs: spin even with no work in flight (a sleep and a
+# wake-up cost the waiter more CPU than that), so that ranks arriving together are released
+# in a µs, not ~30 µs.
+_CHEAP_SPIN_US = 8.0
 
 
 def new_incarnation() -> int:
@@ -84,6 +111,7 @@ class SoloGroup:
 
     FastDeploy does not call the barrier at TP=1, so the decision is not indexed by
     generation here: ``get_tasks()`` takes whatever the last ``exist_tasks()`` latched.
+    ``wait_received`` blocks on a condition the receiving thread notifies.
     """
 
     tp_size = 1
@@ -94,12 +122,34 @@ class SoloGroup:
         self._received = 0
         self._consumed = 0
         self._decision = None
+        self._changed = threading.Condition(threading.Lock())
+        self._wakes = 0  # wake() calls: a waiter returns to its caller's check on a change
 
     def publish_received(self, seq):
-        self._received = seq
+        with self._changed:
+            self._received = seq
+            self._changed.notify_all()
 
     def min_received(self):
         return self._received
+
+    def wait_received(self, seq, timeout, check=None):
+        """Block until this rank holds ``seq`` (True) or ``timeout`` seconds pass (False).
+        GIL released while blocked. ``check`` runs after every ``wake()``; whatever it
+        raises ends the wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._changed:
+                wakes = self._wakes
+                while self._received < seq and self._wakes == wakes:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._changed.wait(remaining)
+                if self._received >= seq:
+                    return True
+            if check is not None:
+                check()
 
     def latch(self, gen, from_seq, to_seq):
         self._decision = (from_seq, to_seq)
@@ -123,7 +173,10 @@ class SoloGroup:
         return None
 
     def wake(self):
-        pass
+        """Wake a ``wait_received`` in progress (e.g. the prefetch thread just failed)."""
+        with self._changed:
+            self._wakes += 1
+            self._changed.notify_all()
 
     def close(self):
         pass
@@ -137,10 +190,13 @@ class ShmTPGroup:
     Other ranks block until rank 0 has published the segment, up to ``attach_timeout``
     seconds (``FD_SYNC_ATTACH_TIMEOUT``), then raise ``TimeoutError``.
 
-    ``spin_us``: how long ``barrier()`` spins before blocking (None: ``FD_SYNC_BARRIER_SPIN_US``).
+    ``spin_us``: the longest ``barrier()`` spins before blocking (None:
+    ``FD_SYNC_BARRIER_SPIN_US``); it spins that long only when it pays (see the module
+    docstring), else blocks at once.
 
     Not thread-safe: use one instance from the event loop thread; only
-    ``publish_received`` may be called from the prefetch thread (it writes one slot).
+    ``publish_received`` and ``wake`` may be called from the prefetch thread
+    (``publish_received`` writes one slot and may post rank 0's semaphore).
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int,
@@ -168,6 +224,12 @@ class ShmTPGroup:
         self._received_slots = [b + R_RECEIVED for b in self._ranks]
         self._consumed_slots = [b + R_CONSUMED for b in self._ranks]
         self._arrived_slots = [b + R_ARRIVED for b in self._ranks]
+        self._arrived_at_slots = [b + R_ARRIVED_AT for b in self._ranks]
+        self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
+        # How late (ns) the partners were at the last two barriers (0: this rank came last).
+        self._late_prev = self._late_last = 0
+        self._spin_ns = int(self._spin_s * 1e9)
+        self._cheap_ns = int(min(_CHEAP_SPIN_US * 1e3, self._spin_ns))
         self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
         v[self._my + R_PID] = os.getpid()
         self._closed = False
@@ -261,11 +323,64 @@ class ShmTPGroup:
     # -- watermarks ----------------------------------------------------------------------
 
     def publish_received(self, seq: int) -> None:
-        self._view[self._my + R_RECEIVED] = seq
+        """This rank holds every seq up to ``seq``. If rank 0 waits in ``wait_received``
+        for a seq every rank now holds, post its semaphore (one read when it does not)."""
+        v = self._view
+        v[self._my + R_RECEIVED] = seq
+        # store RECEIVED, then load WAITING: the Dekker pair of wait_received (bounded fallback)
+        want = v[self._waiting_slot]
+        if want and want <= seq and self.min_received() >= want:
+            self._sems[0].release()
 
     def min_received(self) -> int:
         v = self._view
         return min([v[s] for s in self._received_slots])
+
+    def wait_received(self, seq: int, timeout: float, check=None) -> bool:
+        """Rank 0: block until every rank holds ``seq`` (``min_received() >= seq``: True),
+        or ``timeout`` seconds pass (False), or a peer rank has published a fault (False
+        at once: the caller's next ``barrier()`` raises it).
+
+        Blocks on rank 0's semaphore with the GIL released (no CPU); the receiver that
+        completes ``seq`` posts it (``publish_received``), so the wake-up is one semaphore
+        post (~30 µs). Without a post it re-checks after 10 ms, then 20, 40, 80 and every
+        100 ms (the bounded fallback of the module docstring; an idle wait costs ~nothing).
+        ``check`` runs after every wake-up, posted or not (``wake()`` posts the same
+        semaphore); whatever it raises ends the wait."""
+        if self.tp_rank != 0:
+            raise RuntimeError(f"rank {self.tp_rank} of {self.shm_name}: wait_received() is "
+                               f"rank 0's (receivers post rank 0's semaphore only)")
+        if self.min_received() >= seq:
+            return True
+        deadline = time.monotonic() + timeout
+        sem = self._sems[0]
+        v = self._view
+        wait_s = _FALLBACK_WAIT_S
+        try:
+            v[self._waiting_slot] = seq
+            while True:
+                if self.min_received() >= seq:  # after announcing: see module docstring
+                    return True
+                if self.peer_fault() is not None:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                try:
+                    sem.acquire(min(remaining, wait_s))
+                except posix_ipc.BusyError:
+                    wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)  # idle: re-check less often
+                if check is not None:
+                    check()
+        finally:
+            v[self._waiting_slot] = 0
+            # Several receivers may have posted for the same seq: leave no stale count
+            # behind for the next wait or barrier (a stale post only costs a re-check).
+            try:
+                while True:
+                    sem.acquire(0)
+            except posix_ipc.BusyError:
+                pass
 
     def publish_consumed(self, seq: int) -> None:
         self._view[self._my + R_CONSUMED] = seq
@@ -330,15 +445,19 @@ class ShmTPGroup:
                 self._sems[r].release()
 
     def wake(self) -> None:
-        """Wake this rank's barrier wait early (e.g. its prefetch thread just failed)."""
+        """Wake this rank's barrier wait or ``wait_received`` early (e.g. its prefetch
+        thread just failed). Thread-safe."""
         self._sems[self.tp_rank].release()
 
     def barrier(self, timeout: float = None, service=None, check=None) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
 
-        Waits by spinning on shared memory for ``spin_us`` (sub-µs release
-        when ranks arrive together), then blocking on this rank's semaphore (GIL released,
-        no CPU; ~30 µs wake-up when the last rank arrives).
+        Waits by spinning on shared memory for up to ``spin_us`` (sub-µs release when
+        ranks arrive together), then blocking on this rank's semaphore (GIL released, no
+        CPU; ~30 µs wake-up when the last rank arrives). It blocks at once, without
+        spinning, when the last two barriers say the spin would be wasted (partners came
+        later than the window, or later than ``_CHEAP_SPIN_US`` with no work in flight,
+        when it spins ``_CHEAP_SPIN_US`` at most): see the module docstring.
 
         ``timeout`` (seconds, None = forever): raises ``BarrierTimeoutError`` naming the
         ranks that did not arrive. It is raised early if one of them has exited. After a
@@ -353,20 +472,59 @@ class ShmTPGroup:
         """
         gen = self.gen + 1
         v = self._view
+        arrived_at = time.monotonic_ns()
+        v[self._my + R_ARRIVED_AT] = arrived_at  # before ARRIVED: whoever sees one sees both
         v[self._my + R_ARRIVED] = gen
-        if not self._all_arrived(gen):
-            self._wait(gen, timeout, service, check)
+        if self._all_arrived(gen):
+            self._lateness(0)  # last to arrive: nobody was late
+        else:
+            self._wait(gen, timeout, service, check, self._spin_budget_s())
+            self._lateness(self._partner_lateness(gen, arrived_at))
         self._wake_sleepers(gen)
         self.gen = gen
 
-    def _wait(self, gen, timeout, service, check):
+    def _lateness(self, late_ns: int) -> None:
+        self._late_prev, self._late_last = self._late_last, late_ns
+
+    def _spin_budget_s(self) -> float:
+        """How long to spin before blocking: the window while work is in flight and the
+        partners came within it at the last two barriers; a few µs with no work in flight
+        if they came within that; else 0 (block at once)."""
+        late = max(self._late_prev, self._late_last)
+        if late <= self._cheap_ns:
+            return self._spin_s if self._work_in_flight() else self._cheap_ns * 1e-9
+        if late <= self._spin_ns and self._work_in_flight():
+            return self._spin_s
+        return 0.0
+
+    def _work_in_flight(self) -> bool:
+        """Some rank holds a batch this rank has not taken: a step may take it now, so
+        the barrier's release latency matters."""
+        v = self._view
+        consumed = v[self._my + R_CONSUMED]
+        for s in self._received_slots:
+            if v[s] > consumed:
+                return True
+        return False
+
+    def _partner_lateness(self, gen, arrived_at) -> int:
+        """ns between this rank's arrival at ``gen`` and the last partner's."""
+        v = self._view
+        last = arrived_at
+        for r, s in enumerate(self._arrived_at_slots):
+            # a partner already at the next barrier has overwritten its time: skip it
+            if v[self._arrived_slots[r]] == gen and v[s] > last:
+                last = int(v[s])
+        return last - arrived_at
+
+    def _wait(self, gen, timeout, service, check, spin_s):
         now = time.perf_counter()
-        spin_end = now + self._spin_s
+        spin_end = now + spin_s
         while now < spin_end:
             if self._all_arrived(gen):
                 return
             now = time.perf_counter()
-        deadline = None if timeout is None else now + timeout - self._spin_s
+        deadline = None if timeout is None else now + timeout - spin_s
         sem = self._sems[self.tp_rank]
         wait_s = 0.0005 if service is not None else _FALLBACK_WAIT_S
         sleeping_slot = self._my + R_SLEEPING
@@ -380,9 +538,11 @@ class ShmTPGroup:
                 if service is not None:
                     service()
                 try:
-                    sem.acquire(wait_s)
+                    sem.acquire(wait_s if deadline is None
+                                else max(0.0, min(wait_s, deadline - time.perf_counter())))
                 except posix_ipc.BusyError:
-                    pass
+                    if service is None:  # nothing posted: a long wait, re-check less often
+                        wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)
                 if self._all_arrived(gen):
                     return
                 if check is not None:

@@ -253,6 +253,74 @@ class TaskClient:
             self._group.latch(self._group.gen + 1, taken, upto)
         return True
 
+    def wait_for_tasks(self, timeout: float) -> bool:
+        """Rank 0's idle wait: block until ``exist_tasks()`` would return True, then latch
+        exactly as it does and return True; return False once ``timeout`` seconds passed.
+
+        For an idle loop that would otherwise poll ``exist_tasks()`` every millisecond::
+
+            if tp_rank == 0: client.wait_for_tasks(0.1)   # or exist_tasks(): both work
+            client.barrier()
+            tasks, _ = client.get_tasks()
+
+        Blocks with the GIL released and no CPU: the receiver of whichever rank completes
+        the batch posts rank 0's semaphore (node-local group, ~30 µs wake-up; TP=1: a
+        condition variable). Without a post it re-checks after 10 ms, backing off to every
+        100 ms while nothing comes.
+
+        Raises what ``exist_tasks()`` raises, promptly when the engine side fails or
+        closes while it waits (``EngineClosedError`` once this rank has taken everything
+        it was sent). Returns False early if a peer rank stopped at an engine error (the
+        next ``barrier()`` raises it).
+
+        Sync mode (``DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1``): receives from the socket
+        itself while it waits (polls it with the GIL released), then waits for the other
+        ranks as above; an error found by the heartbeat thread is seen within 50 ms.
+        ``coordinator="paddle"``: waits for this rank's own receipt only (the others' are
+        known at the barrier, as for ``exist_tasks()``), polling it every millisecond.
+
+        Rank 0 only (the other ranks wait in ``barrier()``): raises ``RuntimeError`` on
+        others. ``timeout`` is in seconds, ``0`` is ``exist_tasks()``.
+        """
+        if self.tp_rank != 0:
+            raise RuntimeError(f"TaskClient {self.name} rank {self.tp_rank}: wait_for_tasks() "
+                               f"is rank 0's; the other ranks wait in barrier()")
+        deadline = time.monotonic() + timeout
+        if self.exist_tasks():
+            return True
+        need = self._taken + 1
+        if not self.async_prefetch:
+            # this rank's own batch first: only this thread reads the socket
+            poller = zmq.Poller()
+            poller.register(self._data, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            while self._received < need:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                # bounded: the heartbeat thread's findings wake no poll, only a semaphore
+                poller.poll(min(remaining, 0.05) * 1000)
+                if self.exist_tasks():  # receives, raises what the receivers learned
+                    return True
+        wait = getattr(self._group, "wait_received", None)
+
+        def check():
+            if self._error is not None:
+                self._raise_error()
+            if not self.async_prefetch:
+                self._receive_now()  # CLOSE and errors keep arriving on our socket
+
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self.exist_tasks()
+            if wait is None:  # paddle coordinator: min_received() is this rank's own
+                time.sleep(min(remaining, 0.001))
+            elif not wait(need, remaining, check):
+                return self.exist_tasks()  # timed out, or a peer stopped (barrier raises)
+            if self.exist_tasks():
+                return True
+
     def barrier(self, timeout: float = None) -> None:
         """Block until every rank of the group has reached this step's barrier.
 

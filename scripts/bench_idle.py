@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""What an idle worker costs, and how fast a sleeping rank 0 wakes: side by side, one run.
+
+    python scripts/bench_idle.py [--seconds 3] [--puts 300] [--iters 3000]
+
+1. CPU of idle TP=2 workers (% of one core per process: event loop, prefetch thread and
+   ZeroMQ's I/O thread together), nothing put:
+     - FastDeploy's polling loop without task sync (sleep 1 ms, no client): the floor;
+     - a client built, its loop calling only num_tasks(): the client's background cost;
+     - FastDeploy's 1 ms loop (rank 0: exist_tasks, barrier, get_tasks, sleep 1 ms; other
+       ranks: barrier, get_tasks, sleep 1 ms), adaptive barrier (this library);
+     - the same loop with the barrier forced to spin its full window first (50 µs, the
+       barrier before it became adaptive), and never spinning (FD_SYNC_BARRIER_SPIN_US=0);
+     - the blocking loop (rank 0: wait_for_tasks(0.1), barrier, get_tasks; other ranks:
+       barrier, get_tasks).
+2. Put -> rank 0 sees the batch (TP=2, both ranks must hold it): rank 0 blocked in
+   wait_for_tasks() vs polling exist_tasks() every 1 ms. Includes the engine's send, the
+   transport, decoding and the wake-up (CLOCK_MONOTONIC is shared across processes), then
+   split at the moment the last rank's receiver published the batch.
+3. barrier() at TP=2 with both ranks arriving together: adaptive vs fixed 50 µs spin.
+
+Absolute figures drift ~30 % between runs on a shared 2-core machine: compare the rows
+of one run. Nothing here asserts a timing.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+import uuid
+
+import numpy as np
+
+from fastdeploy_sync import TaskClient, TaskQueue
+
+SPAWN = mp.get_context("spawn")
+ns = time.perf_counter_ns
+
+
+def _fixed_spin():
+    """The barrier before it became adaptive: always spin the full window first."""
+    from fastdeploy_sync.tp_group import ShmTPGroup
+
+    ShmTPGroup._spin_budget_s = lambda self: self._spin_s
+
+
+# -- helper processes (module level so that spawn can import them) ---------------------------
+
+def idle_loop_rank(name, tp, rank, loop, seconds, barrier, out):
+    """Run one idle loop until the test's "stop" batch arrives (every rank takes it at the
+    same step); report this process's CPU % of one core over that time. ``barrier``:
+    "adaptive", "fixed" (always spin the window first) or "block" (never spin)."""
+    if barrier == "fixed":
+        _fixed_spin()
+    elif barrier == "block":
+        os.environ["FD_SYNC_BARRIER_SPIN_US"] = "0"
+    if loop == "no-sync":  # the floor: no client at all
+        out.put(("ready", rank, None))
+        c0, w0 = time.process_time(), time.monotonic()
+        while time.monotonic() - w0 < seconds:
+            time.sleep(0.001)
+        out.put(("cpu", rank, 100.0 * (time.process_time() - c0) / (time.monotonic() - w0)))
+        return
+    with TaskClient(name, tp, rank, async_prefetch=True) as client:
+        client.barrier(timeout=60)  # every rank is up
+        out.put(("ready", rank, None))
+        c0, w0 = time.process_time(), time.monotonic()
+        while True:
+            if loop == "client-only":  # no step calls: the client's own background cost
+                if client.num_tasks():
+                    break
+                time.sleep(0.001)
+                continue
+            if rank == 0:
+                if loop == "wait":
+                    client.wait_for_tasks(0.1)
+                else:
+                    client.exist_tasks()
+            client.barrier(timeout=60)
+            if client.get_tasks()[0]:
+                break
+            if loop != "wait":
+                time.sleep(0.001)
+        out.put(("cpu", rank, 100.0 * (time.process_time() - c0) / (time.monotonic() - w0)))
+
+
+def wake_rank(name, tp, rank, loop, n, out):
+    """Take ``n`` batches; rank 0 records when it learned of each (batch id -> ns), every
+    rank when its receiver published it (seq -> ns)."""
+    seen = {}
+    published = {}
+    with TaskClient(name, tp, rank, async_prefetch=True) as client:
+        group = client._group
+        publish = group.publish_received
+
+        def timed_publish(seq):  # the receiver's moment, for the breakdown
+            published[seq] = ns()
+            publish(seq)
+
+        group.publish_received = timed_publish
+        client.barrier(timeout=60)  # every rank is up
+        out.put(("ready", rank))
+        taken = 0
+        while taken < n:
+            if rank == 0:
+                if loop == "wait":
+                    client.wait_for_tasks(1.0)
+                else:
+                    client.exist_tasks()
+                t = ns()
+            client.barrier(timeout=60)
+            tasks, _ = client.get_tasks()
+            if rank == 0:
+                for batch_id in tasks:
+                    seen[batch_id] = t
+            taken += len(tasks)
+            if loop == "poll" and not tasks:
+                time.sleep(0.001)
+    out.put(("seen", rank, (seen, published)))
+
+
+def together_rank(name, rank, iters, fixed_spin, out):
+    if fixed_spin:
+        _fixed_spin()
+    with TaskClient(name, 2, rank, async_prefetch=True) as client:
+        client.barrier(timeout=60)
+        samples = np.empty(iters, dtype=np.int64)
+        for i in range(iters):
+            t0 = ns()
+            client.barrier(timeout=60)
+            samples[i] = ns() - t0
+    out.put((rank, samples))
+
+
+# -- sections --------------------------------------------------------------------------------
+
+def _run(target, tp, args, tag):
+    name = tag + uuid.uuid4().hex[:8]
+    out = SPAWN.Queue()
+    with TaskQueue(name, tp) as queue:
+        ps = [SPAWN.Process(target=target, args=(name, tp, r) + args + (out,)) for r in range(tp)]
+        for p in ps:
+            p.start()
+        try:
+            yield queue, out
+        finally:
+            for p in ps:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+
+
+def bench_idle_cpu(seconds, tp=2):
+    rows = []
+    for label, loop, barrier in (
+            ("FastDeploy loop, no task sync (sleep 1 ms only)", "no-sync", None),
+            ("client built, 1 ms loop of num_tasks() only", "client-only", None),
+            ("FastDeploy 1 ms loop, adaptive barrier", "polling", "adaptive"),
+            ("FastDeploy 1 ms loop, fixed 50 us spin (before)", "polling", "fixed"),
+            ("FastDeploy 1 ms loop, never spin (SPIN_US=0)", "polling", "block"),
+            ("rank 0 wait_for_tasks(0.1), others barrier()", "wait", "adaptive")):
+        for queue, out in _run(idle_loop_rank, tp, (loop, seconds, barrier), "ibi"):
+            for _ in range(tp):
+                assert out.get(timeout=90)[0] == "ready"
+            time.sleep(seconds)
+            if loop != "no-sync":
+                queue.put_tasks("stop", timeout=10)
+            got = {}
+            for _ in range(tp):
+                kind, rank, cpu = out.get(timeout=60)
+                got[rank] = cpu
+        rows.append((label, [got[r] for r in range(tp)]))
+    return rows
+
+
+def bench_wake(n, tp=2):
+    rows = {}
+    for loop in ("wait", "poll"):
+        for queue, out in _run(wake_rank, tp, (loop, n), "ibw"):
+            for _ in range(tp):
+                assert out.get(timeout=60)[0] == "ready"
+            time.sleep(0.3)
+            rng = random.Random(1)
+            put = {}
+            for i in range(n):
+                time.sleep(0.002 + rng.random() * 0.003)  # rank 0 is back waiting by then
+                put[i] = ns()
+                queue.put_tasks(i, timeout=10)
+            reports = {}
+            for _ in range(tp):
+                _, rank, report = out.get(timeout=60)
+                reports[rank] = report
+        seen = reports[0][0]
+        # seq i + 1 carries batch i; the batch is complete when the last rank published it
+        held = {i: max(reports[r][1][i + 1] for r in range(tp)) for i in range(n)}
+        rows[loop] = np.array([seen[i] - put[i] for i in range(n)], dtype=np.int64)
+        rows[loop + "-held"] = np.array([held[i] - put[i] for i in range(n)], dtype=np.int64)
+        rows[loop + "-wake"] = np.array([seen[i] - held[i] for i in range(n)], dtype=np.int64)
+    return rows
+
+
+def bench_together(iters):
+    rows = {}
+    for label, fixed in (("adaptive", False), ("fixed 50 us spin (before)", True)):
+        name = "ibt" + uuid.uuid4().hex[:8]
+        out = SPAWN.Queue()
+        with TaskQueue(name, 2):
+            ps = [SPAWN.Process(target=together_rank, args=(name, r, iters, fixed, out))
+                  for r in range(2)]
+            for p in ps:
+                p.start()
+            got = dict(out.get(timeout=120) for _ in range(2))
+            for p in ps:
+                p.join(30)
+        rows[label] = got[0]
+    return rows
+
+
+def pct(samples_ns, q):
+    return float(np.percentile(samples_ns, q)) / 1000.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=3.0, help="per idle-CPU variant")
+    ap.add_argument("--puts", type=int, default=300)
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--sections", default="1,2,3")
+    args = ap.parse_args()
+    want = {int(x) for x in args.sections.split(",")}
+    print(f"fastdeploy_sync idle benchmark, python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} cores, FD_SYNC_BARRIER_SPIN_US="
+          f"{os.environ.get('FD_SYNC_BARRIER_SPIN_US', '50 (default)')}")
+    if 1 in want:
+        print(f"\n1. idle TP=2 workers, nothing put: CPU % of one core per process "
+              f"({args.seconds:g} s each)")
+        rows = bench_idle_cpu(args.seconds)
+        floor = float(np.mean(rows[0][1]))
+        for label, per_rank in rows:
+            mean = float(np.mean(per_rank))
+            ranks = "  ".join(f"r{r} {v:5.2f}" for r, v in enumerate(per_rank))
+            print(f"  {label:50s} {ranks}  mean {mean:5.2f} %  ({mean - floor:+5.2f} points)")
+    if 2 in want:
+        print(f"\n2. put -> rank 0 sees the batch, TP=2 ({args.puts} puts, 2-5 ms apart)")
+        rows = bench_wake(args.puts)
+        for label, key in (("rank 0 blocked in wait_for_tasks()", "wait"),
+                           ("  of which put -> the last rank holds it", "wait-held"),
+                           ("  of which the last rank holds it -> rank 0 sees it", "wait-wake"),
+                           ("rank 0 polling exist_tasks() every 1 ms", "poll"),
+                           ("  of which put -> the last rank holds it", "poll-held"),
+                           ("  of which the last rank holds it -> rank 0 sees it", "poll-wake")):
+            s = rows[key]
+            print(f"  {label:50s} p50 {pct(s, 50):8.1f} us   p99 {pct(s, 99):8.1f} us")
+    if 3 in want:
+        print(f"\n3. barrier() at TP=2, both ranks arriving together ({args.iters} calls, rank 0)")
+        rows = bench_together(args.iters)
+        for label, s in rows.items():
+            print(f"  {label:50s} p50 {pct(s, 50):8.2f} us   p99 {pct(s, 99):8.2f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -324,7 +324,9 @@ class TaskClient:
     def barrier(self, timeout: float = None) -> None:
         """Block until every rank of the group has reached this step's barrier.
 
-        Node-local shared memory: spins ~50 µs, then blocks on a semaphore (no CPU).
+        Node-local shared memory: spins (up to ``FD_SYNC_BARRIER_SPIN_US``) only while the
+        partners have recently arrived within that window, else blocks on a semaphore at once
+        (no CPU; see ``tp_group``).
         ``timeout`` in seconds (None = forever) raises ``BarrierTimeoutError`` naming the
         missing ranks, early if one of them exited. A no-op at tp_size=1. While waiting it
         also raises what the engine side learned (see the class docstring), so a rank

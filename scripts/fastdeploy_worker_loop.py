@@ -58,6 +58,11 @@ def worker_main(port, tp, rank, dp_id, tp_barrier, exist_task_signal, step_ms, o
                     req_dicts.extend(req_dict)
                 steps.append((step, tuple(r["request_id"] for r in req_dicts)))
             time.sleep(rng.uniform(0.5, 1.5) * step_ms / 1000)  # execute_model
+            if tp > 1:
+                # execute_model's TP collective (idle: the loop's second barrier). FastDeploy's
+                # loop relies on it: rank 0 must not set the next step's signal before every
+                # rank has read this step's.
+                tp_barrier.wait(30)
             step += 1
     finally:
         task_queue.cleanup()

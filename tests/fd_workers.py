@@ -88,6 +88,11 @@ def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, s
                 calls.append((step, ncall, ids, bool(read_finish)))
             if max_step_ms:
                 time.sleep(rng.uniform(0, max_step_ms) / 1000)
+            # The model step's TP collective (or, idle, FastDeploy's second barrier): without
+            # it rank 0 could set the next step's signal before a slow rank read this step's,
+            # and the loop would race on its own signal (not the queue's).
+            if tp_size > 1:
+                barrier.wait(BARRIER_TIMEOUT_S)
             step += 1
         results.put(("ok", dp_id, rank, {"calls": calls, "cleared": q.cleared,
                                          "steps": step}))

@@ -87,7 +87,7 @@ import weakref
 
 from . import envs
 from .engine import TaskQueue
-from .errors import ClosedError, ProtocolError, TaskSyncError
+from .errors import ClosedError, TaskSyncError
 from .liveness import CONNECTED
 from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
                   reclaim_stale, unlink_segment, unlink_semaphore)

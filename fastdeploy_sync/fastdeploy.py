@@ -54,7 +54,8 @@ rank 0 set before the barrier is set). Our ``barrier()`` is not required.
 Where FastDeploy's semantics are not kept (each would break step consistency or
 security, or is not part of the task path):
   * A rank cannot re-read the current batch: ``get_tasks()`` is a take, not a peek; a
-    rank calling it more often than its peers gets ``ProtocolError`` instead of diverging.
+    rank calling it more often than its peers gets ``ProtocolError`` (at TP > 1, on its
+    next call) instead of diverging.
   * ``exist_tasks()`` is derived, not a stored flag: on the engine, "some batch is not
     yet taken by every rank"; on worker rank 0, "every rank holds a batch not yet taken"
     (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
@@ -87,7 +88,7 @@ import weakref
 
 from . import envs
 from .engine import TaskQueue
-from .errors import ClosedError, TaskSyncError
+from .errors import ClosedError, ProtocolError, TaskSyncError
 from .liveness import CONNECTED
 from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
                   reclaim_stale, unlink_segment, unlink_semaphore)
@@ -217,8 +218,14 @@ class _GroupBoard:
 
     def last_reader(self, call):
         """Count this rank's ``call``-th ``get_tasks()``; True on exactly one rank per
-        call, the last to count it. Blocks only on a peer inside the same few stores."""
+        call, the last to count it. Blocks only on a peer inside the same few stores.
+
+        Also checks the caller's contract: when a rank makes call j+1, every rank has made
+        call j (the caller's barrier sits between them). A rank that called more often
+        than its peers raises ``ProtocolError`` here, at once, instead of drifting a call
+        apart from its group (and later hanging in the caller's barrier)."""
         slot = _B_RING_BASE + 2 * (call % _B_RING)
+        prev = _B_RING_BASE + 2 * ((call - 1) % _B_RING)
         try:
             self._sem.acquire(_LOCK_TIMEOUT_S)
         except Exception as exc:  # posix_ipc.BusyError
@@ -227,6 +234,15 @@ class _GroupBoard:
                                f"restart the worker group") from exc
         try:
             v = self._view
+            if call > 1 and (v[prev] != call - 1 or v[prev + 1] != self.tp_size):
+                done = v[prev + 1] if v[prev] == call - 1 else 0
+                raise ProtocolError(
+                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while "
+                    f"only {done} of {self.tp_size} ranks made call {call - 1}: every rank must "
+                    f"call get_tasks() at the same steps (FastDeploy's loop: rank 0 sets the "
+                    f"signal before the TP barrier, and a second sync point, the model step's "
+                    f"collective or the idle barrier, keeps it from setting the next step's "
+                    f"signal before every rank read this one)")
             if v[slot] != call:
                 v[slot], v[slot + 1] = call, 0
             v[slot + 1] += 1

@@ -37,11 +37,12 @@ def ids_of(tasks):
 
 def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
                    name=None, max_step_ms=2.0, seed=0, deadline_s=40.0, pause=None,
-                   check_arrays=True):
+                   check_arrays=True, extra_call=None, barrier_timeout=BARRIER_TIMEOUT_S):
     """FastDeploy's loop, task path only. Stops after the step that took the STOP batch
     (every rank takes it at the same step, so every rank stops at the same step).
     ``pause=(step, seconds)``: every rank sleeps that long at that step (before the
-    exist check), so batches pile up in flight."""
+    exist check), so batches pile up in flight. ``extra_call=(rank, step)``: that rank calls
+    ``get_tasks()`` once more at that step (breaking the contract on purpose)."""
     os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
     try:
         from fastdeploy_sync.fastdeploy import EngineWorkerQueue
@@ -68,7 +69,7 @@ def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, s
                 if q.exist_tasks():
                     signal.value = 1
             if tp_size > 1:
-                barrier.wait(BARRIER_TIMEOUT_S)
+                barrier.wait(barrier_timeout)
             if signal.value == 1 or q.read_finish_flag.get() == 1:
                 tasks, read_finish = q.get_tasks()
                 ncall += 1
@@ -86,13 +87,15 @@ def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, s
                             assert int(tok[0]) == reqs[0]["id"][1] and len(tok) == 64
                         ids.extend(ids_of([t]))
                 calls.append((step, ncall, ids, bool(read_finish)))
+            if extra_call is not None and extra_call == (rank, step):
+                q.get_tasks()
             if max_step_ms:
                 time.sleep(rng.uniform(0, max_step_ms) / 1000)
             # The model step's TP collective (or, idle, FastDeploy's second barrier): without
             # it rank 0 could set the next step's signal before a slow rank read this step's,
             # and the loop would race on its own signal (not the queue's).
             if tp_size > 1:
-                barrier.wait(BARRIER_TIMEOUT_S)
+                barrier.wait(barrier_timeout)
             step += 1
         results.put(("ok", dp_id, rank, {"calls": calls, "cleared": q.cleared,
                                          "steps": step}))

@@ -125,6 +125,31 @@ def test_clear_data_with_batches_in_flight(name, procs, results):
     assert taken == [(0, 3), (0, 4), (0, 5), STOP]
 
 
+def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
+    """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
+    3. It raises ProtocolError on its next call instead of drifting a call apart."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=2, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        barrier, signal = SPAWN.Barrier(2), SPAWN.Value("i", 0)
+        for r in range(2):
+            procs(fd_worker_loop, address, 2, r, 0, barrier, signal, results, name=name,
+                  extra_call=(1, 3), barrier_timeout=2.0, deadline_s=10.0)
+        engine = EngineWorkerQueue(address=address, client_id=0, num_client=2, name=name)
+        try:  # the workers stop taking once rank 1 raised: the engine's puts time out
+            fd_engine_loop(engine, 0, 10, put_timeout=2.0)
+        except TimeoutError:
+            pass
+        got = {}
+        for _ in range(2):
+            kind, _, rank, payload = results.get(timeout=RESULT_TIMEOUT_S)
+            got[rank] = (kind, payload)
+        assert got[1][0] == "error" and "ProtocolError" in got[1][1], got[1]
+        assert "call get_tasks() at the same steps" in got[1][1]
+    finally:
+        server.cleanup()
+
+
 def _worker_thread(address, name, **kw):
     """A TP=1 worker in this process (role="worker": this process also holds the server)."""
     return EngineWorkerQueue(address=address, is_server=False, num_client=1, client_id=0,

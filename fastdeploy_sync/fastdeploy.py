@@ -142,11 +142,11 @@ class _Clear:
 
 # -- the group board: all_client_read and read_finish_flag across a TP group -----------------
 
-_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG = range(4)
+_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL = range(5)
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_RING_BASE = 8
 _B_MAGIC_VALUE = 0x46445359_4E434657  # "FDSYNCFW"
-_B_SLOTS = _B_RING_BASE + 2 * _B_RING
+_B_CALLS_BASE = _B_RING_BASE + 2 * _B_RING  # then one slot per rank: its get_tasks() calls
 _LOCK_TIMEOUT_S = 5.0
 
 
@@ -169,6 +169,7 @@ class _GroupBoard:
         self.shm_name = group_shm_name(name, dp_id) + ".fd"
         self.sem_name = self.shm_name + ".lock"
         self._owner = tp_rank == 0
+        self._size = (_B_CALLS_BASE + tp_size) * 8
         if self._owner:
             self._seg = self._create()
         else:
@@ -184,13 +185,13 @@ class _GroupBoard:
 
     def _create(self):
         try:
-            seg = Segment.create(self.shm_name, _B_SLOTS * 8)
+            seg = Segment.create(self.shm_name, self._size)
         except FileExistsError:
             owner = reclaim_stale(self.shm_name, _B_OWNER_PID)
             if owner:
                 raise TaskSyncError(f"{self.shm_name} is owned by live process {owner}: another "
                                     f"rank 0 of this address and DP group is running") from None
-            seg = Segment.create(self.shm_name, _B_SLOTS * 8)
+            seg = Segment.create(self.shm_name, self._size)
         if check_semaphore_owner(self.sem_name):  # a crashed run's: its count may be 0
             unlink_semaphore(self.sem_name)
         create_semaphore(self.sem_name, initial_value=1).close()
@@ -207,7 +208,7 @@ class _GroupBoard:
             except FileNotFoundError:
                 seg = None
             if seg is not None:
-                if (seg.size == _B_SLOTS * 8 and seg.view[_B_READY] == 1
+                if (seg.size == self._size and seg.view[_B_READY] == 1
                         and seg.view[_B_MAGIC] == _B_MAGIC_VALUE):
                     return seg
                 seg.close()
@@ -220,12 +221,13 @@ class _GroupBoard:
         """Count this rank's ``call``-th ``get_tasks()``; True on exactly one rank per
         call, the last to count it. Blocks only on a peer inside the same few stores.
 
-        Also checks the caller's contract: when a rank makes call j+1, every rank has made
-        call j (the caller's barrier sits between them). A rank that called more often
-        than its peers raises ``ProtocolError`` here, at once, instead of drifting a call
-        apart from its group (and later hanging in the caller's barrier)."""
+        Also checks the caller's contract: when a rank makes call j, rank 0's last
+        ``exist_tasks()`` announced a call >= j (it runs before the caller's barrier), and
+        every other rank has made call j-1 or j. A rank that calls more often than its
+        peers raises ``ProtocolError`` on its next call, instead of the group drifting a
+        call apart (and later hanging in the caller's barrier). A rank that calls less
+        often is caught only when the call counts show it (a peer raises)."""
         slot = _B_RING_BASE + 2 * (call % _B_RING)
-        prev = _B_RING_BASE + 2 * ((call - 1) % _B_RING)
         try:
             self._sem.acquire(_LOCK_TIMEOUT_S)
         except Exception as exc:  # posix_ipc.BusyError
@@ -234,11 +236,13 @@ class _GroupBoard:
                                f"restart the worker group") from exc
         try:
             v = self._view
-            if call > 1 and (v[prev] != call - 1 or v[prev + 1] != self.tp_size):
-                done = v[prev + 1] if v[prev] == call - 1 else 0
+            v[_B_CALLS_BASE + self.tp_rank] = call
+            calls = [v[_B_CALLS_BASE + r] for r in range(self.tp_size)]
+            if max(calls) > call or min(calls) < call - 1 or call > v[_B_NEXT_CALL]:
                 raise ProtocolError(
-                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while "
-                    f"only {done} of {self.tp_size} ranks made call {call - 1}: every rank must "
+                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while the "
+                    f"ranks have made {calls} calls and rank 0 announced call "
+                    f"{v[_B_NEXT_CALL]} for this step: every rank must "
                     f"call get_tasks() at the same steps (FastDeploy's loop: rank 0 sets the "
                     f"signal before the TP barrier, and a second sync point, the model step's "
                     f"collective or the idle barrier, keeps it from setting the next step's "
@@ -249,6 +253,11 @@ class _GroupBoard:
             return v[slot + 1] == self.tp_size
         finally:
             self._sem.release()
+
+    def announce(self, next_call):
+        """Rank 0, in ``exist_tasks()``: the call number its next ``get_tasks()`` will have,
+        i.e. the highest any rank may make this step (one store)."""
+        self._view[_B_NEXT_CALL] = next_call
 
     def get_flag(self):
         return self._view[_B_FLAG]
@@ -280,6 +289,9 @@ class _SoloBoard:
 
     def last_reader(self, call):
         return True
+
+    def announce(self, next_call):
+        pass
 
     def get_flag(self):
         return self._flag
@@ -595,6 +607,8 @@ class EngineWorkerQueue:
         if q is not None:
             return q.exist_tasks()
         self._require_worker("exist_tasks")
+        if self.client_id == 0:
+            self._board.announce(self._calls + 1)
         return self._client.exist_tasks()
 
     def set_exist_tasks(self, flag) -> None:

@@ -127,7 +127,8 @@ def test_clear_data_with_batches_in_flight(name, procs, results):
 
 def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
     """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
-    3. It raises ProtocolError on its next call instead of drifting a call apart."""
+    3. A rank raises ProtocolError within a few steps instead of the group drifting a call
+    apart."""
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=2, name=name)
     try:
         address = ("0.0.0.0", server.get_server_port())
@@ -144,8 +145,11 @@ def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
         for _ in range(2):
             kind, _, rank, payload = results.get(timeout=RESULT_TIMEOUT_S)
             got[rank] = (kind, payload)
-        assert got[1][0] == "error" and "ProtocolError" in got[1][1], got[1]
-        assert "call get_tasks() at the same steps" in got[1][1]
+        # the rank ahead, or a peer, finds the call counts apart (whichever calls second
+        # on a step where the ahead rank is not the slowest)
+        errors = [p for kind, p in got.values() if kind == "error" and "ProtocolError" in p]
+        assert errors, got
+        assert "call get_tasks() at the same steps" in errors[0]
     finally:
         server.cleanup()
 

@@ -49,7 +49,13 @@ the caller's barrier orders that before every rank's call of that number; every 
 j-th ``get_tasks()`` takes decision j (see ``TaskClient``, ``external_barrier``). So every
 rank takes the same batches at the same step provided every rank calls ``get_tasks()``
 the same number of times, which FastDeploy's loop does (all ranks call it iff the signal
-rank 0 set before the barrier is set). Our ``barrier()`` is not required.
+rank 0 set before the barrier is set). Our ``barrier()`` is not required. The caller's
+contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` every step before the
+barrier, and each step has a second sync point after the signal is read (the model
+step's TP collective, or the idle branch's barrier); without the latter rank 0 can set
+the next step's signal before a slow rank read this step's, and the loop races on its own
+signal. A rank that then calls ``get_tasks()`` more often than rank 0 announced raises
+``ProtocolError`` (see ``_GroupBoard.last_reader``).
 
 Where FastDeploy's semantics are not kept (each would break step consistency or
 security, or is not part of the task path):

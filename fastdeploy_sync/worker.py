@@ -139,8 +139,9 @@ class TaskClient:
     each j-th call after a barrier that rank 0 passed after latching j (FastDeploy's loop:
     every rank calls it iff the flag rank 0 set before the barrier is set). That contract is
     the caller's: a rank that calls it more often than its peers is off by one call from
-    then on, and ``get_tasks()`` raises ``ProtocolError`` once that makes it disagree with
-    rank 0 about what was taken. At tp_size=1 it changes nothing.
+    then on; ``get_tasks()`` raises ``ProtocolError`` only if that makes it disagree with
+    rank 0 about what was taken (``fastdeploy.EngineWorkerQueue`` checks the call counts
+    of every rank). At tp_size=1 it changes nothing.
 
     Decoded numpy arrays alias the received message and are read-only; copy before writing.
     """

@@ -23,8 +23,12 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
   * ``is_server=False`` anywhere else: TP rank ``client_id`` of DP group
     ``local_data_parallel_id``, a ``TaskClient(external_barrier=True)``.
   ``role="engine"`` / ``role="worker"`` overrides the guess. An engine-side client in a
-  process other than the server's is not supported: it raises ``NotImplementedError``
-  (put from the process that owns the server, as FastDeploy's engine does).
+  process other than the server's (FastDeploy's per-DP-rank engine processes with
+  ``local_data_parallel_size > 1``) is not supported yet: ``role="engine"`` there raises
+  ``NotImplementedError``, and without ``role`` such a client would be taken for TP rank
+  ``client_id`` of a worker group. Put from the process that owns the server.
+  The TP ranks of one DP group must share a node (their coordination is node-local
+  shared memory, as ``TaskClient``'s default coordinator); the engine may be elsewhere.
 
 Addresses. ``address[0] == "0.0.0.0"`` means one node (FastDeploy's convention): group i
 is served on the private ``ipc://`` endpoint of name ``fdq<port>`` and dp_id i (no TCP

@@ -131,13 +131,25 @@ class TaskClient:
     Threading: call the step methods from one thread (the event loop). Use as a context
     manager, or call ``close()``.
 
+    ``external_barrier=True``: the caller's loop orders the ranks with its own TP barrier
+    (FastDeploy's ``paddle.distributed.barrier``), not ``barrier()``. Rank 0's
+    ``exist_tasks()`` then latches its decision for its *next* ``get_tasks()`` call number
+    j (its calls so far + 1) and every rank's j-th ``get_tasks()`` takes decision j. This
+    is consistent as long as every rank calls ``get_tasks()`` the same number of times,
+    each j-th call after a barrier that rank 0 passed after latching j (FastDeploy's loop:
+    every rank calls it iff the flag rank 0 set before the barrier is set). That contract is
+    the caller's: a rank that calls it more often than its peers is off by one call from
+    then on; ``get_tasks()`` raises ``ProtocolError`` only if that makes it disagree with
+    rank 0 about what was taken (``fastdeploy.EngineWorkerQueue`` checks the call counts
+    of every rank). At tp_size=1 it changes nothing.
+
     Decoded numpy arrays alias the received message and are read-only; copy before writing.
     """
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
                  endpoint: str = None, async_prefetch: bool = None, coordinator=None,
                  profile: bool = None, heartbeat: Heartbeat = None, keys_dir: str = None,
-                 insecure_tcp: bool = None):
+                 insecure_tcp: bool = None, external_barrier: bool = False):
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -159,6 +171,11 @@ class TaskClient:
         self._slot = collections.deque()
         self._received = 0
         self._taken = 0  # event loop only
+        # external_barrier: the caller orders the ranks with its own barrier, so decisions
+        # are indexed by this rank's get_tasks() call count instead of our barrier's
+        # generation (see the class docstring).
+        self.external_barrier = bool(external_barrier)
+        self._calls = 0  # get_tasks() calls so far (event loop only)
         # What the receiving side learned for the event loop: a failure, the engine's
         # CLOSE (EngineClosedError, deferred until everything sent was taken), or this
         # client's own close() (ClosedError). Every step call reads it first.
@@ -250,7 +267,8 @@ class TaskClient:
         if upto <= taken:
             return False
         if self.tp_rank == 0:
-            self._group.latch(self._group.gen + 1, taken, upto)
+            index = self._calls + 1 if self.external_barrier else self._group.gen + 1
+            self._group.latch(index, taken, upto)
         return True
 
     def wait_for_tasks(self, timeout: float) -> bool:
@@ -357,7 +375,11 @@ class TaskClient:
         """
         if self._closed:
             raise ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
-        decision = self._group.decision(self._group.gen)
+        if self.external_barrier:
+            self._calls += 1
+            decision = self._group.decision(self._calls)
+        else:
+            decision = self._group.decision(self._group.gen)
         tasks = []
         if decision is not None and decision[1] > self._taken:
             tasks = self._take(*decision)

@@ -1,0 +1,715 @@
+"""FastDeploy drop-in: ``EngineWorkerQueue`` with FastDeploy's signature, over TaskQueue/TaskClient.
+
+Adopting the library is one import::
+
+    # from fastdeploy.inter_communicator.engine_worker_queue import EngineWorkerQueue
+    from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+The task path keeps FastDeploy's calls and meaning (``put_tasks``, ``get_tasks``,
+``exist_tasks``, ``num_tasks``, ``set_exist_tasks``, ``clear_data``, ``get_server_port``,
+``cleanup``, ``read_finish_flag``, ``connected_client_counter``,
+``worker_process_tp_barrier``); underneath every DP group is one ``TaskQueue`` (engine)
+and one ``TaskClient`` per TP rank (workers), with the prefetch thread, sequence numbers,
+heartbeats and CURVE of the core. This module holds no protocol of its own: it maps
+FastDeploy's roles and names onto the core, derives ``all_client_read`` and carries
+``clear_data()`` as an ordinary batch.
+
+Roles (FastDeploy's constructor arguments do not say which side a client is on):
+  * ``is_server=True``: the engine's server. One ``TaskQueue`` per local DP group
+    (``local_data_parallel_size`` of them), each with ``num_client`` TP ranks.
+  * ``is_server=False`` in the process that built the server for the same address: the
+    engine's producer (FastDeploy's ``client_id=0`` instance in ``start_queue_service``);
+    it puts into the server's queue of group ``local_data_parallel_id`` directly.
+  * ``is_server=False`` anywhere else: TP rank ``client_id`` of DP group
+    ``local_data_parallel_id``, a ``TaskClient(external_barrier=True)``.
+  ``role="engine"`` / ``role="worker"`` overrides the guess. An engine-side client in a
+  process other than the server's (FastDeploy's per-DP-rank engine processes with
+  ``local_data_parallel_size > 1``) is not supported yet: ``role="engine"`` there raises
+  ``NotImplementedError``, and without ``role`` such a client would be taken for TP rank
+  ``client_id`` of a worker group. Put from the process that owns the server.
+  The TP ranks of one DP group must share a node (their coordination is node-local
+  shared memory, as ``TaskClient``'s default coordinator); the engine may be elsewhere.
+
+Addresses. ``address[0] == "0.0.0.0"`` means one node (FastDeploy's convention): group i
+is served on the private ``ipc://`` endpoint of name ``fdq<port>`` and dp_id i (no TCP
+port is bound; with port 0 the server reserves a free port number by holding a bound,
+unlistening TCP socket on 127.0.0.1 so that two servers never share a name). Any other
+host means workers on other machines: group i is served on ``tcp://host:(port + i)``,
+so a server with ``local_data_parallel_size=d`` uses ports port..port+d-1 (with port 0,
+group 0 picks a free port P and group i binds P + i, which may fail: give a port then).
+Every DP group has its own endpoint, TP-group shared memory and ack board: groups
+sharing one address never see each other's batches or flags.
+
+Security. ``authkey`` is accepted for FastDeploy's signature and not used: ``tcp://``
+endpoints authenticate with the library's CURVE keys (``keys_dir=`` or
+``FD_SYNC_KEYS_DIR``, made by ``fastdeploy-sync keys DIR``; see ``auth``) and refuse to
+start without them unless ``FD_SYNC_INSECURE_TCP=1``; ``ipc://`` endpoints live in a
+private 0700 directory. A shared password would add nothing to CURVE and would be one
+more secret on the command line.
+
+Step consistency with FastDeploy's own TP barrier (``event_loop_normal``): rank 0's
+``exist_tasks()`` latches "take (from, to]" for its next ``get_tasks()`` call number;
+the caller's barrier orders that before every rank's call of that number; every rank's
+j-th ``get_tasks()`` takes decision j (see ``TaskClient``, ``external_barrier``). So every
+rank takes the same batches at the same step provided every rank calls ``get_tasks()``
+the same number of times, which FastDeploy's loop does (all ranks call it iff the signal
+rank 0 set before the barrier is set). Our ``barrier()`` is not required. The caller's
+contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` every step before the
+barrier, and each step has a second sync point after the signal is read (the model
+step's TP collective, or the idle branch's barrier); without the latter rank 0 can set
+the next step's signal before a slow rank read this step's, and the loop races on its own
+signal. A rank that then calls ``get_tasks()`` more often than rank 0 announced raises
+``ProtocolError`` (see ``_GroupBoard.last_reader``).
+
+Where FastDeploy's semantics are not kept (each would break step consistency or
+security, or is not part of the task path):
+  * A rank cannot re-read the current batch: ``get_tasks()`` is a take, not a peek; a
+    rank calling it more often than its peers gets ``ProtocolError`` (at TP > 1, on its
+    next call) instead of diverging.
+  * ``exist_tasks()`` is derived, not a stored flag: on the engine, "some batch is not
+    yet taken by every rank"; on worker rank 0, "every rank holds a batch not yet taken"
+    (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
+    ``set_exist_tasks(False)`` with batches pending raises ``ValueError`` (use
+    ``clear_data()``).
+  * ``clear_data()`` on the engine retires the pending batches consistently (below); on
+    a worker it drops nothing, since one rank cannot drop without its peers (FastDeploy's
+    workers call it after a weight update, after the engine paused and cleared).
+  * ``put_tasks()`` does not convert multimodal numpy inputs to paddle tensors
+    (FastDeploy's ``to_tensor``/``to_numpy``): arrays travel zero-copy as numpy and are
+    read-only on the worker.
+  * Only the task path is served: FastDeploy's cache-info, RDMA-connect, finished-request
+    and disaggregation channels of the same class raise ``AttributeError`` naming this.
+
+``clear_data()`` (engine side) puts a clear marker through the queue as an ordinary
+batch (it may exceed the one-batch bound by one: the marker never waits for room).
+Every rank takes the marker in the same ``get_tasks()`` call and drops the batches taken
+with it, before it, in that call; batches a rank already took in an earlier call, and
+batches put after ``clear_data()``, are delivered. So every rank drops exactly the same
+batches, and nothing cleared is ever returned; the engine's ``exist_tasks()`` stays True
+until the workers took the marker. ``cleared`` counts, per worker, the batches dropped.
+"""
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+
+from . import envs
+from .engine import TaskQueue
+from .errors import ClosedError, ProtocolError, TaskSyncError
+from .liveness import CONNECTED
+from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
+                  reclaim_stale, unlink_segment, unlink_semaphore)
+from .tp_group import group_shm_name
+from .worker import TaskClient
+
+__all__ = ["EngineWorkerQueue"]
+
+log = logging.getLogger(__name__)
+
+SINGLE_NODE_HOST = "0.0.0.0"
+# FastDeploy's _connect_with_retry: 5 attempts 3 s apart. Read here, not in envs, while
+# only this module uses it.
+_CONNECT_TIMEOUT_ENV = "FD_SYNC_CONNECT_TIMEOUT"
+_DEFAULT_CONNECT_TIMEOUT_S = 15.0
+# put_tasks() waits for room (FastDeploy: 1 ms sleeps); we start finer and back off to it.
+_PUT_POLL_MIN_S = 50e-6
+_PUT_POLL_MAX_S = 1e-3
+
+# Servers built in this process, by (host, port): the engine's client instance puts
+# through the server's TaskQueue directly.
+_SERVERS = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def _connect_timeout_s() -> float:
+    raw = os.environ.get(_CONNECT_TIMEOUT_ENV, str(_DEFAULT_CONNECT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{_CONNECT_TIMEOUT_ENV}={raw!r}: expected seconds") from None
+    if not value > 0:
+        raise ValueError(f"{_CONNECT_TIMEOUT_ENV}={raw!r}: expected a number > 0")
+    return value
+
+
+class _Clear:
+    """The marker ``clear_data()`` puts: every rank drops what it takes with it."""
+
+    __slots__ = ("clear_id",)
+
+    def __init__(self, clear_id=0):
+        self.clear_id = clear_id
+
+    def __reduce__(self):
+        return _Clear, (self.clear_id,)
+
+    def __repr__(self):
+        return f"_Clear({self.clear_id})"
+
+
+# -- the group board: all_client_read and read_finish_flag across a TP group -----------------
+
+_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL = range(5)
+_B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
+_B_RING_BASE = 8
+_B_MAGIC_VALUE = 0x46445359_4E434657  # "FDSYNCFW"
+_B_CALLS_BASE = _B_RING_BASE + 2 * _B_RING  # then one slot per rank: its get_tasks() calls
+_LOCK_TIMEOUT_S = 5.0
+
+
+class _GroupBoard:
+    """Node-local shared memory of one TP group for what FastDeploy decides by a lock.
+
+    ``all_client_read`` must be True on exactly one rank per ``get_tasks()`` call (the last
+    reader): that needs an atomic read-modify-write, which plain stores and loads cannot
+    give (two ranks finishing together would both see "everyone is done"). A POSIX
+    semaphore used as a mutex guards a ring of per-call counters; uncontended it costs two
+    futex operations without a syscall, ~1 µs. A rank that dies holding it makes the others
+    raise ``TimeoutError`` after 5 s instead of hanging.
+
+    Rank 0 creates the segment and semaphore (reclaiming a crashed run's leftovers) and
+    unlinks them at close; other ranks attach, waiting up to ``timeout`` seconds.
+    """
+
+    def __init__(self, name, dp_id, tp_size, tp_rank, timeout):
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.shm_name = group_shm_name(name, dp_id) + ".fd"
+        self.sem_name = self.shm_name + ".lock"
+        self._owner = tp_rank == 0
+        self._size = (_B_CALLS_BASE + tp_size) * 8
+        if self._owner:
+            self._seg = self._create()
+        else:
+            self._seg = self._attach(timeout)
+        try:
+            self._sem = open_semaphore(self.sem_name)
+        except BaseException:
+            self._seg.close()
+            raise
+        self._view = self._seg.view
+        self._finalizer = weakref.finalize(self, _release_board, self._seg, self._sem,
+                                           self._owner, self.shm_name, self.sem_name)
+
+    def _create(self):
+        try:
+            seg = Segment.create(self.shm_name, self._size)
+        except FileExistsError:
+            owner = reclaim_stale(self.shm_name, _B_OWNER_PID)
+            if owner:
+                raise TaskSyncError(f"{self.shm_name} is owned by live process {owner}: another "
+                                    f"rank 0 of this address and DP group is running") from None
+            seg = Segment.create(self.shm_name, self._size)
+        if check_semaphore_owner(self.sem_name):  # a crashed run's: its count may be 0
+            unlink_semaphore(self.sem_name)
+        create_semaphore(self.sem_name, initial_value=1).close()
+        v = seg.view
+        v[_B_MAGIC], v[_B_OWNER_PID] = _B_MAGIC_VALUE, os.getpid()
+        v[_B_READY] = 1  # last: an attacher that sees READY sees the rest
+        return seg
+
+    def _attach(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seg = Segment.attach(self.shm_name)
+            except FileNotFoundError:
+                seg = None
+            if seg is not None:
+                if (seg.size == self._size and seg.view[_B_READY] == 1
+                        and seg.view[_B_MAGIC] == _B_MAGIC_VALUE):
+                    return seg
+                seg.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {self.tp_rank}: {self.shm_name} not created by rank 0 "
+                                   f"within {timeout:.1f} s: is rank 0 of this DP group running?")
+            time.sleep(0.01)
+
+    def last_reader(self, call):
+        """Count this rank's ``call``-th ``get_tasks()``; True on exactly one rank per
+        call, the last to count it. Blocks only on a peer inside the same few stores.
+
+        Also checks the caller's contract: when a rank makes call j, rank 0's last
+        ``exist_tasks()`` announced a call >= j (it runs before the caller's barrier), and
+        every other rank has made call j-1 or j. A rank that calls more often than its
+        peers raises ``ProtocolError`` on its next call, instead of the group drifting a
+        call apart (and later hanging in the caller's barrier). A rank that calls less
+        often is caught only when the call counts show it (a peer raises)."""
+        slot = _B_RING_BASE + 2 * (call % _B_RING)
+        try:
+            self._sem.acquire(_LOCK_TIMEOUT_S)
+        except Exception as exc:  # posix_ipc.BusyError
+            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
+                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
+                               f"restart the worker group") from exc
+        try:
+            v = self._view
+            v[_B_CALLS_BASE + self.tp_rank] = call
+            calls = [v[_B_CALLS_BASE + r] for r in range(self.tp_size)]
+            if max(calls) > call or min(calls) < call - 1 or call > v[_B_NEXT_CALL]:
+                raise ProtocolError(
+                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while the "
+                    f"ranks have made {calls} calls and rank 0 announced call "
+                    f"{v[_B_NEXT_CALL]} for this step: every rank must "
+                    f"call get_tasks() at the same steps (FastDeploy's loop: rank 0 sets the "
+                    f"signal before the TP barrier, and a second sync point, the model step's "
+                    f"collective or the idle barrier, keeps it from setting the next step's "
+                    f"signal before every rank read this one)")
+            if v[slot] != call:
+                v[slot], v[slot + 1] = call, 0
+            v[slot + 1] += 1
+            return v[slot + 1] == self.tp_size
+        finally:
+            self._sem.release()
+
+    def announce(self, next_call):
+        """Rank 0, in ``exist_tasks()``: the call number its next ``get_tasks()`` will have,
+        i.e. the highest any rank may make this step (one store)."""
+        self._view[_B_NEXT_CALL] = next_call
+
+    def get_flag(self):
+        return self._view[_B_FLAG]
+
+    def set_flag(self, value):
+        self._view[_B_FLAG] = value
+
+    def close(self):
+        self._view = None
+        self._finalizer()
+
+
+def _release_board(seg, sem, owner, shm_name, sem_name):
+    try:
+        sem.close()
+    except Exception:  # already closed
+        pass
+    seg.close()
+    if owner:
+        unlink_segment(shm_name)
+        unlink_semaphore(sem_name)
+
+
+class _SoloBoard:
+    """TP=1: the only reader is always the last."""
+
+    def __init__(self):
+        self._flag = 0
+
+    def last_reader(self, call):
+        return True
+
+    def announce(self, next_call):
+        pass
+
+    def get_flag(self):
+        return self._flag
+
+    def set_flag(self, value):
+        self._flag = value
+
+    def close(self):
+        pass
+
+
+# -- FastDeploy's attribute objects ----------------------------------------------------------
+
+class _ReadFinishFlag:
+    """FastDeploy's ``read_finish_flag`` (a manager ``Value``): ``get()`` / ``set(v)``.
+
+    Shared by the TP group (node-local shared memory). FastDeploy's loop reads it on every
+    rank every step the signal is not set; in sync mode (no prefetch thread) ``get()``
+    also receives what arrived, which keeps ranks other than 0 receiving while the loop
+    idles (without it rank 0 would never see every rank holding a batch)."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def get(self):
+        owner = self._owner
+        if not owner._client.async_prefetch:
+            owner._client.num_tasks()  # receives: see the class docstring
+        return int(owner._board.get_flag())
+
+    def set(self, value):
+        self._owner._board.set_flag(int(value))
+
+    value = property(get, set)
+
+
+class _ConnectedCounter:
+    """FastDeploy's ``connected_client_counter``: ``get()`` = TP ranks of this DP group
+    connected to the engine now (engine side only)."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def get(self):
+        return self._owner.num_connected_clients()
+
+
+class _TPBarrier:
+    """FastDeploy's ``worker_process_tp_barrier``: ``wait(timeout=None)`` is the TP group's
+    node-local shared-memory barrier (``TaskClient.barrier``), which also raises engine-side
+    errors while waiting."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def wait(self, timeout=None):
+        self._owner._require_worker("worker_process_tp_barrier")
+        self._owner._client.barrier(timeout)
+
+
+# -- the drop-in -----------------------------------------------------------------------------
+
+class EngineWorkerQueue:
+    """FastDeploy's ``EngineWorkerQueue`` task path; see the module docstring for roles,
+    addresses, security and the differences from FastDeploy.
+
+    ``EngineWorkerQueue(address=("0.0.0.0", 5000), authkey=b"secret_key", is_server=False,
+    num_client=1, client_id=-1, local_data_parallel_size=1, local_data_parallel_id=0)``:
+    FastDeploy's signature and defaults. Keyword-only extras:
+
+    * ``max_inflight`` (server, default 1): batches put and not yet taken by every rank
+      before ``put_tasks()`` blocks. 1 is FastDeploy's one batch at a time; more lets the
+      engine put while workers are still taking (our pipelined window).
+    * ``connect_timeout`` (worker, default ``FD_SYNC_CONNECT_TIMEOUT`` or 15 s, FastDeploy's
+      5 retries x 3 s): how long the constructor waits for the engine to welcome this rank
+      before raising ``ConnectionError``.
+    * ``name`` (default ``fdq<port>``): the queue name the endpoints and shared memory are
+      derived from; engine and workers must agree (the default does).
+    * ``role``: ``None`` (guess, see the module docstring), ``"engine"`` or ``"worker"``.
+    * ``keys_dir``: CURVE keys for ``tcp://`` (None: ``FD_SYNC_KEYS_DIR``).
+
+    The constructor blocks: a worker until the engine welcomed it (or ``ConnectionError``),
+    ranks other than 0 also until their rank 0 exists (``FD_SYNC_ATTACH_TIMEOUT``).
+    Threading: the engine side is thread-safe; a worker is used from its event loop thread.
+    """
+
+    def __init__(self, address=("0.0.0.0", 5000), authkey: bytes = b"secret_key",
+                 is_server: bool = False, num_client: int = 1, client_id: int = -1,
+                 local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
+                 max_inflight: int = 1, connect_timeout: float = None, name: str = None,
+                 role: str = None, keys_dir: str = None):
+        host, port = address[0], int(address[1])
+        self.address = (host, port)
+        self.authkey = authkey  # not used: see the module docstring (Security)
+        self.is_server = bool(is_server)
+        self.num_client = num_client
+        self.client_id = client_id
+        self.local_data_parallel_size = local_data_parallel_size
+        self.local_data_parallel_id = local_data_parallel_id
+        self.is_single_node = host == SINGLE_NODE_HOST
+        if type(max_inflight) is not int or max_inflight < 1:
+            raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
+        self.max_inflight = max_inflight
+        self.cleared = 0  # worker: batches dropped by clear_data() markers
+        self._closed = False
+        self._server = None  # engine side: the server instance whose queues we use
+        self._client = None  # worker side
+        self._board = None
+        self._reserved = None  # single node, port 0: the socket holding our port number
+        self._queues = []
+        self._clear_lock = threading.Lock()
+        self._last_put_was_clear = False
+        self.read_finish_flag = _ReadFinishFlag(self)
+        self.connected_client_counter = _ConnectedCounter(self)
+        self.worker_process_tp_barrier = _TPBarrier(self)
+        if role not in (None, "engine", "worker"):
+            raise ValueError(f"role={role!r}: expected None, 'engine' or 'worker'")
+        if not 0 <= local_data_parallel_id < max(1, local_data_parallel_size) and is_server:
+            raise ValueError(f"local_data_parallel_id={local_data_parallel_id} is not in "
+                             f"[0, {local_data_parallel_size})")
+
+        if self.is_server:
+            self.role = "server"
+            self._start_server(name, keys_dir)
+            return
+        if role is None:
+            with _SERVERS_LOCK:
+                role = "engine" if self.address in _SERVERS else "worker"
+        self.role = role
+        if role == "engine":
+            with _SERVERS_LOCK:
+                server = _SERVERS.get(self.address)
+            if server is None:
+                raise NotImplementedError(
+                    f"EngineWorkerQueue{self.address}: an engine-side client must live in the "
+                    f"process that built the server (is_server=True) for this address; "
+                    f"put from that process")
+            if not 0 <= local_data_parallel_id < len(server._queues):
+                raise ValueError(f"local_data_parallel_id={local_data_parallel_id}: the server "
+                                 f"at {self.address} serves {len(server._queues)} DP group(s)")
+            self._server = server
+            self.max_inflight = server.max_inflight
+            return
+        if not (type(client_id) is int and 0 <= client_id < num_client):
+            raise ValueError(f"client_id={client_id!r}, num_client={num_client!r}: a worker "
+                             f"needs 0 <= client_id < num_client (its TP rank)")
+        self._start_worker(name, keys_dir, connect_timeout)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _start_server(self, name, keys_dir):
+        host, port = self.address
+        dp = self.local_data_parallel_size
+        if type(dp) is not int or dp < 1:
+            raise ValueError(f"local_data_parallel_size={dp!r}: expected an int >= 1")
+        try:
+            if self.is_single_node and port == 0:
+                # No TCP port is bound for ipc; hold one so the number (and so the name)
+                # is ours alone on this node while the server lives.
+                self._reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._reserved.bind(("127.0.0.1", 0))
+                port = self._reserved.getsockname()[1]
+            self._name = name or f"fdq{port}"
+            for i in range(dp):
+                if self.is_single_node:
+                    endpoint = None
+                else:
+                    endpoint = f"tcp://{host}:{port + i if (port or i) else 0}"
+                # +1: room for a clear_data() marker, which never waits for room; the
+                # FastDeploy bound itself is enforced in put_tasks().
+                q = TaskQueue(self._name, self.num_client, dp_id=i, endpoint=endpoint,
+                              max_inflight=self.max_inflight + 1, keys_dir=keys_dir)
+                self._queues.append(q)
+                if not self.is_single_node and port == 0:
+                    port = int(q.endpoint.rsplit(":", 1)[1])
+        except BaseException:
+            self._close_server(0.0)
+            raise
+        self.address = (host, port)
+        self._server = self
+        with _SERVERS_LOCK:
+            _SERVERS[self.address] = self
+        log.info("EngineWorkerQueue server started at %s: %d DP group(s) x %d TP rank(s) (%s)",
+                 self.address, dp, self.num_client,
+                 ", ".join(q.endpoint for q in self._queues))
+
+    def _start_worker(self, name, keys_dir, connect_timeout):
+        host, port = self.address
+        dp_id = self.local_data_parallel_id
+        self._name = name or f"fdq{port}"
+        endpoint = None if self.is_single_node else f"tcp://{host}:{port + dp_id}"
+        timeout = _connect_timeout_s() if connect_timeout is None else float(connect_timeout)
+        self._client = TaskClient(self._name, self.num_client, self.client_id, dp_id=dp_id,
+                                  endpoint=endpoint, external_barrier=True, keys_dir=keys_dir)
+        try:
+            if self.num_client > 1:
+                self._board = _GroupBoard(self._name, dp_id, self.num_client, self.client_id,
+                                          envs.attach_timeout_s())
+            else:
+                self._board = _SoloBoard()
+            self._wait_welcome(timeout)
+        except BaseException:
+            self._client.close()
+            if self._board is not None:
+                self._board.close()
+            raise
+        self._calls = 0
+        log.info("Connected EngineWorkerQueue client_id: %d (DP group %d) to %s",
+                 self.client_id, dp_id, self._client.endpoint)
+
+    def _wait_welcome(self, timeout):
+        """Fail fast when the server is absent, as FastDeploy's ``_connect_with_retry``."""
+        deadline = time.monotonic() + timeout
+        client = self._client
+        while client.stats()["engine"] is None:
+            if not client.async_prefetch:
+                client.num_tasks()  # sync mode: the event loop receives the WELCOME
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"EngineWorkerQueue rank {self.client_id} (DP group "
+                    f"{self.local_data_parallel_id}) cannot connect to {client.endpoint} "
+                    f"(address {self.address}) within {timeout:g} s: is the engine's server "
+                    f"(is_server=True) running with this address? ({_CONNECT_TIMEOUT_ENV} "
+                    f"sets the wait)")
+            time.sleep(0.005)
+
+    # -- role checks -------------------------------------------------------------------------
+
+    def _queue(self):
+        if self._closed:
+            raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
+        if self._server is None:
+            return None
+        if self._server._closed:
+            raise ClosedError(f"EngineWorkerQueue{self.address}: its server is cleaned up")
+        return self._server._queues[self.local_data_parallel_id]
+
+    def _require_worker(self, what):
+        if self._closed:
+            raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
+        if self._client is None:
+            raise RuntimeError(f"{what} is a worker-side call: this EngineWorkerQueue is the "
+                               f"engine's ({self.role})")
+
+    # -- FastDeploy's task path --------------------------------------------------------------
+
+    def get_server_port(self) -> int:
+        """The port the server serves (the real one when built with port 0). Server only:
+        ``RuntimeError`` elsewhere, as FastDeploy."""
+        if not self.is_server:
+            raise RuntimeError("Only the server instance can provide the port.")
+        return self.address[1]
+
+    def put_tasks(self, tasks, timeout: float = None) -> None:
+        """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP
+        rank of this DP group.
+
+        Blocks, as FastDeploy, while ``max_inflight`` batches (default 1) are not yet taken
+        by every rank (it polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds,
+        None = forever) raises ``TimeoutError`` with nothing enqueued. Numpy arrays travel
+        zero-copy; see ``TaskQueue.put_tasks`` for the other errors."""
+        q = self._queue()
+        if q is None:
+            raise RuntimeError("put_tasks is an engine-side call: this EngineWorkerQueue is "
+                               f"TP rank {self.client_id} of a worker group")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _PUT_POLL_MIN_S
+        while q.num_tasks() >= self.max_inflight:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"put_tasks timed out after {timeout} s: {q.num_tasks()} "
+                                   f"batch(es) not yet taken by every rank ({q.ranks()})")
+            time.sleep(pause)
+            pause = min(pause * 2, _PUT_POLL_MAX_S)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        q.put_tasks(tasks, timeout=remaining)
+        self._server._last_put_was_clear = False
+
+    def get_tasks(self):
+        """Worker side: ``(tasks, all_client_read)``. Never blocks on the engine.
+
+        ``tasks``: the batches rank 0's last ``exist_tasks()`` latched for this call, in put
+        order, identical on every rank (``[]`` if none). ``all_client_read``: True on
+        exactly one rank per call, the last of the group to make it (FastDeploy's last
+        reader, which resets the loop's signal). Batches cleared by ``clear_data()`` are
+        dropped here, on every rank alike (``cleared`` counts them).
+
+        Differs from FastDeploy: a take, not a peek (see the module docstring). Raises
+        ``ProtocolError`` if this rank's calls disagree with rank 0's decisions."""
+        self._require_worker("get_tasks")
+        tasks, _ = self._client.get_tasks()
+        self._calls += 1
+        last = self._board.last_reader(self._calls)
+        if tasks:
+            kept = []
+            for t in tasks:
+                if isinstance(t, _Clear):
+                    self.cleared += len(kept)
+                    kept = []
+                else:
+                    kept.append(t)
+            tasks = kept
+        return tasks, bool(last)
+
+    def exist_tasks(self) -> bool:
+        """Engine side: True while some batch is not yet taken by every rank (FastDeploy's
+        engine waits ``while exist_tasks(): sleep(0.001)`` before each put).
+
+        Worker side: True when every rank of the group holds a batch not yet taken; on
+        rank 0 it also latches what the group's next ``get_tasks()`` takes. A flag read in
+        async mode; never blocks. Raises engine-side errors (``EngineClosedError``,
+        ``PrefetchError``...) as ``TaskClient.exist_tasks``."""
+        q = self._queue()
+        if q is not None:
+            return q.exist_tasks()
+        self._require_worker("exist_tasks")
+        if self.client_id == 0:
+            self._board.announce(self._calls + 1)
+        return self._client.exist_tasks()
+
+    def set_exist_tasks(self, flag) -> None:
+        """Accepted for FastDeploy's API; the flag is derived here (module docstring).
+        ``True`` changes nothing; ``False`` with batches pending on the engine raises
+        ``ValueError`` (drop them with ``clear_data()``)."""
+        if flag:
+            return
+        q = self._queue()
+        if q is not None and q.num_tasks():
+            raise ValueError("set_exist_tasks(False) with batches pending: the flag follows "
+                             "the queue here; use clear_data() to drop them")
+
+    def num_tasks(self) -> int:
+        """Engine side: batches not yet taken by every rank (FastDeploy: 0 or 1 with the
+        default bound). Worker side: batches this rank holds and has not taken."""
+        q = self._queue()
+        if q is not None:
+            return q.num_tasks()
+        self._require_worker("num_tasks")
+        return self._client.num_tasks()
+
+    def clear_data(self) -> None:
+        """Engine side: retire what is pending, consistently on every rank (module
+        docstring): puts a clear marker, which never waits for room. Does not wait for the
+        workers. A second call with nothing put in between adds nothing.
+
+        Worker side: drops nothing (one rank cannot drop without its peers)."""
+        q = self._queue()
+        if q is None:
+            self._require_worker("clear_data")
+            log.debug("EngineWorkerQueue rank %d: clear_data() on a worker drops nothing; the "
+                      "engine's clear_data() retires pending batches", self.client_id)
+            return
+        server = self._server
+        with server._clear_lock:
+            if server._last_put_was_clear or q.num_tasks() == 0:
+                return
+            q.put_tasks(_Clear(), timeout=5.0)  # room reserved: returns at once
+            server._last_put_was_clear = True
+
+    def num_connected_clients(self) -> int:
+        """Engine side: TP ranks of this DP group connected now (FastDeploy logs its
+        ``connected_client_counter``). ``RuntimeError`` on a worker, which cannot know."""
+        q = self._queue()
+        if q is None:
+            raise RuntimeError("the connected-client count is known on the engine side only")
+        return sum(1 for r in q.ranks() if r["state"] == CONNECTED)
+
+    def cleanup(self, timeout: float = 0.0) -> None:
+        """Server: close every DP group's queue (workers take what they were sent, then raise
+        ``EngineClosedError``), release the endpoints. ``timeout``: how long to wait for the
+        workers to take what is pending first (FastDeploy's shutdown does not wait).
+        Worker: close the client and the group's shared memory. Engine-side client: nothing
+        to release. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_server:
+            self._close_server(timeout)
+        if self._client is not None:
+            self._client.close()
+        if self._board is not None:
+            self._board.close()
+
+    def _close_server(self, timeout):
+        self._closed = True
+        with _SERVERS_LOCK:
+            if _SERVERS.get(self.address) is self:
+                del _SERVERS[self.address]
+        for q in self._queues:
+            q.close(timeout=timeout)
+        if self._reserved is not None:
+            self._reserved.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cleanup()
+
+    def __getattr__(self, attr):
+        # Only called for attributes not found: FastDeploy's other channels.
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        raise AttributeError(
+            f"EngineWorkerQueue.{attr}: fastdeploy_sync's drop-in serves FastDeploy's task "
+            f"path only (put_tasks, get_tasks, exist_tasks, num_tasks, clear_data, ...); keep "
+            f"FastDeploy's own queue for the other channels")
+
+    def __repr__(self):
+        return (f"EngineWorkerQueue(address={self.address}, role={self.role}, "
+                f"num_client={self.num_client}, client_id={self.client_id}, "
+                f"dp={self.local_data_parallel_id})")

@@ -1,0 +1,122 @@
+"""Worker processes for tests/test_fastdeploy_dropin.py: FastDeploy's ``event_loop_normal``
+task path over the drop-in, with the test's own TP barrier and shared signal standing in
+for FastDeploy's (``paddle.distributed.barrier`` and the ``exist_task_signal`` IPCSignal).
+
+Every blocking call is bounded: the barrier by ``BARRIER_TIMEOUT_S``, the loop by
+``deadline_s``. A worker reports ``("ok", dp_id, rank, calls)`` or ``("error", dp_id, rank,
+text)`` on ``results``; ``calls`` is one ``(step, call, payload_ids, all_client_read)`` per
+``get_tasks()``.
+"""
+
+import os
+import random
+import time
+import traceback
+
+BARRIER_TIMEOUT_S = 20.0
+STOP = "stop"
+
+
+def batch(dp_id, k, with_array=True):
+    """A FastDeploy-shaped batch ``(requests, real_bsz)``; ids are ``(dp_id, k)``."""
+    import numpy as np
+
+    req = {"id": (dp_id, k)}
+    if with_array:
+        req["token_ids"] = np.arange(k, k + 64, dtype=np.int64)
+    return [req], k + 1
+
+
+def ids_of(tasks):
+    out = []
+    for reqs, _bsz in tasks:
+        for r in reqs:
+            out.append(tuple(r["id"]) if isinstance(r["id"], (tuple, list)) else r["id"])
+    return out
+
+
+def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
+                   name=None, max_step_ms=2.0, seed=0, deadline_s=40.0, pause=None,
+                   check_arrays=True, extra_call=None, barrier_timeout=BARRIER_TIMEOUT_S):
+    """FastDeploy's loop, task path only. Stops after the step that took the STOP batch
+    (every rank takes it at the same step, so every rank stops at the same step).
+    ``pause=(step, seconds)``: every rank sleeps that long at that step (before the
+    exist check), so batches pile up in flight. ``extra_call=(rank, step)``: that rank calls
+    ``get_tasks()`` once more at that step (breaking the contract on purpose)."""
+    os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=rank, local_data_parallel_id=dp_id, name=name)
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+        return
+    rng = random.Random(seed * 1000 + dp_id * 100 + rank)
+    calls = []
+    step = 0
+    ncall = 0
+    deadline = time.monotonic() + deadline_s
+    try:
+        stop = False
+        while not stop:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} dp {dp_id}: no STOP batch within {deadline_s} s "
+                                   f"(step {step}, {ncall} get_tasks calls)")
+            if pause is not None and step == pause[0]:
+                time.sleep(pause[1])
+            if rank == 0:
+                if q.exist_tasks():
+                    signal.value = 1
+            if tp_size > 1:
+                barrier.wait(barrier_timeout)
+            if signal.value == 1 or q.read_finish_flag.get() == 1:
+                tasks, read_finish = q.get_tasks()
+                ncall += 1
+                if read_finish:
+                    signal.value = 0
+                ids = []
+                for t in tasks:
+                    if t == STOP:
+                        stop = True
+                        ids.append(STOP)
+                    else:
+                        if check_arrays:
+                            reqs, bsz = t
+                            tok = reqs[0]["token_ids"]
+                            assert int(tok[0]) == reqs[0]["id"][1] and len(tok) == 64
+                        ids.extend(ids_of([t]))
+                calls.append((step, ncall, ids, bool(read_finish)))
+            if extra_call is not None and extra_call == (rank, step):
+                q.get_tasks()
+            if max_step_ms:
+                time.sleep(rng.uniform(0, max_step_ms) / 1000)
+            # The model step's TP collective (or, idle, FastDeploy's second barrier): without
+            # it rank 0 could set the next step's signal before a slow rank read this step's,
+            # and the loop would race on its own signal (not the queue's).
+            if tp_size > 1:
+                barrier.wait(barrier_timeout)
+            step += 1
+        results.put(("ok", dp_id, rank, {"calls": calls, "cleared": q.cleared,
+                                         "steps": step}))
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+    finally:
+        q.cleanup()
+
+
+def fd_engine_loop(client, dp_id, n, *, with_array=True, clear_after=None, put_timeout=20.0,
+                   wait_exist=True):
+    """FastDeploy's engine: ``while exist_tasks(): sleep(0.001)`` then ``put_tasks``, n
+    batches, then STOP. ``clear_after=k``: call ``clear_data()`` right after batch k.
+    ``wait_exist=False``: put back to back (the server's ``max_inflight`` bounds it)."""
+    deadline = time.monotonic() + put_timeout
+    for k in range(n):
+        while wait_exist and client.exist_tasks():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine dp {dp_id}: workers took nothing for {put_timeout} s")
+            time.sleep(0.001)
+        client.put_tasks(batch(dp_id, k, with_array), timeout=put_timeout)
+        if clear_after is not None and k == clear_after:
+            client.clear_data()
+    client.put_tasks(STOP, timeout=put_timeout)

@@ -1,0 +1,295 @@
+"""The FastDeploy drop-in (``fastdeploy_sync.fastdeploy.EngineWorkerQueue``) under FastDeploy's
+own engine and worker loops, with real processes, sockets and shared memory.
+
+FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) ported:
+  * test_put_get_tasks_and_clear_data   -> test_put_get_num_tasks_and_clear (engine and
+    worker on separate instances: here one instance is either side, see the module docstring)
+  * test_queue_exist_tasks_and_ports    -> test_ports_and_server_only_port (tcp, port 0)
+  * test_single_node_signal_updates     -> test_exist_tasks_is_derived (intended difference:
+    set_exist_tasks(True) does not create a batch)
+  * test_connect_retry_failure          -> test_fail_fast_without_server
+  * to_tensor / to_numpy, cache info, RDMA connect, finished requests, disaggregation:
+    not the task path; the drop-in does not provide them (test_other_channels_say_so).
+"""
+
+import threading
+import time
+
+import pytest
+
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+from conftest import SPAWN
+from fd_workers import STOP, batch, fd_engine_loop, fd_worker_loop, ids_of
+
+RESULT_TIMEOUT_S = 60
+
+
+def _collect(results, n):
+    out = {}
+    for _ in range(n):
+        kind, dp_id, rank, payload = results.get(timeout=RESULT_TIMEOUT_S)
+        assert kind == "ok", f"dp {dp_id} rank {rank} failed:\n{payload}"
+        out[(dp_id, rank)] = payload
+    return out
+
+
+def _run_group(name, procs, results, tp, dp, n, *, sync=False, max_inflight=1, clear_after=None,
+               wait_exist=True, pause=None, max_step_ms=2.0):
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
+                               local_data_parallel_size=dp, name=name, max_inflight=max_inflight)
+    try:
+        port = server.get_server_port()
+        address = ("0.0.0.0", port)
+        keep = []  # the parent must hold every barrier until the children attached it
+        for d in range(dp):
+            barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+            keep.append((barrier, signal))
+            for r in range(tp):
+                procs(fd_worker_loop, address, tp, r, d, barrier, signal, results, sync=sync,
+                      name=name, seed=d * 10 + r, pause=pause, max_step_ms=max_step_ms)
+        clients = [EngineWorkerQueue(address=address, is_server=False, num_client=tp,
+                                     client_id=0, local_data_parallel_id=d, name=name)
+                   for d in range(dp)]
+        assert all(c.role == "engine" for c in clients)
+        errors = []
+
+        def engine(c, d):
+            try:
+                fd_engine_loop(c, d, n, clear_after=clear_after, wait_exist=wait_exist)
+            except BaseException as exc:  # reported below, with the workers' view
+                errors.append(exc)
+
+        threads = [threading.Thread(target=engine, args=(c, d)) for d, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        out = _collect(results, tp * dp)
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, errors
+        return out
+    finally:
+        server.cleanup()
+
+
+def _check_consistent(out, tp, dp, n, cleared=0):
+    for d in range(dp):
+        ranks = [out[(d, r)] for r in range(tp)]
+        ref = ranks[0]["calls"]
+        for r in range(1, tp):
+            # identical batches at identical steps and calls on every rank
+            assert [(s, c, ids) for s, c, ids, _ in ranks[r]["calls"]] == \
+                   [(s, c, ids) for s, c, ids, _ in ref], f"dp {d}: rank {r} differs from rank 0"
+        # exactly one all_client_read per get_tasks call, hence per batch
+        for i in range(len(ref)):
+            assert sum(rk["calls"][i][3] for rk in ranks) == 1, f"dp {d} call {ref[i][1]}"
+        taken = [x for _, _, ids, _ in ref for x in ids]
+        assert taken[-1] == STOP and taken.count(STOP) == 1
+        # only this DP group's batches, each once, in order; with a clear, the cleared
+        # ones never show up and every rank dropped the same number
+        ks = [x[1] for x in taken[:-1]]
+        assert all(x[0] == d for x in taken[:-1]), f"dp {d} took another group's batch"
+        assert ks == sorted(set(ks)), ks
+        assert len(ks) == n - cleared, (ks, cleared)
+        assert {rk["cleared"] for rk in ranks} == {cleared}
+
+
+@pytest.mark.parametrize("tp,dp,sync", [(1, 1, False), (2, 1, False), (4, 1, False),
+                                        (2, 1, True), (2, 2, False), (1, 2, True)])
+def test_fastdeploy_loops_step_consistency(name, procs, results, tp, dp, sync):
+    """Engine = server + client(client_id=0) with FastDeploy's wait-then-put loop; workers run
+    event_loop_normal's task path with their own barrier; random step times."""
+    n = 25
+    out = _run_group(name, procs, results, tp, dp, n, sync=sync)
+    _check_consistent(out, tp, dp, n)
+
+
+def test_pipelined_window(name, procs, results):
+    """max_inflight=4 and an engine that puts back to back: several batches per take, still
+    identical on every rank."""
+    n = 40
+    out = _run_group(name, procs, results, 2, 1, n, max_inflight=4, wait_exist=False)
+    _check_consistent(out, 2, 1, n)
+    assert any(len(ids) > 1 for _, _, ids, _ in out[(0, 0)]["calls"]), "never took 2 at once"
+
+
+def test_clear_data_with_batches_in_flight(name, procs, results):
+    """Workers stall at step 0 while the engine puts 3 batches, clears, puts 3 more: every
+    rank drops the same 3 (held in every rank's slot, some possibly already latched),
+    none of them is ever returned, everything put after the clear is taken."""
+    n = 6
+    out = _run_group(name, procs, results, 2, 1, n, max_inflight=4, wait_exist=False,
+                     clear_after=2, pause=(0, 0.5))
+    _check_consistent(out, 2, 1, n, cleared=3)
+    taken = [x for _, _, ids, _ in out[(0, 0)]["calls"] for x in ids]
+    assert taken == [(0, 3), (0, 4), (0, 5), STOP]
+
+
+def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
+    """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
+    3. A rank raises ProtocolError within a few steps instead of the group drifting a call
+    apart."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=2, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        barrier, signal = SPAWN.Barrier(2), SPAWN.Value("i", 0)
+        for r in range(2):
+            procs(fd_worker_loop, address, 2, r, 0, barrier, signal, results, name=name,
+                  extra_call=(1, 3), barrier_timeout=2.0, deadline_s=10.0)
+        engine = EngineWorkerQueue(address=address, client_id=0, num_client=2, name=name)
+        try:  # the workers stop taking once rank 1 raised: the engine's puts time out
+            fd_engine_loop(engine, 0, 10, put_timeout=2.0)
+        except TimeoutError:
+            pass
+        got = {}
+        for _ in range(2):
+            kind, _, rank, payload = results.get(timeout=RESULT_TIMEOUT_S)
+            got[rank] = (kind, payload)
+        # the rank ahead, or a peer, finds the call counts apart (whichever calls second
+        # on a step where the ahead rank is not the slowest)
+        errors = [p for kind, p in got.values() if kind == "error" and "ProtocolError" in p]
+        assert errors, got
+        assert "call get_tasks() at the same steps" in errors[0]
+    finally:
+        server.cleanup()
+
+
+def _worker_thread(address, name, **kw):
+    """A TP=1 worker in this process (role="worker": this process also holds the server)."""
+    return EngineWorkerQueue(address=address, is_server=False, num_client=1, client_id=0,
+                             name=name, role="worker", connect_timeout=10, **kw)
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_put_get_num_tasks_and_clear(name):
+    """FastDeploy's test_put_get_tasks_and_clear_data, with the engine's client and the
+    worker as two instances."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        engine = EngineWorkerQueue(address=address, is_server=False, num_client=1, client_id=0,
+                                   name=name)
+        worker = _worker_thread(address, name)
+        try:
+            assert engine.connected_client_counter.get() == 1
+            tasks = ["task-A"]
+            engine.put_tasks(tasks)
+            assert engine.num_tasks() == 1
+            _until(worker.exist_tasks)
+            fetched, all_read = worker.get_tasks()
+            assert all_read and fetched == [tasks]
+            _until(lambda: engine.num_tasks() == 0)
+            assert not engine.exist_tasks()
+            # put, clear: the worker never gets it, and the queue empties once it took the marker
+            engine.put_tasks(tasks)
+            engine.clear_data()
+            engine.clear_data()  # nothing put since: adds nothing
+            _until(lambda: worker.num_tasks() == 2)  # the batch and the clear marker
+            assert worker.exist_tasks()
+            fetched, all_read = worker.get_tasks()
+            assert fetched == [] and all_read and worker.cleared == 1
+            _until(lambda: engine.num_tasks() == 0)
+            engine.clear_data()  # nothing pending: a no-op
+            assert engine.num_tasks() == 0
+            # worker-side clear_data drops nothing
+            engine.put_tasks(["task-B"])
+            _until(worker.exist_tasks)
+            worker.clear_data()
+            assert worker.get_tasks() == ([["task-B"]], True)
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+
+
+def test_put_blocks_one_batch_at_a_time(name):
+    """FastDeploy's put_tasks waits until every rank read the previous batch."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        engine = EngineWorkerQueue(address=("0.0.0.0", server.get_server_port()),
+                                   is_server=False, num_client=1, client_id=0, name=name)
+        engine.put_tasks(batch(0, 0))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            engine.put_tasks(batch(0, 1), timeout=0.2)
+        assert time.monotonic() - t0 >= 0.2
+        assert engine.num_tasks() == 1
+    finally:
+        server.cleanup()
+
+
+def test_ports_and_server_only_port(name, loopback_tcp):
+    """FastDeploy's test_queue_exist_tasks_and_ports: a tcp server on port 0 reports its real
+    port; a client asking for it gets RuntimeError. Two DP groups use port and port + 1."""
+    server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=1,
+                               local_data_parallel_size=2, name=name)
+    try:
+        port = server.get_server_port()
+        assert port > 0 and server.address == ("127.0.0.1", port)
+        assert [q.endpoint for q in server._queues] == [f"tcp://127.0.0.1:{port}",
+                                                        f"tcp://127.0.0.1:{port + 1}"]
+        worker = _worker_thread(("127.0.0.1", port), name, local_data_parallel_id=1)
+        try:
+            with pytest.raises(RuntimeError):
+                worker.get_server_port()
+            assert not worker.exist_tasks()
+            engine = EngineWorkerQueue(address=("127.0.0.1", port), client_id=0, name=name,
+                                       local_data_parallel_id=1)
+            with pytest.raises(RuntimeError):
+                engine.get_server_port()
+            engine.put_tasks(["dp1"])
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["dp1"]], True)
+            assert server.num_connected_clients() == 0  # the server's own group 0
+            assert engine.num_connected_clients() == 1
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+
+
+def test_exist_tasks_is_derived(name):
+    """FastDeploy's test_single_node_signal_updates, an intended difference: the flag follows
+    the queue, so set_exist_tasks(True) creates no batch, and set_exist_tasks(False) with a
+    batch pending refuses (clear_data() drops it consistently instead)."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        assert not server.exist_tasks()
+        server.set_exist_tasks(True)
+        assert not server.exist_tasks()
+        server.set_exist_tasks(False)
+        server.put_tasks(["x"])
+        assert server.exist_tasks()
+        with pytest.raises(ValueError, match="clear_data"):
+            server.set_exist_tasks(False)
+    finally:
+        server.cleanup()
+
+
+def test_fail_fast_without_server(name):
+    """FastDeploy's _connect_with_retry: ConnectionError after a bounded wait."""
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="is_server=True"):
+        EngineWorkerQueue(address=("0.0.0.0", 1), is_server=False, num_client=1, client_id=0,
+                          name=name, connect_timeout=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+
+def test_engine_client_in_another_process_is_refused(name):
+    with pytest.raises(NotImplementedError, match="process that built the server"):
+        EngineWorkerQueue(address=("0.0.0.0", 1), client_id=0, name=name, role="engine")
+
+
+def test_other_channels_say_so(name):
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        with pytest.raises(AttributeError, match="task path only"):
+            server.put_cache_info([])
+    finally:
+        server.cleanup()

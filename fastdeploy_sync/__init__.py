@@ -4,7 +4,7 @@ Engine side: ``TaskQueue``. Worker side, one per TP rank: ``TaskClient``.
 Importing this package does not import paddle.
 """
 
-from .engine import GroupLost, LostBatch, TaskQueue
+from .engine import GroupLost, LostBatch, TaskProducer, TaskQueue
 from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
                      EngineClosedError, EngineGoneError, EngineRejectedError, GroupInUseError,
                      GroupLostError, PrefetchError, ProtocolError, TaskSyncError)
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TaskQueue",
     "TaskClient",
+    "TaskProducer",
     "GroupLost",
     "LostBatch",
     "Heartbeat",

@@ -49,6 +49,10 @@ __all__ = [
     "CLOSE",
     "STATUS",
     "STATUS_REPLY",
+    "PUT",
+    "PUT_REPLY",
+    "QUERY",
+    "QUERY_REPLY",
     "E_REJECTED",
     "E_PLACE_TAKEN",
     "E_STALE_ENGINE",
@@ -81,7 +85,21 @@ PONG = 7  # engine -> worker: heartbeat reply
 CLOSE = 8  # engine -> worker: the queue closed cleanly; seq = the last seq sent to the group
 STATUS = 9  # anyone who passed authentication -> engine: asks for the queue's state
 STATUS_REPLY = 10  # engine -> asker: frames[1] = the state as utf-8 JSON (TaskQueue.stats())
-_KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE, STATUS, STATUS_REPLY))
+# On the queue's node-local producer endpoint only (TaskProducer, engine.py):
+PUT = 11  # producer -> engine: a batch; seq = request id, aux = ms the producer waits for
+#           room, check = payload checksum; frames[1:] = payload (encode_payload)
+PUT_REPLY = 12  # engine -> producer: seq = request id, aux = P_* status, group = the queue's
+#                 seq for the batch when accepted
+QUERY = 13  # producer -> engine: how many batches are in flight
+QUERY_REPLY = 14  # engine -> producer: aux = batches not yet consumed by every rank
+_KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE, STATUS, STATUS_REPLY,
+                    PUT, PUT_REPLY, QUERY, QUERY_REPLY))
+
+# PUT_REPLY status (Header.aux).
+P_ACCEPTED = 0
+P_TIMEOUT = 1  # no room within the producer's wait: the batch was not enqueued
+P_CLOSED = 2  # the queue is closed: not enqueued
+P_INVALID = 3  # the payload failed its checksum or structure check: not enqueued
 
 # ERROR codes (Header.aux of an ERROR message): what the worker raises.
 E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError

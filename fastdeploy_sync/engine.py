@@ -57,7 +57,7 @@ from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
                         ensure_free_fds, ipc_path, new_socket, secure_socket_file,
                         unlink_quietly, validate_name)
 
-__all__ = ["TaskQueue", "GroupLost", "LostBatch", "query_status"]
+__all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status"]
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,33 @@ class TaskQueue:
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # The producer endpoint: node-local, for engine processes other than this one
+        # (TaskProducer). Its own socket, so that the workers' socket keeps its 64 KiB
+        # bound; same-user only, like every node-local endpoint.
+        self.producer_endpoint = default_endpoint(name, dp_id, "put")
+        self._put_path = ipc_path(self.producer_endpoint)
+        self._put_sock = new_socket(self._ctx, zmq.ROUTER)
+        self._put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._put_sock.setsockopt(zmq.MAXMSGSIZE, self._max_batch_bytes + 4096)
+        try:
+            claim_ipc_path(self._put_path)
+            self._put_sock.bind(self.producer_endpoint)
+            secure_socket_file(self._put_path)
+        except BaseException:
+            self._put_sock.close(linger=0)
+            self._sock.close(linger=0)
+            if self._board is not None:
+                self._board.close()
+            if self._auth is not None:
+                self._auth.close()
+            self._ctx.term()
+            unlink_quietly(self._ipc_path)
+            raise
+        self._pending_puts = collections.deque()  # (deadline, identity, header, frames); I/O thread
         # Process exit without close(): still remove the names others would trip on.
         self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
-                                           self._board.name if self._board else None)
+                                           self._board.name if self._board else None,
+                                           self._put_path)
         # I/O thread only:
         self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
         self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
@@ -367,6 +391,7 @@ class TaskQueue:
             log.error("TaskQueue %s: I/O thread did not stop within 5 s", self.name)
             return unconsumed  # leave the socket to the thread rather than close it under its feet
         self._sock.close()  # the I/O thread set a short linger for the CLOSE messages
+        self._put_sock.close()
         if self._auth is not None:
             self._auth.close()
         self._ctx.term()
@@ -374,6 +399,7 @@ class TaskQueue:
         if self._board is not None:
             self._board.close()
         unlink_quietly(self._ipc_path)
+        unlink_quietly(self._put_path)
         self._finalizer.detach()
         return unconsumed
 
@@ -443,13 +469,18 @@ class TaskQueue:
     def _io_main(self):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._put_sock, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         tick_s = self.heartbeat.interval / 2
         next_tick = time.monotonic() + tick_s
         try:
             while True:
-                # blocks with the GIL released; wakes for the liveness tick at the latest
+                # blocks with the GIL released; wakes for the liveness tick at the latest,
+                # and every millisecond while a producer waits for room (the ack board
+                # notifies nobody)
                 wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                if self._pending_puts:
+                    wait_ms = min(wait_ms, 1.0)
                 events = dict(poller.poll(wait_ms))
                 if self._wake.r in events:
                     self._wake.drain()
@@ -458,6 +489,10 @@ class TaskQueue:
                     return
                 if self._sock in events:
                     self._receive_all()
+                if self._put_sock in events:
+                    self._receive_puts()
+                if self._pending_puts:
+                    self._serve_pending_puts()
                 now = time.monotonic()
                 if now >= next_tick:
                     # the next tick: in tick_s, or when a rank's silence would reach the
@@ -471,6 +506,10 @@ class TaskQueue:
                 self._not_full.notify_all()
 
     def _finish_close(self):
+        while self._pending_puts:
+            _, identity, h, _ = self._pending_puts.popleft()
+            self._put_reply(identity, h, codec.P_CLOSED)
+        self._put_sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
         self._send_new()
         group = self._group
         if group is not None:
@@ -568,6 +607,82 @@ class TaskQueue:
         self._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
                                                 engine=self.instance, group=header.group,
                                                 worker=header.worker), reason.encode()])
+
+    # -- producer endpoint (TaskProducer; node-local, same user) -----------------------------
+
+    def _receive_puts(self):
+        while True:
+            try:
+                msg = self._put_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._current = msg[0]
+            try:
+                if len(msg) < 2:
+                    raise ProtocolError(f"{len(msg)} frame(s) on the producer endpoint")
+                identity, h = msg[0].bytes, codec.unpack_header(msg[1].buffer)
+                if h.kind == codec.PUT:
+                    self._on_put(identity, h, msg[2:])
+                elif h.kind == codec.QUERY:
+                    with self._mutex:
+                        self._read_board()
+                        in_flight = self._next_seq - 1 - min(self._consumed)
+                    self._send_to(self._put_sock, identity, [codec.pack_header(
+                        codec.QUERY_REPLY, seq=h.seq, aux=in_flight, engine=self.instance)])
+                elif h.kind == codec.STATUS:
+                    self._send_to(self._put_sock, identity, [
+                        codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
+                        json.dumps(self.status()).encode()])
+                else:
+                    raise ProtocolError(f"message kind {h.kind} on the producer endpoint")
+            except ProtocolError as exc:
+                self._garbage(exc)
+
+    def _on_put(self, identity, h, payload):
+        """A producer's batch: checked (its checksum and shape, so that no worker is ever
+        sent bytes it will refuse), then enqueued as ``put_tasks()`` would, or held until
+        there is room or the producer's wait (``aux`` ms) runs out."""
+        if len(payload) not in (1, 3) or codec.payload_checksum(payload) != h.check:
+            self._counters["puts_invalid"] += 1
+            return self._put_reply(identity, h, codec.P_INVALID)
+        frames = [frame.bytes for frame in payload]
+        self._pending_puts.append((time.monotonic() + h.aux / 1000, identity, h, frames))
+        self._serve_pending_puts()
+
+    def _serve_pending_puts(self):
+        """Enqueue waiting producer batches, in arrival order, while there is room; answer
+        those whose producer stopped waiting. I/O thread only."""
+        now = time.monotonic()
+        while self._pending_puts:
+            deadline, identity, h, frames = self._pending_puts[0]
+            with self._not_full:
+                if self._closed:
+                    seq, status = 0, codec.P_CLOSED
+                else:
+                    self._read_board()
+                    if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
+                        seq, status = self._next_seq, codec.P_ACCEPTED
+                        self._next_seq += 1
+                        self._retained[seq] = (frames, h.check)
+                    elif now >= deadline:
+                        seq, status = 0, codec.P_TIMEOUT
+                    else:
+                        return  # no room yet: the head waits, and so does everyone behind it
+            self._pending_puts.popleft()
+            if status == codec.P_ACCEPTED:
+                self._counters["puts_remote"] += 1
+            self._put_reply(identity, h, status, seq)
+
+    def _put_reply(self, identity, h, status, seq=0):
+        self._send_to(self._put_sock, identity, [codec.pack_header(
+            codec.PUT_REPLY, seq=h.seq, aux=status, engine=self.instance, group=seq)])
+
+    def _send_to(self, sock, identity, frames):
+        """Answer a producer or status asker; one that went away is simply gone."""
+        try:
+            sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError:
+            self._counters["unreachable"] += 1
 
     def _hello(self, identity, h, name, now, parked_since=None):
         rank = h.rank
@@ -828,7 +943,161 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         ctx.destroy(linger=0)
 
 
-def _remove_names(ipc_file, board_name):
+class TaskProducer:
+    """Put into a ``TaskQueue`` that another process of this node owns.
+
+    ``TaskProducer(name, *, dp_id=0)`` connects to the queue's node-local producer endpoint
+    (``TaskQueue.producer_endpoint``; a private 0700 directory, so the same user only),
+    whether the queue's workers are reached over ipc or tcp. For engines split over
+    several processes (FastDeploy's per-DP-rank engine processes) that put into a queue
+    one of them owns. The batches take the queue's path from there: same sequence
+    numbers, bound, checksum, delivery and liveness. Batches go over the socket (never the
+    shared-memory payload path).
+
+    The constructor asks the queue once, waiting up to ``timeout`` seconds (also the
+    bound on every later query's answer): ``ConnectionError`` when no queue of that name
+    and dp_id answers on this node.
+
+    Thread-safe (one request at a time). Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, name: str, *, dp_id: int = 0, timeout: float = 5.0):
+        from .transport import check_ipc_endpoint
+
+        validate_name(name, dp_id)
+        self.name, self.dp_id = name, dp_id
+        self.endpoint = default_endpoint(name, dp_id, "put")
+        check_ipc_endpoint(ipc_path(self.endpoint))
+        self._timeout = timeout  # for a reply to a query or to a put once decided
+        self._lock = threading.Lock()
+        self._request = 0
+        ensure_free_fds(ENGINE_FDS, f"TaskProducer {name!r} dp_id={dp_id}")
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = new_socket(self._ctx, zmq.DEALER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # replies are headers
+        self._sock.connect(self.endpoint)
+        self._closed = False
+        try:
+            self.num_tasks()
+        except TaskSyncError as exc:
+            self.close()
+            raise ConnectionError(f"TaskProducer: no TaskQueue {name!r} dp_id={dp_id} answered "
+                                  f"at {self.endpoint} within {timeout:g} s; is its engine "
+                                  f"running on this node, as this user?") from exc
+
+    def put_tasks(self, tasks, timeout: float = None) -> int:
+        """As ``TaskQueue.put_tasks``: serialize, then wait for room, up to ``timeout``
+        seconds (None = forever); return the queue's sequence number for the batch.
+
+        Raises ``TypeError``/``ValueError`` for a batch that does not encode (nothing is
+        sent), ``TimeoutError`` when there was no room within ``timeout`` (the queue says
+        so; the batch was not enqueued), ``ClosedError`` when the queue closed, and
+        ``TaskSyncError`` when no queue answers at all (none running, or it died) within
+        ``timeout`` plus a few seconds: then whether the batch was enqueued is unknown."""
+        frames = codec.encode_payload(tasks)
+        check = codec.payload_checksum(frames)
+        # the queue holds the batch until room or this wait ends, then always answers
+        wait_ms = 2**62 if timeout is None else max(0, int(timeout * 1000))
+        with self._lock:
+            request = self._next_request()
+            self._sock.send_multipart([codec.pack_header(codec.PUT, seq=request, aux=wait_ms,
+                                                         check=check), *frames], copy=False)
+            h = self._reply(request, codec.PUT_REPLY, None if timeout is None
+                            else timeout + self._timeout)
+        if h.aux == codec.P_ACCEPTED:
+            return h.group
+        if h.aux == codec.P_TIMEOUT:
+            raise TimeoutError(f"TaskProducer {self.name!r}: no room in the queue within "
+                               f"{timeout} s (max_inflight batches not yet consumed by every "
+                               f"rank: see fastdeploy-sync status {self.name}); not enqueued")
+        if h.aux == codec.P_CLOSED:
+            raise ClosedError(f"TaskProducer {self.name!r}: the queue is closed; not enqueued")
+        raise ProtocolError(f"TaskProducer {self.name!r}: the queue refused the batch "
+                            f"(status {h.aux}); not enqueued")
+
+    def num_tasks(self) -> int:
+        """Batches put but not yet consumed by every rank (one round trip, ~100 µs)."""
+        with self._lock:
+            request = self._next_request()
+            self._sock.send(codec.pack_header(codec.QUERY, seq=request))
+            return self._reply(request, codec.QUERY_REPLY, self._timeout).aux
+
+    def exist_tasks(self) -> bool:
+        """True while some batch is not yet consumed by every rank."""
+        return self.num_tasks() > 0
+
+    def ranks(self) -> list:
+        """The queue's ``TaskQueue.ranks()``, through ``status()``."""
+        return self.status()["ranks"]
+
+    def status(self) -> dict:
+        """The queue's ``TaskQueue.status()`` (per-rank states included)."""
+        with self._lock:
+            self._sock.send(codec.pack_header(codec.STATUS))
+            deadline = time.monotonic() + self._timeout
+            while True:
+                frames = self._recv(deadline)
+                h = codec.unpack_header(frames[0])
+                if h.kind == codec.STATUS_REPLY and len(frames) == 2:
+                    return json.loads(frames[1])
+
+    def close(self) -> None:
+        """Close the socket. Idempotent; never blocks."""
+        if not self._closed:
+            self._closed = True
+            self._ctx.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _next_request(self) -> int:
+        if self._closed:
+            raise ClosedError(f"TaskProducer {self.name!r} is closed")
+        self._request += 1
+        return self._request
+
+    def _recv(self, deadline):
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and (remaining <= 0 or not self._sock.poll(remaining * 1000)):
+            raise TaskSyncError(f"TaskProducer {self.name!r}: no TaskQueue answered at "
+                                f"{self.endpoint} (none running, or it died); a batch being "
+                                f"put may or may not have been enqueued")
+        return self._sock.recv_multipart()
+
+    def _reply(self, request, kind, timeout):
+        """The reply of ``kind`` to ``request``, skipping stale replies of earlier requests
+        whose caller gave up. ``timeout=None`` (a put with no bound) still notices a queue
+        that is gone: while nothing comes, it asks the queue (QUERY, request id 0) every
+        ``self._timeout`` seconds and gives up when that is not answered either."""
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            while True:
+                h = codec.unpack_header(self._recv(deadline)[0])
+                if h.kind == kind and h.seq == request:
+                    return h
+        heard = time.monotonic()
+        asked = False
+        while True:
+            if self._sock.poll(self._timeout * 1000):
+                h = codec.unpack_header(self._sock.recv_multipart()[0])
+                heard, asked = time.monotonic(), False
+                if h.kind == kind and h.seq == request:
+                    return h
+            elif not asked:
+                self._sock.send(codec.pack_header(codec.QUERY, seq=0))  # still there?
+                asked = True
+            else:
+                raise TaskSyncError(
+                    f"TaskProducer {self.name!r}: the TaskQueue at {self.endpoint} stopped "
+                    f"answering ({time.monotonic() - heard:.1f} s); the batch may or may not "
+                    f"have been enqueued")
+
+
+def _remove_names(ipc_file, board_name, put_file=None):
     unlink_quietly(ipc_file)
+    unlink_quietly(put_file)
     if board_name:
         unlink_segment(board_name)

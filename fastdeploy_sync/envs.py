@@ -16,6 +16,8 @@ __all__ = [
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
     "max_message_bytes",
+    "connect_timeout_s",
+    "queue_role",
     "tp_coordinator",
     "profile_enabled",
     "profile_dir",
@@ -111,6 +113,24 @@ def max_message_bytes() -> int:
     at most 64 KiB per message from workers, whose messages are all small."""
     mb = _positive_float("FD_SYNC_MAX_MESSAGE_MB", "1024")
     return int(mb * (1 << 20))
+
+
+def connect_timeout_s() -> float:
+    """``FD_SYNC_CONNECT_TIMEOUT`` (seconds, default 15): how long a FastDeploy drop-in
+    worker (``fastdeploy.EngineWorkerQueue``) waits for its server before raising
+    ``ConnectionError``, as FastDeploy's ``_connect_with_retry`` (5 attempts 3 s apart)."""
+    return _positive_float("FD_SYNC_CONNECT_TIMEOUT", "15")
+
+
+def queue_role() -> str:
+    """``FD_SYNC_QUEUE_ROLE`` (``worker`` by default, or ``engine``): what a FastDeploy
+    drop-in client (``is_server=False``) is when no server for its address lives in this
+    process. FastDeploy builds its per-DP-rank engine processes' clients with the same
+    arguments as a TP rank 0's, so set ``engine`` in those processes."""
+    value = os.environ.get("FD_SYNC_QUEUE_ROLE", "worker").strip().lower()
+    if value not in ("engine", "worker"):
+        raise ValueError(f"FD_SYNC_QUEUE_ROLE={value!r}: expected engine or worker")
+    return value
 
 
 def tp_coordinator() -> str:

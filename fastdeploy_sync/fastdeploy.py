@@ -22,11 +22,13 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
     it puts into the server's queue of group ``local_data_parallel_id`` directly.
   * ``is_server=False`` anywhere else: TP rank ``client_id`` of DP group
     ``local_data_parallel_id``, a ``TaskClient(external_barrier=True)``.
-  ``role="engine"`` / ``role="worker"`` overrides the guess. An engine-side client in a
-  process other than the server's (FastDeploy's per-DP-rank engine processes with
-  ``local_data_parallel_size > 1``) is not supported yet: ``role="engine"`` there raises
-  ``NotImplementedError``, and without ``role`` such a client would be taken for TP rank
-  ``client_id`` of a worker group. Put from the process that owns the server.
+  * ``is_server=False`` with ``role="engine"`` (or ``FD_SYNC_QUEUE_ROLE=engine`` in that
+    process's environment) in another process of the server's node (FastDeploy's
+    per-DP-rank engine processes): a ``TaskProducer`` on the server's queue of group
+    ``local_data_parallel_id``, through its node-local producer endpoint. FastDeploy's
+    arguments for such a client are the same as a TP rank 0's, so the role must be said:
+    without it the client is taken for a worker. Give it the server's ``max_inflight``.
+  ``role="engine"`` / ``role="worker"`` overrides the guess.
   The TP ranks of one DP group must share a node (their coordination is node-local
   shared memory, as ``TaskClient``'s default coordinator); the engine may be elsewhere.
 
@@ -97,7 +99,7 @@ import time
 import weakref
 
 from . import envs
-from .engine import TaskQueue
+from .engine import TaskProducer, TaskQueue
 from .errors import ClosedError, ProtocolError, TaskSyncError
 from .liveness import CONNECTED
 from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
@@ -110,10 +112,6 @@ __all__ = ["EngineWorkerQueue"]
 log = logging.getLogger(__name__)
 
 SINGLE_NODE_HOST = "0.0.0.0"
-# FastDeploy's _connect_with_retry: 5 attempts 3 s apart. Read here, not in envs, while
-# only this module uses it.
-_CONNECT_TIMEOUT_ENV = "FD_SYNC_CONNECT_TIMEOUT"
-_DEFAULT_CONNECT_TIMEOUT_S = 15.0
 # put_tasks() waits for room (FastDeploy: 1 ms sleeps); we start finer and back off to it.
 _PUT_POLL_MIN_S = 50e-6
 _PUT_POLL_MAX_S = 1e-3
@@ -122,17 +120,6 @@ _PUT_POLL_MAX_S = 1e-3
 # through the server's TaskQueue directly.
 _SERVERS = {}
 _SERVERS_LOCK = threading.Lock()
-
-
-def _connect_timeout_s() -> float:
-    raw = os.environ.get(_CONNECT_TIMEOUT_ENV, str(_DEFAULT_CONNECT_TIMEOUT_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{_CONNECT_TIMEOUT_ENV}={raw!r}: expected seconds") from None
-    if not value > 0:
-        raise ValueError(f"{_CONNECT_TIMEOUT_ENV}={raw!r}: expected a number > 0")
-    return value
 
 
 class _Clear:
@@ -408,6 +395,7 @@ class EngineWorkerQueue:
         self.cleared = 0  # worker: batches dropped by clear_data() markers
         self._closed = False
         self._server = None  # engine side: the server instance whose queues we use
+        self._producer = None  # engine side in another process: a TaskProducer
         self._client = None  # worker side
         self._board = None
         self._reserved = None  # single node, port 0: the socket holding our port number
@@ -429,16 +417,19 @@ class EngineWorkerQueue:
             return
         if role is None:
             with _SERVERS_LOCK:
-                role = "engine" if self.address in _SERVERS else "worker"
+                role = "engine" if self.address in _SERVERS else envs.queue_role()
         self.role = role
         if role == "engine":
             with _SERVERS_LOCK:
                 server = _SERVERS.get(self.address)
             if server is None:
-                raise NotImplementedError(
-                    f"EngineWorkerQueue{self.address}: an engine-side client must live in the "
-                    f"process that built the server (is_server=True) for this address; "
-                    f"put from that process")
+                # another process of the node owns the server: put through its queue's
+                # producer endpoint
+                self._name = name or f"fdq{port}"
+                wait = envs.connect_timeout_s() if connect_timeout is None else connect_timeout
+                self._producer = TaskProducer(self._name, dp_id=local_data_parallel_id,
+                                              timeout=float(wait))
+                return
             if not 0 <= local_data_parallel_id < len(server._queues):
                 raise ValueError(f"local_data_parallel_id={local_data_parallel_id}: the server "
                                  f"at {self.address} serves {len(server._queues)} DP group(s)")
@@ -493,7 +484,7 @@ class EngineWorkerQueue:
         dp_id = self.local_data_parallel_id
         self._name = name or f"fdq{port}"
         endpoint = None if self.is_single_node else f"tcp://{host}:{port + dp_id}"
-        timeout = _connect_timeout_s() if connect_timeout is None else float(connect_timeout)
+        timeout = envs.connect_timeout_s() if connect_timeout is None else float(connect_timeout)
         self._client = TaskClient(self._name, self.num_client, self.client_id, dp_id=dp_id,
                                   endpoint=endpoint, external_barrier=True, keys_dir=keys_dir)
         try:
@@ -524,7 +515,7 @@ class EngineWorkerQueue:
                     f"EngineWorkerQueue rank {self.client_id} (DP group "
                     f"{self.local_data_parallel_id}) cannot connect to {client.endpoint} "
                     f"(address {self.address}) within {timeout:g} s: is the engine's server "
-                    f"(is_server=True) running with this address? ({_CONNECT_TIMEOUT_ENV} "
+                    f"(is_server=True) running with this address? (FD_SYNC_CONNECT_TIMEOUT "
                     f"sets the wait)")
             time.sleep(0.005)
 
@@ -533,6 +524,8 @@ class EngineWorkerQueue:
     def _queue(self):
         if self._closed:
             raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
+        if self._producer is not None:
+            return self._producer
         if self._server is None:
             return None
         if self._server._closed:
@@ -577,7 +570,7 @@ class EngineWorkerQueue:
             pause = min(pause * 2, _PUT_POLL_MAX_S)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         q.put_tasks(tasks, timeout=remaining)
-        self._server._last_put_was_clear = False
+        (self._server or self)._last_put_was_clear = False
 
     def get_tasks(self):
         """Worker side: ``(tasks, all_client_read)``. Never blocks on the engine.
@@ -653,7 +646,7 @@ class EngineWorkerQueue:
             log.debug("EngineWorkerQueue rank %d: clear_data() on a worker drops nothing; the "
                       "engine's clear_data() retires pending batches", self.client_id)
             return
-        server = self._server
+        server = self._server or self  # who remembers the last put (a producer: itself)
         with server._clear_lock:
             if server._last_put_was_clear or q.num_tasks() == 0:
                 return
@@ -681,6 +674,8 @@ class EngineWorkerQueue:
             self._close_server(timeout)
         if self._client is not None:
             self._client.close()
+        if self._producer is not None:
+            self._producer.close()
         if self._board is not None:
             self._board.close()
 

@@ -71,8 +71,9 @@ def validate_name(name: str, dp_id: int) -> None:
         raise ValueError(f"dp_id={dp_id}: expected an int in 0..{MAX_DP_ID}")
 
 
-def default_endpoint(name: str, dp_id: int) -> str:
+def default_endpoint(name: str, dp_id: int, kind: str = "") -> str:
     """The node-local ``ipc://`` endpoint of (name, dp_id), in the private ``envs.ipc_dir()``.
+    ``kind="put"``: the queue's producer endpoint (``TaskProducer``), always node-local.
 
     Creates that directory (mode 0700) if needed and checks it (``private_dir``):
     ``PermissionError`` if it belongs to another user, is writable by group/other or is a
@@ -80,7 +81,8 @@ def default_endpoint(name: str, dp_id: int) -> str:
     """
     validate_name(name, dp_id)
     directory = envs.ipc_dir()
-    path = os.path.join(directory, f"fdsync-{name}-dp{dp_id}.ipc")
+    suffix = f".{kind}" if kind else ""
+    path = os.path.join(directory, f"fdsync-{name}-dp{dp_id}{suffix}.ipc")
     if len(path.encode()) > _UNIX_PATH_MAX:
         raise ValueError(f"ipc path {path!r} is longer than {_UNIX_PATH_MAX} bytes: "
                          f"set FD_SYNC_IPC_DIR to a shorter directory or use a shorter name")

@@ -120,3 +120,27 @@ def fd_engine_loop(client, dp_id, n, *, with_array=True, clear_after=None, put_t
         if clear_after is not None and k == clear_after:
             client.clear_data()
     client.put_tasks(STOP, timeout=put_timeout)
+
+
+def fd_engine_process(address, dp_id, n, results, *, name=None, use_env=False):
+    """FastDeploy's per-DP-rank engine process: a client of the server another process
+    owns (``role="engine"``, or ``FD_SYNC_QUEUE_ROLE=engine`` with ``use_env``), running
+    the wait-then-put loop; reports ``("engine", dp_id, 0, None)`` or an error."""
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        if use_env:
+            os.environ["FD_SYNC_QUEUE_ROLE"] = "engine"
+            kw = {}
+        else:
+            kw = {"role": "engine"}
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=2, client_id=0,
+                              local_data_parallel_id=dp_id, name=name, connect_timeout=10, **kw)
+        try:
+            assert q.role == "engine", q.role
+            fd_engine_loop(q, dp_id, n)
+        finally:
+            q.cleanup()
+        results.put(("engine", dp_id, 0, None))
+    except BaseException:
+        results.put(("error", dp_id, -1, traceback.format_exc()))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from fastdeploy_sync import EndpointInUseError, TaskQueue
+from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
 from fastdeploy_sync.codec import ACK, pack_header
 
 from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank, wait_until
@@ -228,3 +228,40 @@ def test_process_exit_without_close_leaves_nothing(name):
             f"client = fs.TaskClient({name!r}, 2, 0)\n"
             "queue.put_tasks('x', timeout=5)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_producer_in_another_process_puts_through_the_queue(name, procs, results):
+    """TaskProducer: the same bound, order and delivery as put_tasks(); a full queue times
+    out without enqueueing; a corrupted batch is refused before any worker sees it; a closed
+    queue says so; no queue at all fails fast."""
+    from fastdeploy_sync import ClosedError, TaskProducer
+    from fastdeploy_sync.codec import PUT, PUT_REPLY, P_INVALID, unpack_header
+
+    with pytest.raises(ConnectionError, match="no TaskQueue"):
+        TaskProducer(name, timeout=0.3)
+    queue = TaskQueue(name, 1, max_inflight=2)
+    try:
+        with TaskProducer(name, timeout=1.0) as producer:
+            assert [producer.put_tasks(i, timeout=5) for i in range(2)] == [1, 2]
+            assert producer.num_tasks() == 2 and queue.num_tasks() == 2
+            with pytest.raises(TimeoutError, match="not enqueued"):
+                producer.put_tasks(99, timeout=0.2)
+            assert queue.stats()["last_seq"] == 2
+            ctx = zmq.Context()
+            try:  # a batch whose checksum does not match: refused, nothing enqueued
+                raw = ctx.socket(zmq.DEALER)
+                raw.connect(producer.endpoint)
+                raw.send_multipart([pack_header(PUT, seq=7, aux=1000, check=12345), b"\x80\x05."])
+                assert raw.poll(5000)
+                reply = unpack_header(raw.recv_multipart()[0])
+                assert (reply.kind, reply.seq, reply.aux) == (PUT_REPLY, 7, P_INVALID)
+            finally:
+                ctx.destroy(linger=0)
+            procs(take_n_rank, results, 0, name, 1, 3)
+            assert producer.put_tasks(2, timeout=10) == 3  # room once the rank takes
+            assert collect(results, "taken", 1)[0] == [0, 1, 2]
+            queue.close(timeout=5)
+            with pytest.raises((ClosedError, TaskSyncError)):
+                producer.put_tasks(3, timeout=0.2)
+    finally:
+        queue.close(timeout=0)

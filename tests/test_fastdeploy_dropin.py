@@ -20,7 +20,7 @@ import pytest
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_workers import STOP, batch, fd_engine_loop, fd_worker_loop, ids_of
+from fd_workers import STOP, batch, fd_engine_loop, fd_engine_process, fd_worker_loop, ids_of
 
 RESULT_TIMEOUT_S = 60
 
@@ -281,9 +281,41 @@ def test_fail_fast_without_server(name):
     assert 0.5 <= time.monotonic() - t0 < 5
 
 
-def test_engine_client_in_another_process_is_refused(name):
-    with pytest.raises(NotImplementedError, match="process that built the server"):
-        EngineWorkerQueue(address=("0.0.0.0", 1), client_id=0, name=name, role="engine")
+def test_engine_clients_in_other_processes(name, procs, results):
+    """FastDeploy's per-DP-rank engine processes: the server lives in one process, each DP
+    group's engine client in another (one says role="engine", the other sets
+    FD_SYNC_QUEUE_ROLE=engine); every rank of both groups takes every batch once, in order,
+    at the same step, with one all_client_read per call."""
+    tp, dp, n = 2, 2, 20
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
+                               local_data_parallel_size=dp, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        engine_results = SPAWN.Queue()
+        keep = []
+        for d in range(dp):
+            barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+            keep.append((barrier, signal))
+            for r in range(tp):
+                procs(fd_worker_loop, address, tp, r, d, barrier, signal, results, name=name,
+                      seed=d * 10 + r)
+            procs(fd_engine_process, address, d, n, engine_results, name=name, use_env=d == 1)
+        for _ in range(dp):
+            kind, d, _, payload = engine_results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "engine", f"engine process of dp {d} failed:\n{payload}"
+        out = _collect(results, tp * dp)
+        assert server._queues[0].stats().get("puts_remote") == n + 1
+    finally:
+        server.cleanup()
+    _check_consistent(out, tp, dp, n)
+
+
+def test_engine_client_without_a_server_fails_fast(name):
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="no TaskQueue"):
+        EngineWorkerQueue(address=("0.0.0.0", 1), client_id=0, name=name, role="engine",
+                          connect_timeout=0.5)
+    assert time.monotonic() - t0 < 10
 
 
 def test_other_channels_say_so(name):

@@ -193,6 +193,26 @@ class EncodedPayload:
             view[start:start + length] = raw
         view.release()
 
+    def checksum(self) -> int:
+        """``payload_checksum(self.frames())``, computed from the caller's buffers without
+        building the data frame (the hash is streamed: the alignment gaps hash as the zero
+        bytes the data region holds there). Valid only while the caller leaves the arrays
+        unchanged, as the copy is."""
+        if not self.buffers:
+            return _checksum([memoryview(self.body)])
+        hasher = xxhash.xxh3_64()
+        for view in (memoryview(self.body), memoryview(self.offsets)):
+            hasher.update(_LENGTH.pack(view.nbytes))
+            hasher.update(view)
+        hasher.update(_LENGTH.pack(self.data_size))
+        end = 0
+        for (start, length), raw in zip(self.layout, self.buffers):
+            if start > end:
+                hasher.update(bytes(start - end))
+            hasher.update(raw)
+            end = start + length
+        return hasher.intdigest() or 1
+
     def frames(self) -> list:
         """``[body]`` or ``[body, offsets, data]`` (bytes), as ``encode_payload()``.
 

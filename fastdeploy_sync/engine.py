@@ -477,8 +477,11 @@ class TaskQueue:
                 f"first") from None
         self._shm_names.add(name)
         try:
-            parts.write_data(shared.view)
-            check = codec.payload_checksum([parts.body, parts.offsets, shared.view])
+            for (start, _), raw in zip(parts.layout, parts.buffers):
+                shared.write(start, raw)
+            shared.seal()
+            # from the caller's buffers (cache-warm), not read back from the segment
+            check = parts.checksum()
         except BaseException:
             self._shm_names.discard(name)
             shared.release()
@@ -508,7 +511,7 @@ class TaskQueue:
         if shared is None:
             return codec.decode_payload(frames)
         _, _, offsets = payload_shm.unpack_ref(frames[1])
-        return codec.decode_payload([frames[0], offsets, shared.view])
+        return codec.decode_payload([frames[0], offsets, shared.map()])
 
     def _describe_backlog(self) -> str:
         last = self._next_seq - 1

@@ -211,8 +211,11 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
     seg = payload_shm.payload_name(name, 0, 1)
     shared = payload_shm.SharedPayload.create(seg, parts.data_size)
     try:
-        parts.write_data(shared.view)
-        check = codec.payload_checksum([parts.body, parts.offsets, shared.view])
+        for (start, _), raw in zip(parts.layout, parts.buffers):
+            shared.write(start, raw)
+        shared.seal()
+        check = parts.checksum()
+        assert check == codec.payload_checksum(parts.frames())  # streamed == framed
         ref = payload_shm.pack_ref(seg, parts.data_size, parts.offsets)
         got_name, size, offsets = payload_shm.unpack_ref(ref)
         mapped = payload_shm.map_payload(got_name, size, payload_shm.payload_prefix(name, 0))
@@ -229,7 +232,10 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
             with pytest.raises(ProtocolError):
                 payload_shm.unpack_ref(bad)
         # the checksum covers the shared bytes: one flipped byte is caught before unpickling
-        shared.view[parts.layout[1][0]] ^= 1
+        pos = parts.layout[1][0]
+        shared_rw = payload_shm.SharedPayload(seg, size, os.open(f"/dev/shm{seg}", os.O_RDWR))
+        shared_rw.write(pos, bytes([mapped.view[pos] ^ 1]))
+        shared_rw.seal()
         with pytest.raises(ProtocolError, match="checksum mismatch"):
             codec.decode_payload([parts.body, offsets, mapped.view], check)
     finally:

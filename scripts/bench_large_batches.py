@@ -3,21 +3,23 @@ shared memory (one copy per node, ``payload_shm``), side by side in one run.
 
   (1) delivery: a ``--mb`` MiB batch (16 float32 arrays, "multimodal features") put to a
       TP=``--tp`` group on one node (ipc); time from ``put_tasks()`` to the moment every
-      rank holds it (the last rank's ``get_tasks()`` returned it; CLOCK_MONOTONIC is
-      system-wide), and ``put_tasks()`` alone; medians over ``--rounds`` batches, one at a
-      time; effective GB/s = batch bytes / median delivery. Rows interleave, round by
-      round, so load drifting during the run hits both alike.
+      rank holds it (every rank's RECEIVED watermark in the group's shared memory reached
+      the batch: what makes ``exist_tasks()`` true; the engine process polls it every
+      50 µs), and ``put_tasks()`` alone; medians over ``--rounds`` batches, one at a time;
+      effective GB/s = batch bytes / median delivery. Rows interleave, round by round, so
+      load drifting during the run hits both alike.
   (2) engine memory: in a fresh process per mode, the peak RSS (VmHWM) reached by one
       ``put_tasks()`` above the RSS of the caller's own arrays and an idle queue, as a
-      multiple of the batch size (shared memory the engine wrote counts: it is resident).
+      multiple of the batch size; and, separately, the bytes of shared memory the batch
+      occupies in /dev/shm (node memory, not mapped by the engine, so not in its RSS).
   (3) small batches: 64 requests x 512 int64 token ids (256 KiB of arrays, below the
       threshold, so both modes take the socket path): delivery median, and
       ``encode_payload`` next to the previous encoder (bytearray + bytes(), reproduced
       here) in the same run.
 
 Asserts nothing: numbers to read. FD_SYNC_SHM_PAYLOAD_MIN_KB selects the path per queue
-(``off``: socket). Workers poll ``sync_step()`` every 0.2 ms, which on 2 shared cores
-adds scheduling noise to every row alike.
+(``off``: socket). Workers take batches with ``sync_step()`` every 2 ms (only to free room:
+taking is not timed).
 
     PYTHONPATH=$PWD python scripts/bench_large_batches.py [--tp 4] [--mb 64] [--rounds 7]
         [--small-rounds 40] [--huge]    # --huge adds one 1 GiB array to a TP=2 group
@@ -25,6 +27,8 @@ adds scheduling noise to every row alike.
 
 import argparse
 import array
+import glob
+import logging
 import multiprocessing
 import os
 import pickle
@@ -36,6 +40,8 @@ import uuid
 import numpy as np
 
 from fastdeploy_sync import TaskClient, TaskQueue, codec
+from fastdeploy_sync.shm import Segment
+from fastdeploy_sync.tp_group import R_RECEIVED, RANK_BASE, RANK_STRIDE, group_shm_name
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -54,22 +60,19 @@ def small_batch():
 
 
 def rank_main(name, tp, rank, n, out):
-    """Take n batches; report (rank, batch index, monotonic time it was in hand)."""
+    """Take n batches (checking each is read-only and from the right request)."""
     try:
         with TaskClient(name, tp, rank, async_prefetch=True) as client:
             out.put(("ready", rank, None))
             taken = 0
             deadline = time.monotonic() + 600
             while taken < n and time.monotonic() < deadline:
-                for tasks in client.sync_step(timeout=60):
-                    t = time.monotonic()
-                    requests, _ = tasks
+                for requests, _ in client.sync_step(timeout=60):
                     first = requests[0]
                     arr = first.get("features", first.get("prompt_token_ids"))
-                    assert not arr.flags.writeable
-                    out.put(("held", rank, (taken, t)))
+                    assert not arr.flags.writeable and int(arr[0]) == arr[0]
                     taken += 1
-                time.sleep(0.0002)
+                time.sleep(0.002)
             out.put(("done", rank, taken))
     except BaseException as exc:
         out.put(("error", rank, repr(exc)))
@@ -79,7 +82,12 @@ def _wait(out, tag, count, timeout=120):
     got = {}
     deadline = time.monotonic() + timeout
     while len(got) < count:
-        kind, rank, payload = out.get(timeout=max(0.01, deadline - time.monotonic()))
+        try:
+            kind, rank, payload = out.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue_mod.Empty:
+            if tag == "never":
+                return got
+            raise
         if kind == "error":
             raise RuntimeError(f"rank {rank}: {payload}")
         if kind == tag:
@@ -101,16 +109,31 @@ class Group:
             p.start()
         _wait(self.out, "ready", tp)
         self.tp = tp
+        self.seg = Segment.attach(group_shm_name(self.name, 0))  # rank 0 made it: ready
+        self.slots = [RANK_BASE + r * RANK_STRIDE + R_RECEIVED for r in range(tp)]
 
     def deliver(self, batch):
-        """(seconds put -> every rank holds it, seconds in put_tasks)."""
+        """(seconds put -> every rank holds it, seconds in put_tasks). One batch at a
+        time: the previous one was taken by every rank and freed."""
         t0 = time.monotonic()
-        self.queue.put_tasks(batch, timeout=120)
+        seq = self.queue.put_tasks(batch, timeout=120)
         t1 = time.monotonic()
-        held = _wait(self.out, "held", self.tp)
-        return max(t for _, t in held.values()) - t0, t1 - t0
+        view, deadline = self.seg.view, t0 + 120
+        while min(view[s] for s in self.slots) < seq:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"batch {seq} did not reach every rank in 120 s")
+            time.sleep(50e-6)
+        done = time.monotonic()
+        # untimed: every rank takes it and the engine frees it (unlinks a shared segment)
+        # before the next put, so one batch's clean-up does not land in the next's time
+        while self.queue.num_tasks():
+            if not self.out.empty():
+                _wait(self.out, "never", 1, timeout=1)  # raises a rank's error
+            time.sleep(0.0005)
+        return done - t0, t1 - t0
 
     def close(self):
+        self.seg.close()
         self.queue.close(timeout=10)
         for p in self.procs:
             p.join(timeout=20)
@@ -149,12 +172,15 @@ def memory_probe(setting, mb, out):
     """Fresh process: peak RSS of one put_tasks() above the caller's arrays + idle queue."""
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = setting
     batch = big_batch(mb)
-    queue = TaskQueue("blm" + uuid.uuid4().hex[:8], 1, max_inflight=2)
+    name = "blm" + uuid.uuid4().hex[:8]
+    queue = TaskQueue(name, 1, max_inflight=2)
     base = _vm_hwm()
     queue.put_tasks(batch, timeout=10)
     peak = _vm_hwm()
-    queue.close(timeout=0.1)
-    out.put((peak - base) / (mb * MiB))
+    shared = sum(os.stat(p).st_blocks * 512 for p in glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"))
+    logging.getLogger("fastdeploy_sync").setLevel(logging.ERROR)  # "closing with 1 batch"
+    queue.close(timeout=0)
+    out.put(((peak - base) / (mb * MiB), shared / (mb * MiB)))
 
 
 def engine_memory(mb):
@@ -234,8 +260,8 @@ def main():
     ratios = engine_memory(args.mb)
     print(f"\n(2) engine peak RSS of one put_tasks() above the caller's arrays, "
           f"{args.mb} MiB batch (fresh process per mode)")
-    for mode, ratio in ratios.items():
-        print(f"  {mode:6s}: {ratio:5.2f}x the batch")
+    for mode, (ratio, shared) in ratios.items():
+        print(f"  {mode:6s}: engine RSS +{ratio:5.2f}x the batch; in /dev/shm {shared:5.2f}x")
 
     small = small_batch()
     small_bytes = sum(r["prompt_token_ids"].nbytes for r in small[0])

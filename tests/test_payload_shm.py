@@ -242,3 +242,31 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
         shared.release()
     assert shm_names(name) == []
     assert describe(tasks)[2][0][0] == expected(0)[2][0][0]  # still mapped after the unlink
+
+
+@_report
+def take_then_hang(out, rank, name, tp, n):
+    from fastdeploy_sync import Heartbeat
+
+    with TaskClient(name, tp, rank, heartbeat=Heartbeat(0.2, 1.0)) as client:
+        _take(client, n)
+        out.put(("took", rank, os.getpid()))
+        time.sleep(60)
+
+
+def test_a_retired_groups_shared_batches_come_back_and_are_unlinked(name, procs, doomed,
+                                                                   small_threshold):
+    from fastdeploy_sync import Heartbeat
+
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        worker = procs(take_then_hang, doomed, 0, name, 1, 1)
+        queue.put_tasks(make_batch(0), timeout=10)
+        collect(doomed, "took", 1, timeout=30)
+        os.kill(worker.pid, signal.SIGKILL)
+        queue.put_tasks(make_batch(2), timeout=10)  # never taken: the group is dead
+        queue.put_tasks(make_batch(3), timeout=10)  # below the threshold
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [2, 3]
+        assert shm_names(name) == []  # retired: nothing retained, nothing named
+        # decoded from the unlinked segment, which the arrays keep mapped
+        assert [describe(b.tasks) for b in event.unfinished] == [expected(2), expected(3)]

@@ -10,6 +10,11 @@ per-element Python work and no copy on the worker. Token ids as numpy arrays dec
 several times faster than the same ids as Python lists, whose unpickling holds the GIL
 in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
 
+Node-local engines put the data region of a large batch in shared memory instead of a
+frame (``payload_shm``): ``encode_parts()`` collects the buffers without copying them,
+the engine writes them once into the segment, and the worker hands its read-only mapping
+to ``decode_payload()`` as the data frame (same checks, same checksum).
+
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
 alive, because the view keeps the frame alive. Copy an array (``arr.copy()``) before

@@ -164,7 +164,8 @@ class TaskQueue:
         self._next_seq = 1
         self._retained = collections.OrderedDict()  # global seq -> (payload frames, checksum)
         # Batches whose arrays sit in shared memory (payload_shm): global seq -> its
-        # SharedPayload, released whenever the seq leaves _retained. _shm_names: every
+        # SharedPayload, guarded by _mutex like _retained and released whenever its seq
+        # leaves _retained (consumed, retired, closed). _shm_names: every
         # shared name not yet unlinked (for the finalizer, which must not reference self).
         self._shared = {}
         self._shm_names = set()

@@ -52,10 +52,12 @@ log = logging.getLogger(__name__)
 _MODE = 0o600
 _SHM_DIR = "/dev/shm"
 
-# The reference frame: magic, data size, number of (start, length) pairs, name length;
-# then the pairs (int64) and the name (ascii). A few hundred bytes for a typical batch.
+# The reference frame: magic, layout version, data size, number of (start, length) pairs,
+# name length (24 bytes, so the int64 pairs that follow are aligned); then the pairs and
+# the name (ascii). A few hundred bytes for a typical batch.
 REF_MAGIC = b"FDSH"
-_REF = struct.Struct("<4sQII")
+_REF_VERSION = 1
+_REF = struct.Struct("<4sIQII")
 _MAX_NAME = 255  # NAME_MAX of /dev/shm
 _MAX_PAIRS = 1 << 16  # codec.MAX_BUFFERS
 
@@ -147,7 +149,7 @@ def _unlink(name: str) -> bool:
 def pack_ref(name: str, size: int, offsets: bytes) -> bytes:
     """The reference frame for a shared batch (``offsets``: codec's int64 pairs)."""
     raw = name.encode("ascii")
-    return _REF.pack(REF_MAGIC, size, len(offsets) // 16, len(raw)) + offsets + raw
+    return _REF.pack(REF_MAGIC, _REF_VERSION, size, len(offsets) // 16, len(raw)) + offsets + raw
 
 
 def unpack_ref(frame):
@@ -157,9 +159,10 @@ def unpack_ref(frame):
     if buf.nbytes < _REF.size:
         raise ProtocolError(f"shared-memory reference of {buf.nbytes} bytes, shorter than "
                             f"its {_REF.size}-byte header")
-    magic, size, pairs, name_len = _REF.unpack_from(buf)
-    if magic != REF_MAGIC:
-        raise ProtocolError(f"shared-memory reference with bad magic {bytes(magic)!r}")
+    magic, version, size, pairs, name_len = _REF.unpack_from(buf)
+    if magic != REF_MAGIC or version != _REF_VERSION:
+        raise ProtocolError(f"shared-memory reference with magic {bytes(magic)!r} version "
+                            f"{version}, expected {REF_MAGIC!r} version {_REF_VERSION}")
     if not 0 < pairs <= _MAX_PAIRS or not 0 < name_len <= _MAX_NAME:
         raise ProtocolError(f"shared-memory reference lists {pairs} buffers and a "
                             f"{name_len}-byte name")

@@ -9,9 +9,10 @@ shared memory (one copy per node, ``payload_shm``), side by side in one run.
       effective GB/s = batch bytes / median delivery. Rows interleave, round by round, so
       load drifting during the run hits both alike.
   (2) engine memory: in a fresh process per mode, the peak RSS (VmHWM) reached by one
-      ``put_tasks()`` above the RSS of the caller's own arrays and an idle queue, as a
-      multiple of the batch size; and, separately, the bytes of shared memory the batch
-      occupies in /dev/shm (node memory, not mapped by the engine, so not in its RSS).
+      ``put_tasks()`` until its one rank took the batch (the sends included), above the
+      RSS of the caller's own arrays and the queue, as a multiple of the batch size; and,
+      separately, the bytes of shared memory the batch occupies in /dev/shm (node memory,
+      not mapped by the engine, so not in its RSS).
   (3) small batches: 64 requests x 512 int64 token ids (256 KiB of arrays, below the
       threshold, so both modes take the socket path): delivery median, and
       ``encode_payload`` next to the previous encoder (bytearray + bytes(), reproduced
@@ -22,7 +23,12 @@ Asserts nothing: numbers to read. FD_SYNC_SHM_PAYLOAD_MIN_KB selects the path pe
 taking is not timed).
 
     PYTHONPATH=$PWD python scripts/bench_large_batches.py [--tp 4] [--mb 64] [--rounds 7]
-        [--small-rounds 40] [--huge]    # --huge adds one 1 GiB array to a TP=2 group
+        [--small-rounds 40] [--sections 123] [--huge]
+
+``--huge`` adds section (4): one 1 GiB array to a TP=2 group, 2 rounds per mode, with
+FD_SYNC_MAX_MESSAGE_MB=2048 and FD_SYNC_HEARTBEAT_TIMEOUT=60: over the socket the
+engine's PONGs queue behind the 1 GiB message on the same connection, and with the
+default 3 s timeout the ranks declare the engine gone before it arrives.
 """
 
 import argparse
@@ -169,17 +175,26 @@ def _vm_hwm():
 
 
 def memory_probe(setting, mb, out):
-    """Fresh process: peak RSS of one put_tasks() above the caller's arrays + idle queue."""
+    """Fresh process: peak RSS of one put_tasks() above the caller's arrays and a queue
+    with one connected rank, until that rank has taken the batch (sends included)."""
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = setting
     batch = big_batch(mb)
     name = "blm" + uuid.uuid4().hex[:8]
     queue = TaskQueue(name, 1, max_inflight=2)
+    ranks = SPAWN.Queue()
+    rank = SPAWN.Process(target=rank_main, args=(name, 1, 0, 1, ranks), daemon=True)
+    rank.start()
+    _wait(ranks, "ready", 1)
     base = _vm_hwm()
     queue.put_tasks(batch, timeout=10)
-    peak = _vm_hwm()
     shared = sum(os.stat(p).st_blocks * 512 for p in glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"))
-    logging.getLogger("fastdeploy_sync").setLevel(logging.ERROR)  # "closing with 1 batch"
-    queue.close(timeout=0)
+    _wait(ranks, "done", 1)
+    deadline = time.monotonic() + 60
+    while queue.num_tasks() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    peak = _vm_hwm()
+    queue.close(timeout=10)
+    rank.join(timeout=10)
     out.put(((peak - base) / (mb * MiB), shared / (mb * MiB)))
 
 
@@ -187,10 +202,15 @@ def engine_memory(mb):
     ratios = {}
     for mode, setting in MODES:
         out = SPAWN.Queue()
-        p = SPAWN.Process(target=memory_probe, args=(setting, mb, out), daemon=True)
+        p = SPAWN.Process(target=memory_probe, args=(setting, mb, out))  # it has a child
         p.start()
-        ratios[mode] = out.get(timeout=120)
-        p.join(timeout=20)
+        try:
+            ratios[mode] = out.get(timeout=120)
+        finally:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
     return ratios
 
 
@@ -248,21 +268,35 @@ def main():
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--small-rounds", type=int, default=40)
-    ap.add_argument("--huge", action="store_true", help="also one 1 GiB array to TP=2")
+    ap.add_argument("--sections", default="123", help="which of sections 1-3 to run")
+    ap.add_argument("--huge", action="store_true", help="also (4): one 1 GiB array to TP=2")
     args = ap.parse_args()
     nbytes = args.mb * MiB
     print(f"fastdeploy_sync large batches: {os.cpu_count()} cores, TP={args.tp}, "
           f"{args.mb} MiB batch, {args.rounds} rounds per mode (interleaved)\n")
 
-    report_delivery(f"(1) {args.mb} MiB batch to TP={args.tp} on one node (ipc)",
-                    delivery(args.tp, lambda: big_batch(args.mb), args.rounds), nbytes)
+    if "1" in args.sections:
+        report_delivery(f"(1) {args.mb} MiB batch to TP={args.tp} on one node (ipc)",
+                        delivery(args.tp, lambda: big_batch(args.mb), args.rounds), nbytes)
+    if "2" in args.sections:
+        ratios = engine_memory(args.mb)
+        print(f"\n(2) engine peak RSS of one put_tasks() (until its one rank took it) above "
+              f"the caller's arrays, {args.mb} MiB batch (fresh process per mode)")
+        for mode, (ratio, shared) in ratios.items():
+            print(f"  {mode:6s}: engine RSS +{ratio:5.2f}x the batch; in /dev/shm "
+                  f"{shared:5.2f}x")
+    if "3" in args.sections:
+        small_section(args)
+    if args.huge:
+        gib = 1024
+        huge = lambda: ([{"request_id": "huge", "features": np.ones(gib * MiB // 4, np.float32)}], 1)
+        os.environ["FD_SYNC_MAX_MESSAGE_MB"] = "2048"  # the socket path needs the room
+        os.environ["FD_SYNC_HEARTBEAT_TIMEOUT"] = "60"  # see the module docstring
+        report_delivery("\n(4) one 1 GiB array to TP=2 on one node (ipc)",
+                        delivery(2, huge, 2, warmup=0), gib * MiB)
 
-    ratios = engine_memory(args.mb)
-    print(f"\n(2) engine peak RSS of one put_tasks() above the caller's arrays, "
-          f"{args.mb} MiB batch (fresh process per mode)")
-    for mode, (ratio, shared) in ratios.items():
-        print(f"  {mode:6s}: engine RSS +{ratio:5.2f}x the batch; in /dev/shm {shared:5.2f}x")
 
+def small_section(args):
     small = small_batch()
     small_bytes = sum(r["prompt_token_ids"].nbytes for r in small[0])
     report_delivery(f"\n(3) small batches, 64 x 512 int64 tokens ({small_bytes >> 10} KiB, "
@@ -275,13 +309,6 @@ def main():
           f"{enc['previous encoder'] / enc['encode_payload']:.2f}); {args.mb} MiB batch: "
           f"{enc_big['encode_payload'] / 1e3:.1f} ms vs {enc_big['previous encoder'] / 1e3:.1f} ms "
           f"(socket path only; the shared path writes the segment instead)")
-
-    if args.huge:
-        gib = 1024
-        huge = lambda: ([{"request_id": "huge", "features": np.ones(gib * MiB // 4, np.float32)}], 1)
-        os.environ["FD_SYNC_MAX_MESSAGE_MB"] = "2048"  # the socket path needs the room
-        report_delivery("\n(4) one 1 GiB array to TP=2 on one node (ipc)",
-                        delivery(2, huge, 2, warmup=0), gib * MiB)
 
 
 if __name__ == "__main__":

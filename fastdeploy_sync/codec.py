@@ -79,7 +79,8 @@ HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = se
 #            taken; engine = the instance it is bound to (0: none yet); group, worker;
 #            frames[1] = the queue name
 DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
-#           payload (encode_payload)
+#           payload (encode_payload), or [body, reference] when a node-local engine put
+#           the arrays in shared memory (payload_shm; check covers the shared bytes)
 ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
 WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)

@@ -55,7 +55,7 @@ MODES = (("socket", "off"), ("shm", "1024"))
 
 
 def big_batch(mb, arrays=16):
-    per = mb * MiB // arrays // 4
+    per = int(mb * MiB) // arrays // 4
     return [{"request_id": f"mm-{i}", "features": np.full(per, i, dtype=np.float32)}
             for i in range(arrays)], arrays
 
@@ -265,23 +265,27 @@ def report_delivery(title, results, nbytes):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--mb", type=float, default=64)
+    ap.add_argument("--shm-min-kb", default="1024",
+                    help="FD_SYNC_SHM_PAYLOAD_MIN_KB of the shm rows (the socket rows: off)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--small-rounds", type=int, default=40)
     ap.add_argument("--sections", default="123", help="which of sections 1-3 to run")
     ap.add_argument("--huge", action="store_true", help="also (4): one 1 GiB array to TP=2")
     args = ap.parse_args()
-    nbytes = args.mb * MiB
+    global MODES
+    MODES = (("socket", "off"), ("shm", args.shm_min_kb))
+    nbytes = int(args.mb * MiB)
     print(f"fastdeploy_sync large batches: {os.cpu_count()} cores, TP={args.tp}, "
-          f"{args.mb} MiB batch, {args.rounds} rounds per mode (interleaved)\n")
+          f"{args.mb:g} MiB batch, {args.rounds} rounds per mode (interleaved)\n")
 
     if "1" in args.sections:
-        report_delivery(f"(1) {args.mb} MiB batch to TP={args.tp} on one node (ipc)",
+        report_delivery(f"(1) {args.mb:g} MiB batch to TP={args.tp} on one node (ipc)",
                         delivery(args.tp, lambda: big_batch(args.mb), args.rounds), nbytes)
     if "2" in args.sections:
         ratios = engine_memory(args.mb)
         print(f"\n(2) engine peak RSS of one put_tasks() (until its one rank took it) above "
-              f"the caller's arrays, {args.mb} MiB batch (fresh process per mode)")
+              f"the caller's arrays, {args.mb:g} MiB batch (fresh process per mode)")
         for mode, (ratio, shared) in ratios.items():
             print(f"  {mode:6s}: engine RSS +{ratio:5.2f}x the batch; in /dev/shm "
                   f"{shared:5.2f}x")
@@ -306,7 +310,7 @@ def small_section(args):
     enc_big = encode_medians_us(big_batch(args.mb), 5)
     print(f"  encode_payload {enc['encode_payload']:.1f} µs vs previous encoder "
           f"{enc['previous encoder']:.1f} µs (ratio previous/new "
-          f"{enc['previous encoder'] / enc['encode_payload']:.2f}); {args.mb} MiB batch: "
+          f"{enc['previous encoder'] / enc['encode_payload']:.2f}); {args.mb:g} MiB batch: "
           f"{enc_big['encode_payload'] / 1e3:.1f} ms vs {enc_big['previous encoder'] / 1e3:.1f} ms "
           f"(socket path only; the shared path writes the segment instead)")
 

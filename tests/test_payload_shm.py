@@ -175,6 +175,25 @@ def test_a_killed_engines_batches_are_reclaimed(name, procs, doomed):
     # the name fixture checks that nothing else of the name is left either
 
 
+@_report
+def engine_that_exits_without_close(out, rank, name, n):
+    os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
+    queue = TaskQueue(name, 2, max_inflight=n)
+    for i in range(n):
+        queue.put_tasks(make_batch(2 * i), timeout=10)
+    out.put(("put", rank, shm_names(name)))
+    # returns without close(): the interpreter's exit runs the queue's finalizer
+
+
+def test_an_engine_that_exits_without_close_leaves_nothing(name, procs, results):
+    engine = procs(engine_that_exits_without_close, results, 0, name, 2)
+    (left,) = collect(results, "put", 1, timeout=30).values()
+    assert len(left) == 2
+    engine.join(timeout=20)
+    assert engine.exitcode == 0
+    assert shm_names(name) == []
+
+
 def test_close_unlinks_unconsumed_batches(name, small_threshold):
     queue = TaskQueue(name, 2, max_inflight=4)
     for i in range(3):

@@ -34,7 +34,6 @@ default 3 s timeout the ranks declare the engine gone before it arrives.
 import argparse
 import array
 import glob
-import logging
 import multiprocessing
 import os
 import pickle

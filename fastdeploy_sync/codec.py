@@ -10,6 +10,11 @@ per-element Python work and no copy on the worker. Token ids as numpy arrays dec
 several times faster than the same ids as Python lists, whose unpickling holds the GIL
 in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
 
+Node-local engines put the data region of a large batch in shared memory instead of a
+frame (``payload_shm``): ``encode_parts()`` collects the buffers without copying them,
+the engine writes them once into the segment, and the worker hands its read-only mapping
+to ``decode_payload()`` as the data frame (same checks, same checksum).
+
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
 alive, because the view keeps the frame alive. Copy an array (``arr.copy()``) before
@@ -63,6 +68,8 @@ __all__ = [
     "pack_header",
     "unpack_header",
     "encode_payload",
+    "encode_parts",
+    "EncodedPayload",
     "decode_payload",
 ]
 
@@ -76,7 +83,8 @@ HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = se
 #            taken; engine = the instance it is bound to (0: none yet); group, worker;
 #            frames[1] = the queue name
 DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
-#           payload (encode_payload)
+#           payload (encode_payload), or [body, reference] when a node-local engine put
+#           the arrays in shared memory (payload_shm; check covers the shared bytes)
 ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
 WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)
@@ -181,22 +189,79 @@ _PICKLE5_PREFIX = b"\x80\x05"  # PROTO 5, the first opcode of every body encode_
 _PICKLE_STOP = b"."  # STOP, its last
 
 
-def encode_payload(obj) -> list:
-    """Serialize ``obj`` into ``[body]`` or ``[body, offsets, data]`` (bytes objects).
+class EncodedPayload:
+    """A batch pickled with its out-of-band buffers collected, not yet copied anywhere.
 
-    Large contiguous buffers (numpy arrays, bytes-like objects supporting protocol 5) go
-    out of band, concatenated into one ``data`` frame at 64-byte aligned offsets
-    (``offsets`` holds (start, length) pairs as int64). One frame rather than one per
-    array, because every ZeroMQ frame costs ~1 µs to receive and again to free on the
-    worker, and a 64-request batch would otherwise carry 64 of them.
+    ``body`` (bytes): the pickle stream; ``buffers``: the out-of-band buffers as flat
+    memoryviews of the caller's own memory (numpy arrays...), nothing copied; ``layout``:
+    their (start, length) in the data region, starts 64-byte aligned; ``offsets`` (bytes):
+    ``layout`` as int64 pairs, the offsets frame (``b""`` when there are no buffers);
+    ``data_size``: the bytes the data region needs (0 when there are no buffers).
 
-    The concatenation is the one copy made, on the engine side, so a caller who mutates an
-    array after ``put_tasks()`` returns cannot change a batch that is still retained for a
-    late-joining rank.
+    The buffers alias the caller's objects: copy them (``frames()``, ``write_data()``)
+    before the caller may mutate or free what was passed to ``encode_parts()``.
+    """
 
-    Raises ``TypeError`` (with the pickling error chained) if ``obj`` cannot be pickled, and
-    ``ValueError`` if the batch exceeds ``MAX_BODY_BYTES``, ``MAX_DATA_BYTES`` or
-    ``MAX_BUFFERS`` (a worker would reject it).
+    __slots__ = ("body", "buffers", "layout", "offsets", "data_size")
+
+    def __init__(self, body, buffers, layout, offsets, data_size):
+        self.body, self.buffers, self.layout = body, buffers, layout
+        self.offsets, self.data_size = offsets, data_size
+
+    def write_data(self, dest) -> None:
+        """Copy every buffer to its offset in ``dest`` (a writable buffer of at least
+        ``data_size`` bytes): the one copy of the batch. The alignment gaps are not
+        written (fresh shared memory is already zero-filled)."""
+        view = memoryview(dest).cast("B")
+        for (start, length), raw in zip(self.layout, self.buffers):
+            view[start:start + length] = raw
+        view.release()
+
+    def checksum(self) -> int:
+        """``payload_checksum(self.frames())``, computed from the caller's buffers without
+        building the data frame (the hash is streamed: the alignment gaps hash as the zero
+        bytes the data region holds there). Valid only while the caller leaves the arrays
+        unchanged, as the copy is."""
+        if not self.buffers:
+            return _checksum([memoryview(self.body)])
+        hasher = xxhash.xxh3_64()
+        for view in (memoryview(self.body), memoryview(self.offsets)):
+            hasher.update(_LENGTH.pack(view.nbytes))
+            hasher.update(view)
+        hasher.update(_LENGTH.pack(self.data_size))
+        end = 0
+        for (start, length), raw in zip(self.layout, self.buffers):
+            if start > end:
+                hasher.update(bytes(start - end))
+            hasher.update(raw)
+            end = start + length
+        return hasher.intdigest() or 1
+
+    def frames(self) -> list:
+        """``[body]`` or ``[body, offsets, data]`` (bytes), as ``encode_payload()``.
+
+        ``bytes.join`` sizes the result first and copies each buffer into it once:
+        building a bytearray and converting it to bytes would copy the batch twice and
+        briefly hold both copies plus the bytearray's over-allocation."""
+        if not self.buffers:
+            return [self.body]
+        pieces = []
+        end = 0
+        for (start, length), raw in zip(self.layout, self.buffers):
+            if start > end:
+                pieces.append(bytes(start - end))  # alignment gap, < 64 bytes
+            pieces.append(raw)
+            end = start + length
+        return [self.body, self.offsets, b"".join(pieces)]
+
+
+def encode_parts(obj) -> EncodedPayload:
+    """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
+
+    The first half of ``encode_payload()``: the same checks and errors (``TypeError`` if
+    ``obj`` cannot be pickled, ``ValueError`` beyond ``MAX_BODY_BYTES``, ``MAX_BUFFERS`` or
+    ``MAX_DATA_BYTES``); the data region is left for the caller to fill, into a frame
+    (``EncodedPayload.frames()``) or into shared memory (``payload_shm``).
     """
     buffers = []
 
@@ -217,21 +282,42 @@ def encode_payload(obj) -> list:
             f"({MAX_BODY_BYTES}); send token ids as numpy arrays (they travel out of band) "
             f"or split the batch")
     if not buffers:
-        return [body]
+        return EncodedPayload(body, [], [], b"", 0)
     if len(buffers) > MAX_BUFFERS:
         raise ValueError(f"task batch holds {len(buffers)} arrays of {OOB_MIN_BYTES} bytes or "
                          f"more, more than codec.MAX_BUFFERS ({MAX_BUFFERS}); split the batch")
     offsets = array.array("q")
-    data = bytearray()
+    layout = []
+    size = 0
     for raw in buffers:
-        start = (len(data) + _ALIGN - 1) // _ALIGN * _ALIGN
-        data.extend(bytes(start - len(data)))
+        start = (size + _ALIGN - 1) // _ALIGN * _ALIGN
+        layout.append((start, raw.nbytes))
         offsets.extend((start, raw.nbytes))
-        data += raw
-    if len(data) > MAX_DATA_BYTES:
-        raise ValueError(f"task batch's arrays take {len(data)} bytes, more than "
+        size = start + raw.nbytes
+    if size > MAX_DATA_BYTES:
+        raise ValueError(f"task batch's arrays take {size} bytes, more than "
                          f"codec.MAX_DATA_BYTES ({MAX_DATA_BYTES}); split the batch")
-    return [body, offsets.tobytes(), bytes(data)]
+    return EncodedPayload(body, buffers, layout, offsets.tobytes(), size)
+
+
+def encode_payload(obj) -> list:
+    """Serialize ``obj`` into ``[body]`` or ``[body, offsets, data]`` (bytes objects).
+
+    Large contiguous buffers (numpy arrays, bytes-like objects supporting protocol 5) go
+    out of band, concatenated into one ``data`` frame at 64-byte aligned offsets
+    (``offsets`` holds (start, length) pairs as int64). One frame rather than one per
+    array, because every ZeroMQ frame costs ~1 µs to receive and again to free on the
+    worker, and a 64-request batch would otherwise carry 64 of them.
+
+    The concatenation is the one copy made, on the engine side, so a caller who mutates an
+    array after ``put_tasks()`` returns cannot change a batch that is still retained for a
+    late-joining rank.
+
+    Raises ``TypeError`` (with the pickling error chained) if ``obj`` cannot be pickled, and
+    ``ValueError`` if the batch exceeds ``MAX_BODY_BYTES``, ``MAX_DATA_BYTES`` or
+    ``MAX_BUFFERS`` (a worker would reject it).
+    """
+    return encode_parts(obj).frames()
 
 
 def payload_checksum(frames) -> int:

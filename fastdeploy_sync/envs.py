@@ -167,3 +167,24 @@ def insecure_tcp() -> bool:
     CURVE keys. Anyone who reaches the port can then read users' prompts and run code in the
     workers; use it only on a network nobody else can reach."""
     return _flag("FD_SYNC_INSECURE_TCP")
+
+
+def shm_payload_min_bytes():
+    """``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (KiB, default 1024): a node-local engine (``ipc://``
+    endpoint) writes a batch whose out-of-band arrays take at least this many bytes once
+    into shared memory, which every local rank maps read-only, instead of sending each
+    rank its own copy over the socket (see ``payload_shm``). ``off`` sends every batch
+    over the socket. Read by ``TaskQueue`` at construction; ``tcp://`` endpoints ignore
+    it. Returns the threshold in bytes, or None for ``off``."""
+    raw = os.environ.get("FD_SYNC_SHM_PAYLOAD_MIN_KB", "1024").strip().lower()
+    if raw in ("off", "none", "never"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FD_SYNC_SHM_PAYLOAD_MIN_KB={raw!r}: expected a number of KiB "
+                         f"or 'off'") from None
+    if not value >= 0:
+        raise ValueError(f"FD_SYNC_SHM_PAYLOAD_MIN_KB={raw!r}: expected a number >= 0 "
+                         f"or 'off'")
+    return int(value * 1024)

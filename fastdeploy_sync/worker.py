@@ -39,7 +39,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import codec, envs
+from . import codec, envs, payload_shm
 from .ack_board import EPOCH_SHIFT, AckBoard
 from .auth import HANDSHAKE_FAILED_EVENTS, ClientAuth, handshake_failure_message
 from .errors import (AuthenticationError, ClosedError, EngineClosedError, EngineGoneError, EngineRejectedError,
@@ -661,11 +661,28 @@ class TaskClient:
         if seq != self._received + 1:
             raise ProtocolError(f"rank {self.tp_rank} received seq {seq} after "
                                 f"{self._received}: a batch was lost in transport")
-        tasks = codec.decode_payload(frames[1:], header.check)
+        if len(frames) == 3:  # header, body, shared-memory reference (payload_shm)
+            tasks = self._decode_shared(frames[1], frames[2], header.check)
+        else:
+            tasks = codec.decode_payload(frames[1:], header.check)
         with self._lock:
             self._slot.append((seq, tasks))
             self._received = seq
         self._group.publish_received(seq)  # after the slot: whoever sees it can take it
+
+    def _decode_shared(self, body, ref, check):
+        """Decode a batch whose arrays the engine wrote into node-local shared memory: map
+        it read-only and hand its slices to the unpickler (zero-copy; the arrays keep the
+        mapping alive after the engine unlinks it). The checksum covers the shared bytes
+        and is verified, as for the socket path, before anything is unpickled."""
+        if ipc_path(self.endpoint) is None:
+            raise ProtocolError(f"rank {self.tp_rank} of {self.name!r}: a shared-memory batch "
+                                f"from {self.endpoint}, which is not node-local")
+        name, size, offsets = payload_shm.unpack_ref(ref.buffer)
+        mapped = payload_shm.map_payload(name, size,
+                                         payload_shm.payload_prefix(self.name, self.dp_id))
+        self._counters["shared_batches"] += 1
+        return codec.decode_payload([body, offsets, mapped.view], check)
 
     def _engine_error(self, header, frames):
         reason = (bytes(frames[1].buffer[:4096]).decode("utf-8", "replace") if len(frames) > 1

@@ -49,14 +49,13 @@ import struct
 import posix_ipc
 
 from .errors import GroupLostError, ProtocolError
-from .shm import pid_alive
+from .shm import create_exclusive, pid_alive
 
 __all__ = ["SharedPayload", "MappedPayload", "payload_prefix", "payload_name", "pack_ref",
            "unpack_ref", "map_payload", "reclaim_stale", "REF_MAGIC"]
 
 log = logging.getLogger(__name__)
 
-_MODE = 0o600
 _SHM_DIR = "/dev/shm"
 
 # The reference frame: magic, layout version, data size, number of (start, length) pairs,
@@ -100,16 +99,7 @@ class SharedPayload:
         0600. ``FileExistsError`` if the name exists (never opened nor unlinked here)."""
         if size <= 0:
             raise ValueError(f"shared batch {name}: size {size}, expected > 0")
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=_MODE, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise FileExistsError(f"shared memory {name} exists") from exc
-        try:
-            os.fchmod(shm.fd, _MODE)  # the umask only ever narrows it, but be exact
-        except BaseException:
-            shm.close_fd()
-            _unlink(name)
-            raise
+        shm = create_exclusive(name, size)
         fd = os.dup(shm.fd)  # a plain fd we own; posix_ipc's object can go
         shm.close_fd()
         return cls(name, size, fd)

@@ -23,7 +23,8 @@ import stat
 
 import posix_ipc
 
-__all__ = ["Segment", "pid_alive", "reclaim_stale", "segment_owner", "unlink_segment",
+__all__ = ["Segment", "create_exclusive", "pid_alive", "reclaim_stale", "segment_owner",
+           "unlink_segment",
            "unlink_semaphore", "create_semaphore", "open_semaphore", "check_semaphore_owner"]
 
 _MODE = 0o600
@@ -48,16 +49,7 @@ class Segment:
     def create(cls, name: str, size: int) -> "Segment":
         """Create a new zero-filled segment, mode 0600; ``FileExistsError`` if the name exists
         (whoever owns it: never opened, never unlinked here)."""
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=_MODE, size=size)
-        except posix_ipc.ExistentialError as exc:
-            raise FileExistsError(f"shared memory {name} exists") from exc
-        try:
-            os.fchmod(shm.fd, _MODE)  # the umask only ever narrows it, but be exact
-        except BaseException:
-            shm.close_fd()
-            raise
-        return cls._map(name, shm, size)
+        return cls._map(name, create_exclusive(name, size), size)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
@@ -105,6 +97,24 @@ class Segment:
         self.view.release()
         self._mmap.close()
         self._mmap = None
+
+
+def create_exclusive(name: str, size: int) -> "posix_ipc.SharedMemory":
+    """Create shared memory ``name`` of ``size`` zero-filled bytes, exclusively, mode 0600
+    exactly (whatever the umask); the caller maps it and closes its fd.
+    ``FileExistsError`` if the name exists (whoever owns it: never opened, never unlinked
+    here); on any later failure the new name is removed again."""
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=_MODE, size=size)
+    except posix_ipc.ExistentialError as exc:
+        raise FileExistsError(f"shared memory {name} exists") from exc
+    try:
+        os.fchmod(shm.fd, _MODE)  # the umask only ever narrows it, but be exact
+    except BaseException:
+        shm.close_fd()
+        unlink_segment(name)
+        raise
+    return shm
 
 
 def unlink_segment(name: str) -> bool:

@@ -20,7 +20,7 @@ import pytest
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_workers import STOP, batch, fd_engine_loop, fd_engine_process, fd_worker_loop, ids_of
+from fd_workers import STOP, batch, fd_engine_loop, fd_engine_process, fd_worker_loop
 
 RESULT_TIMEOUT_S = 60
 

@@ -10,7 +10,7 @@ import pytest
 from fastdeploy_sync import TaskClient, TaskQueue
 
 from idle_workers import alternating_rank, wait_phases_rank
-from workers import check_consistency, collect, make_batch, put_with_pauses
+from workers import check_consistency, collect, put_with_pauses
 
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 

@@ -335,9 +335,26 @@ class TaskClient:
             if wait is None:  # paddle coordinator: min_received() is this rank's own
                 time.sleep(min(remaining, 0.001))
             elif not wait(need, remaining, check):
-                return self.exist_tasks()  # timed out, or a peer stopped (barrier raises)
+                if self._group.peer_fault() is None:
+                    return self.exist_tasks()  # timed out
+                return self._after_peer_fault(deadline)
             if self.exist_tasks():
                 return True
+
+    def _after_peer_fault(self, deadline) -> bool:
+        """A peer stopped at an engine-side error while rank 0 waited: raise the same kind
+        of error, as ``barrier()`` would. An engine CLOSE is raised only once this rank's
+        own CLOSE arrived (milliseconds later) and everything it was sent is taken; until
+        then batches it still holds are offered as usual."""
+        while True:
+            self._check_error()
+            if not self.async_prefetch:
+                self._receive_now()
+            if self.exist_tasks():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def barrier(self, timeout: float = None) -> None:
         """Block until every rank of the group has reached this step's barrier.

@@ -49,8 +49,11 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
 
         try:
             if rank == 0:
-                client.wait_for_tasks(30)
-                raise AssertionError("wait_for_tasks() returned after the engine closed")
+                result = client.wait_for_tasks(30)
+                raise AssertionError(f"wait_for_tasks() returned {result} after the engine "
+                                     f"closed; stats {client.stats()}, error "
+                                     f"{client._error!r}, close seq {client._close_seq}, "
+                                     f"peer fault {client._group.peer_fault()}")
             client.barrier(timeout=30)
             raise AssertionError("barrier() returned after the engine closed")
         except Exception as exc:

@@ -33,9 +33,13 @@ def test_wait_times_out_wakes_on_a_batch_and_raises_on_close(name, procs, result
 
         put_at = time.monotonic()
         queue.put_tasks("batch-1", timeout=10)
-        arrived = collect(results, "arrived", tp, timeout=20)
+        try:
+            arrived = collect(results, "arrived", tp, timeout=30)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the engine's view: {queue.stats()}") from None
         result, returned, _, state = arrived[0]
-        assert result is True, f"rank 0 timed out; its stats and the group's watermarks: {state}"
+        assert result is True, (f"rank 0 timed out; its stats and the group's watermarks: "
+                                f"{state}; the engine's view: {queue.stats()}")
         assert returned - put_at < 10, "woke by its 20 s timeout, not by the batch"
         assert all(report[2] == ["batch-1"] for report in arrived.values())
     finally:

@@ -10,6 +10,7 @@ import os
 import random
 import time
 import traceback
+import weakref
 
 from fastdeploy_sync import TaskClient, TaskQueue
 
@@ -153,15 +154,28 @@ def barrier_once_rank(out, rank, name, tp, delay_s, timeout):
         out.put(("passed", rank, None))
 
 
+# Messages a collect() call received but did not ask for, per queue: a later collect()
+# for their tag gets them. Children report asynchronously (each through its own feeder
+# thread), so one rank's next-phase message can overtake another rank's current one.
+_SET_ASIDE = weakref.WeakKeyDictionary()
+
+
 def collect(queue, tag, count, timeout=60.0):
     """Wait for ``count`` messages tagged ``tag``; return {rank: payload}.
 
     Fails at once with the child's traceback if a child reported an error, and with a
-    clear message if the messages do not arrive within ``timeout`` seconds.
+    clear message if the messages do not arrive within ``timeout`` seconds. Messages of
+    other tags are kept for a later ``collect()`` on the same queue, never dropped.
     """
     import queue as queue_mod
 
+    aside = _SET_ASIDE.setdefault(queue, [])
     got = {}
+    for item in list(aside):
+        kind, rank, payload = item
+        if kind == tag and rank not in got and len(got) < count:
+            got[rank] = payload
+            aside.remove(item)
     deadline = time.monotonic() + timeout
     while len(got) < count:
         remaining = deadline - time.monotonic()
@@ -171,8 +185,10 @@ def collect(queue, tag, count, timeout=60.0):
             raise AssertionError(f"waited {timeout}s for {count} {tag!r} messages, got {sorted(got)}")
         if kind == "error":
             raise AssertionError(f"rank {rank} failed: {payload}")
-        if kind == tag:
+        if kind == tag and rank not in got:
             got[rank] = payload
+        else:
+            aside.append((kind, rank, payload))
     return got
 
 

@@ -17,7 +17,7 @@ leftover is reclaimed by the next engine of the same name.
 
 import os
 
-from .shm import Segment, pid_alive, reclaim_stale, unlink_segment
+from .shm import Segment, create_reclaiming, pid_alive, unlink_segment
 
 __all__ = ["AckBoard", "ack_board_name", "EPOCH_SHIFT"]
 
@@ -50,13 +50,7 @@ class AckBoard:
         Raises ``FileExistsError`` if a live process owns a board of this name."""
         shm_name = ack_board_name(name, dp_id)
         size = (BASE + tp_size * STRIDE) * 8
-        try:
-            seg = Segment.create(shm_name, size)
-        except FileExistsError:
-            owner = reclaim_stale(shm_name, B_OWNER_PID)
-            if owner:
-                raise FileExistsError(f"{shm_name} is owned by live process {owner}") from None
-            seg = Segment.create(shm_name, size)
+        seg = create_reclaiming(shm_name, size, B_OWNER_PID)  # SegmentInUse: FileExistsError
         v = seg.view
         v[B_MAGIC], v[B_OWNER_PID], v[B_TP_SIZE] = MAGIC, os.getpid(), tp_size
         v[B_READY] = 1

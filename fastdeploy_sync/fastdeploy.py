@@ -102,8 +102,8 @@ from . import envs
 from .engine import TaskProducer, TaskQueue
 from .errors import ClosedError, ProtocolError, TaskSyncError
 from .liveness import CONNECTED
-from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
-                  reclaim_stale, unlink_segment, unlink_semaphore)
+from .shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
+                  open_semaphore, unlink_segment, unlink_semaphore)
 from .tp_group import group_shm_name
 from .worker import TaskClient
 
@@ -182,16 +182,11 @@ class _GroupBoard:
 
     def _create(self):
         try:
-            seg = Segment.create(self.shm_name, self._size)
-        except FileExistsError:
-            owner = reclaim_stale(self.shm_name, _B_OWNER_PID)
-            if owner:
-                raise TaskSyncError(f"{self.shm_name} is owned by live process {owner}: another "
-                                    f"rank 0 of this address and DP group is running") from None
-            seg = Segment.create(self.shm_name, self._size)
-        if check_semaphore_owner(self.sem_name):  # a crashed run's: its count may be 0
-            unlink_semaphore(self.sem_name)
-        create_semaphore(self.sem_name, initial_value=1).close()
+            seg = create_reclaiming(self.shm_name, self._size, _B_OWNER_PID)
+        except SegmentInUse as exc:
+            raise TaskSyncError(f"{exc}: another rank 0 of this address and DP group is "
+                                f"running") from None
+        create_fresh_semaphore(self.sem_name, initial_value=1)
         v = seg.view
         v[_B_MAGIC], v[_B_OWNER_PID] = _B_MAGIC_VALUE, os.getpid()
         v[_B_READY] = 1  # last: an attacher that sees READY sees the rest

@@ -23,7 +23,8 @@ import stat
 
 import posix_ipc
 
-__all__ = ["Segment", "create_exclusive", "pid_alive", "reclaim_stale", "segment_owner",
+__all__ = ["Segment", "SegmentInUse", "create_exclusive", "create_reclaiming",
+           "create_fresh_semaphore", "pid_alive", "reclaim_stale", "segment_owner",
            "unlink_segment",
            "unlink_semaphore", "create_semaphore", "open_semaphore", "check_semaphore_owner"]
 
@@ -221,6 +222,41 @@ def segment_owner(name: str, owner_slot: int) -> int:
         return seg.view[owner_slot] if seg.size > owner_slot * 8 else 0
     finally:
         seg.close()
+
+
+class SegmentInUse(FileExistsError):
+    """``create_reclaiming`` found the name held by a live process (``owner``, its pid;
+    0 when another creator won a race for a freshly reclaimed name)."""
+
+    def __init__(self, name: str, owner: int):
+        super().__init__(f"{name} is owned by live process {owner}" if owner else
+                         f"{name} was created concurrently by another process")
+        self.owner = owner
+
+
+def create_reclaiming(name: str, size: int, owner_slot: int) -> "Segment":
+    """``Segment.create``, but a leftover of a crashed creator (the pid at int64 slot
+    ``owner_slot`` has exited) is reclaimed first. Raises ``SegmentInUse`` (a
+    ``FileExistsError``) if a live process owns the name, and ``PermissionError`` if
+    another user does; the caller turns either into its own error. Never blocks."""
+    try:
+        return Segment.create(name, size)
+    except FileExistsError:
+        owner = reclaim_stale(name, owner_slot)
+        if owner:
+            raise SegmentInUse(name, owner) from None
+    try:
+        return Segment.create(name, size)
+    except FileExistsError:
+        raise SegmentInUse(name, 0) from None
+
+
+def create_fresh_semaphore(name: str, initial_value: int = 0) -> None:
+    """Create semaphore ``name`` (mode 0600), first removing a leftover of ours (a crashed
+    run's would carry a stale count); another user's raises ``PermissionError``."""
+    if check_semaphore_owner(name):
+        unlink_semaphore(name)
+    create_semaphore(name, initial_value).close()
 
 
 def reclaim_stale(name: str, owner_slot: int) -> int:

@@ -62,8 +62,8 @@ import posix_ipc
 
 from . import envs
 from .errors import BarrierTimeoutError, GroupInUseError, GroupLostError
-from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore, pid_alive,
-                  reclaim_stale, segment_owner, unlink_segment, unlink_semaphore)
+from .shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
+                  open_semaphore, pid_alive, segment_owner, unlink_segment, unlink_semaphore)
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
 
@@ -241,22 +241,14 @@ class ShmTPGroup:
 
     def _create(self) -> Segment:
         try:
-            seg = Segment.create(self.shm_name, self._size)
-        except FileExistsError:
-            owner = reclaim_stale(self.shm_name, H_OWNER_PID)
-            if owner:
-                raise GroupInUseError(
-                    f"TP group {self.shm_name} is owned by live process {owner} (its rank 0): "
-                    f"two groups cannot share a name and dp_id") from None
-            try:
-                seg = Segment.create(self.shm_name, self._size)
-            except FileExistsError:
-                raise GroupInUseError(
-                    f"{self.shm_name}: another rank 0 created this group concurrently") from None
+            seg = create_reclaiming(self.shm_name, self._size, H_OWNER_PID)
+        except SegmentInUse as exc:
+            raise GroupInUseError(
+                f"TP group {self.shm_name} is owned by live process {exc.owner} (its rank 0): "
+                f"two groups cannot share a name and dp_id" if exc.owner else
+                f"{self.shm_name}: another rank 0 created this group concurrently") from None
         for sem_name in self._sem_names:
-            if check_semaphore_owner(sem_name):  # ours (else PermissionError): a crashed
-                unlink_semaphore(sem_name)  # run's leftover would carry a stale count
-            create_semaphore(sem_name).close()
+            create_fresh_semaphore(sem_name)
         v = seg.view
         v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
         v[H_OWNER_PID] = os.getpid()

@@ -8,7 +8,7 @@ import time
 
 from fastdeploy_sync import TaskClient
 
-from workers import _report_errors
+from workers import _report_errors, take_checked
 
 
 def _exception(exc):
@@ -87,12 +87,8 @@ def alternating_rank(out, rank, name, tp, n_batches, async_prefetch, seed, max_s
             client.barrier(timeout=30)
             if rng.random() < 0.2:  # a slow rank: the others may be at the next check
                 time.sleep(rng.random() * max_step_ms / 1000)
-            tasks, _ = client.get_tasks()
-            if tasks:
-                ids = []
-                for batch_id, tokens in tasks:
-                    assert int(tokens[0]) == batch_id and len(tokens) == 64 + batch_id % 7
-                    ids.append(batch_id)
+            ids = take_checked(client)
+            if ids:
                 steps.append((step, ids))
                 taken += len(ids)
             time.sleep(rng.random() * max_step_ms / 1000)  # the model step

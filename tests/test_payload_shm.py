@@ -2,12 +2,10 @@
 read-only, in order; names unlinked once consumed, at close and after a killed engine;
 views outlive the names; tcp never uses it."""
 
-import functools
 import glob
 import os
 import signal
 import time
-import traceback
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import xxhash
 
 from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue, codec, payload_shm
 
-from workers import collect, wait_until
+from workers import _report_errors, collect, wait_until
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
@@ -53,16 +51,6 @@ def shm_names(name):
     return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"))
 
 
-def _report(fn):
-    @functools.wraps(fn)  # keeps the qualified name, so spawn can pickle the wrapper
-    def wrapper(out, rank, *args, **kwargs):
-        try:
-            fn(out, rank, *args, **kwargs)
-        except BaseException as exc:
-            out.put(("error", rank, f"{exc!r}\n{traceback.format_exc()}"))
-    return wrapper
-
-
 def _take(client, n, deadline_s=60.0):
     got = []
     deadline = time.monotonic() + deadline_s
@@ -76,7 +64,7 @@ def _take(client, n, deadline_s=60.0):
     return got
 
 
-@_report
+@_report_errors
 def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None):
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint) as client:
         out.put(("ready", rank, None))
@@ -85,7 +73,7 @@ def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None):
                                  client.stats().get("shared_batches", 0))))
 
 
-@_report
+@_report_errors
 def hold_first_view(out, rank, name, tp, n):
     """Take n batches, keep batch 0's arrays, wait until the engine unlinked its segment,
     then read them."""
@@ -151,7 +139,7 @@ def test_a_view_outlives_the_segment_name(name, procs, results, small_threshold)
         assert batch == expected(0), f"rank {rank} read changed memory"
 
 
-@_report
+@_report_errors
 def engine_that_gets_killed(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
     queue = TaskQueue(name, 2, max_inflight=n)
@@ -175,7 +163,7 @@ def test_a_killed_engines_batches_are_reclaimed(name, procs, doomed):
     # the name fixture checks that nothing else of the name is left either
 
 
-@_report
+@_report_errors
 def engine_that_exits_without_close(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
     queue = TaskQueue(name, 2, max_inflight=n)
@@ -263,7 +251,7 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
     assert describe(tasks)[2][0][0] == expected(0)[2][0][0]  # still mapped after the unlink
 
 
-@_report
+@_report_errors
 def take_then_hang(out, rank, name, tp, n):
     from fastdeploy_sync import Heartbeat
 

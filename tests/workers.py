@@ -53,17 +53,22 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
                 # a slow rank: the others may already be at the next step's check
                 if rng.random() < 0.2:
                     time.sleep(rng.random() * max_step_ms / 1000)
-                tasks, _ = client.get_tasks()
-                if tasks:
-                    ids = []
-                    for batch_id, tokens in tasks:
-                        assert int(tokens[0]) == batch_id and len(tokens) == 64 + batch_id % 7
-                        ids.append(batch_id)
+                ids = take_checked(client)
+                if ids:
                     steps.append((step, ids))
                     taken += len(ids)
             time.sleep(rng.random() * max_step_ms / 1000)  # the model step
             step += 1
         out.put(("steps", rank, steps))
+
+
+def take_checked(client) -> list:
+    """``get_tasks()``, each batch checked against ``make_batch``; the batch ids taken."""
+    ids = []
+    for batch_id, tokens in client.get_tasks()[0]:
+        assert int(tokens[0]) == batch_id and len(tokens) == 64 + batch_id % 7
+        ids.append(batch_id)
+    return ids
 
 
 @_report_errors

@@ -15,6 +15,7 @@ __all__ = [
     "barrier_spin_us",
     "heartbeat_interval_s",
     "heartbeat_timeout_s",
+    "stall_timeout_s",
     "max_message_bytes",
     "connect_timeout_s",
     "queue_role",
@@ -104,6 +105,23 @@ def heartbeat_timeout_s() -> float:
     raises ``EngineGoneError`` and the engine marks a rank disconnected and retires its
     group. Raise it when you stop a process in a debugger for longer than this."""
     return _positive_float("FD_SYNC_HEARTBEAT_TIMEOUT", "3")
+
+
+def stall_timeout_s() -> float:
+    """``FD_SYNC_STALL_TIMEOUT`` (seconds, default 300; ``0`` = never): how long a peer whose
+    connection is alive (libzmq still answers its ZMTP heartbeats) may send no application
+    message before it is taken for hung. A process whose main thread holds the GIL (a long
+    C call, a compile, a weight load) stays connected but cannot send: this bound, not the
+    heartbeat timeout, is what it must stay under. A dead or frozen process loses its
+    connection and is detected within the heartbeat timeout whatever this says."""
+    raw = os.environ.get("FD_SYNC_STALL_TIMEOUT", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FD_SYNC_STALL_TIMEOUT={raw!r}: expected a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"FD_SYNC_STALL_TIMEOUT={raw!r}: expected a number >= 0 (0 = never)")
+    return value
 
 
 def max_message_bytes() -> int:

@@ -1,24 +1,41 @@
-"""Liveness: how the engine and its workers learn, within a bounded time, that a peer is gone.
+"""Liveness: how the engine and its workers learn, within a bounded time, that a peer is
+gone, without ever taking a busy peer for a dead one.
 
-Why application heartbeats (PING/PONG messages) and not only ZeroMQ's ZMTP heartbeats:
-ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) make libzmq drop a silent
-connection, but nothing of that reaches the application except socket-monitor events,
-and on the engine's ROUTER those name a file descriptor, not the rank or worker behind
-it; libzmq also reconnects on its own, so "disconnected" is not "gone". The engine must
-say *which rank* is silent and since when, and a worker must tell "the engine is gone"
-from a reconnect: both need our own ids, so both sides track silence in messages that
-carry them. ZMTP heartbeats are set too (``configure_socket``): they tear down half-open
-TCP connections (after a partition) so that libzmq reconnects when the network heals.
+Busy is not dead. A worker's main thread may hold the GIL for seconds (a long C call, a
+compile, a weight load), a big batch may occupy a socket for seconds, and the engine may
+hold the GIL while it pickles a huge batch. Nothing that needs a Python thread to run can
+tell those apart from death. So the two questions are answered by different means:
+
+  * **Dead or frozen** (killed, crashed, SIGSTOPped, machine or network gone): ZMTP
+    heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``, ``configure_socket``). libzmq's own
+    I/O thread sends and answers them, without the GIL, and any traffic on the connection
+    counts as life, so a 600 MiB message in transit is life too. A process that dies closes
+    its sockets at once; a frozen one stops answering and libzmq drops its connection after
+    ``timeout``. The application sees the connection go: the engine's sends to a rank whose
+    connection is gone fail (ROUTER_MANDATORY, ``EHOSTUNREACH``; the engine probes every
+    rank every tick), a worker's socket monitor reports the disconnect. A peer whose
+    connection is gone and not re-established (a fresh handshake with the *same* peer
+    instance) within ``timeout`` seconds is gone: the engine retires the rank's group, a
+    worker raises ``EngineGoneError``.
+  * **Alive but hung** (connection up, no application message): application ``PING``/
+    ``PONG`` messages carry the ids (engine instance, group incarnation, worker id) that say
+    *which* rank or engine is behind a connection. Their silence is reported (``status``:
+    ``silent_s``) but only declares a peer hung after ``stall_timeout`` seconds
+    (``FD_SYNC_STALL_TIMEOUT``, default 300 s, ``0`` = never): far above any GIL hold a
+    healthy process makes, far below forever.
+  * **Left on purpose**: a worker's ``TaskClient.close()`` sends ``BYE``; the engine knows
+    at once and retires the group (its peers learn it as for a death) instead of waiting
+    for any timeout. ``TaskQueue.close()`` sends ``CLOSE`` (``EngineClosedError``).
 
 The protocol:
-  * every worker sends ``PING`` every ``interval`` seconds, from a thread that is otherwise
-    blocked (the prefetch thread in async mode, a heartbeat thread in sync mode, so a long
-    model step never looks like a dead worker); the engine answers each with ``PONG``.
-  * a worker that heard nothing from its engine (no PONG, batch or any other message) for
-    ``timeout`` seconds raises ``EngineGoneError`` from its next step call.
-  * the engine marks a rank disconnected when nothing came from it for ``timeout`` seconds
-    (or at once when a send to it fails because its socket is gone), and retires the
-    rank's worker group (see ``engine.py``).
+  * every worker sends ``PING`` every ``interval`` seconds from a thread that is otherwise
+    blocked (the prefetch thread in async mode, a heartbeat thread in sync mode); the
+    engine answers each with ``PONG`` and also sends every connected rank a ``PONG`` each
+    interval unasked, so that a worker that could not ping for a while finds proof of life
+    waiting when it runs again.
+  * ZMTP heartbeats and the handshake bound (``HANDSHAKE_IVL``) are ``timeout``: a
+    connection to a frozen peer, or one that accepts but never completes the handshake, is
+    dropped within it.
 
 Nothing here runs on the step's critical path: the threads that ping are blocked in
 ``poll`` between pings, and the step calls only read an error slot they already read.
@@ -34,27 +51,44 @@ __all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED"]
 
 
 class Heartbeat:
-    """Heartbeat settings: ``interval`` and ``timeout`` in seconds (``None``: from
-    ``FD_SYNC_HEARTBEAT_INTERVAL`` / ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s and 3 s)."""
+    """Heartbeat settings in seconds: ``interval`` and ``timeout`` (``None``: from
+    ``FD_SYNC_HEARTBEAT_INTERVAL`` / ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s and 3 s),
+    and ``stall_timeout`` (``None``: ``FD_SYNC_STALL_TIMEOUT``, default 300 s; 0 = never),
+    the application silence of a still-connected peer that counts as hung (see the
+    module docstring)."""
 
-    __slots__ = ("interval", "timeout")
+    __slots__ = ("interval", "timeout", "stall_timeout")
 
-    def __init__(self, interval: float = None, timeout: float = None):
+    def __init__(self, interval: float = None, timeout: float = None,
+                 stall_timeout: float = None):
         self.interval = envs.heartbeat_interval_s() if interval is None else float(interval)
         self.timeout = envs.heartbeat_timeout_s() if timeout is None else float(timeout)
+        self.stall_timeout = (envs.stall_timeout_s() if stall_timeout is None
+                              else float(stall_timeout))
         if not 0 < self.interval < self.timeout:
             raise ValueError(f"heartbeat interval {self.interval}s must be > 0 and below the "
                              f"timeout {self.timeout}s (FD_SYNC_HEARTBEAT_INTERVAL/_TIMEOUT)")
+        if self.stall_timeout and self.stall_timeout < self.timeout:
+            raise ValueError(f"stall timeout {self.stall_timeout}s must be 0 (never) or at "
+                             f"least the heartbeat timeout {self.timeout}s "
+                             f"(FD_SYNC_STALL_TIMEOUT)")
+
+    def stalled(self, silent_s: float) -> bool:
+        """True when a connected peer silent for ``silent_s`` seconds counts as hung."""
+        return bool(self.stall_timeout) and silent_s > self.stall_timeout
 
     def configure_socket(self, sock: zmq.Socket) -> None:
-        """ZMTP heartbeats on ``sock``: libzmq drops a connection silent for ``timeout``
-        so that a half-open TCP connection is replaced by a reconnect."""
+        """ZMTP heartbeats on ``sock``: libzmq (its I/O thread, no GIL) drops a connection
+        whose peer answers nothing for ``timeout``, and one whose handshake does not
+        complete within it."""
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.interval * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.timeout * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout * 1000))
 
     def __repr__(self):
-        return f"Heartbeat(interval={self.interval}, timeout={self.timeout})"
+        return (f"Heartbeat(interval={self.interval}, timeout={self.timeout}, "
+                f"stall_timeout={self.stall_timeout})")
 
 
 NEVER = "never connected"

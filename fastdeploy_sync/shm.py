@@ -7,6 +7,20 @@ use. ``posix_ipc`` + ``mmap`` gives us the plain POSIX calls and leaves the life
 policy to us: the creator unlinks at close, and a crashed creator's leftovers are
 reclaimed by the next creator of the same name (see ``tp_group.py``).
 
+Ownership: a lock, not a pid. Whether the creator of a name is still alive decides
+whether a leftover may be reclaimed, so it must survive pid reuse (an unrelated process may
+hold a dead owner's pid) and pid namespaces (containers sharing ``/dev/shm`` with
+``--ipc=host`` see each other's files, not each other's pids). The creator therefore holds an
+open-file-description lock (``F_OFD_SETLK``) on one byte of the segment's file for its whole
+life (``OWNER_LOCK``, past the end of the data: a lock may cover bytes a file does not have);
+the kernel drops it when the owner's last descriptor closes, which death does. Whoever finds
+the name taken probes that lock (``owner_alive``) or tries to take it without waiting
+(``reclaim_stale``): held means a live owner in any pid namespace of the node, free means a
+leftover. The pid written into the segment is kept for messages only. Other bytes past
+``OWNER_LOCK`` serve the same purpose for parts of a segment (``tp_group``: one per rank).
+Descriptors are close-on-exec, and a forked child closes its inherited copies at once
+(``os.register_at_fork``), so neither keeps a dead owner's lock alive.
+
 Trust: names in ``/dev/shm`` are a namespace shared by every user of the node, so a
 segment is created exclusively (``O_CREAT|O_EXCL``) with mode 0600, and an existing one is
 mapped (or unlinked as stale) only after ``os.fstat`` on its fd shows it is owned by our
@@ -16,22 +30,99 @@ ranks. Semaphores have no fd in ``posix_ipc``; their owner is read from their fi
 """
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import stat
+import struct
+import time
+import weakref
 
 import posix_ipc
 
-__all__ = ["Segment", "SegmentInUse", "create_exclusive", "create_reclaiming",
-           "create_fresh_semaphore", "pid_alive", "reclaim_stale", "segment_owner",
-           "unlink_segment",
-           "unlink_semaphore", "create_semaphore", "open_semaphore", "check_semaphore_owner"]
+__all__ = ["Segment", "SegmentInUse", "OWNER_LOCK", "create_exclusive", "create_reclaiming",
+           "create_fresh_semaphore", "owner_alive", "pid_alive", "reclaim_stale",
+           "segment_owner", "unlink_segment", "unlink_semaphore", "create_semaphore",
+           "open_semaphore", "check_semaphore_owner"]
 
 _MODE = 0o600
 _SHM_DIR = "/dev/shm"
 
+# The byte whose lock the creator of a segment holds for its life (see the module
+# docstring); bytes after it are free for callers' own liveness locks (Segment.try_lock).
+OWNER_LOCK = 1 << 40
+# struct flock on Linux (x86-64 and aarch64): l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+# A creator waits this long at most for a reclaimer that is probing its brand-new name.
+_CREATE_LOCK_WAIT_S = 1.0
+
 log = logging.getLogger(__name__)
+
+# Every Segment holding a descriptor, so that a forked child can close its copies.
+_WITH_FDS = weakref.WeakSet()
+
+
+def _ofd(fd: int, cmd: int, kind: int, offset: int) -> int:
+    """One OFD lock call on the byte at ``offset``; returns the l_type the kernel reports."""
+    return _FLOCK.unpack(fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0)))[0]
+
+
+def _try_lock(fd: int, offset: int) -> bool:
+    """Take the write lock on byte ``offset`` without waiting: True if taken, False if
+    another open file description holds it."""
+    try:
+        _ofd(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, offset)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _lock_held(fd: int, offset: int) -> bool:
+    """True if another open file description holds a lock on byte ``offset`` (our own
+    locks do not count). Takes nothing. Never blocks."""
+    return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, offset) != fcntl.F_UNLCK
+
+
+def _open_lock_fd(name: str, shm_fd: int) -> int:
+    """A descriptor of segment ``name`` of its own (its own open file description) for the
+    locks. Not a dup of the mapping's descriptor: ``mmap`` keeps a dup of that one, which
+    would hold the locks as long as the mapping lives. ``FileNotFoundError`` if the name
+    no longer names the file open as ``shm_fd`` (unlinked or replaced meanwhile)."""
+    fd = os.open(f"{_SHM_DIR}{name}", os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    a, b = os.fstat(fd), os.fstat(shm_fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(fd)
+        raise FileNotFoundError(f"shared memory {name} was replaced while it was opened")
+    return fd
+
+
+def _same_file(path: str, fd: int) -> bool:
+    """True if ``path`` still names the file open as ``fd`` (not unlinked or replaced)."""
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _forget_inherited_fds():
+    """In a forked child: close the descriptors inherited from the parent's segments, so
+    that the child never keeps the parent's locks alive once the parent is gone (the locks
+    belong to the open file description, which the child's copies would share)."""
+    for seg in list(_WITH_FDS):
+        fd, seg._fd = seg._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_fds)
 
 
 class Segment:
@@ -39,18 +130,57 @@ class Segment:
 
     Reading or writing one slot through ``view`` costs ~40 ns (numpy scalar indexing
     costs ~2-3x that), which matters on the per-step hot path.
+
+    Each Segment keeps one private descriptor of the segment's file for its locks
+    (``try_lock``, ``lock_held``); ``close()`` releases it with the mapping.
     """
 
-    def __init__(self, name: str, mapping: mmap.mmap):
+    def __init__(self, name: str, mapping: mmap.mmap, fd: int = -1, created: bool = False):
         self.name = name
         self._mmap = mapping
         self.view = memoryview(mapping).cast("q")
+        self._fd = fd
+        self._created = created  # made by Segment.create: this process is its owner
+        if fd >= 0:
+            _WITH_FDS.add(self)
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
-        """Create a new zero-filled segment, mode 0600; ``FileExistsError`` if the name exists
-        (whoever owns it: never opened, never unlinked here)."""
-        return cls._map(name, create_exclusive(name, size), size)
+        """Create a new zero-filled segment, mode 0600, and hold its owner lock
+        (``OWNER_LOCK``) until ``close()``; ``FileExistsError`` if the name exists (whoever
+        owns it: never opened, never unlinked here). Blocks at most ~1 s, only while
+        another process probes the brand-new name (then it may find the name taken)."""
+        deadline = time.monotonic() + _CREATE_LOCK_WAIT_S
+        while True:
+            shm = create_exclusive(name, size)
+            try:
+                fd = _open_lock_fd(name, shm.fd)  # close-on-exec
+            except FileNotFoundError:  # a reclaimer removed our brand-new name already
+                shm.close_fd()
+                if time.monotonic() > deadline:
+                    raise SegmentInUse(name, 0) from None
+                continue
+            except BaseException:
+                shm.close_fd()
+                unlink_segment(name)
+                raise
+            try:
+                # A reclaimer that opened the name between our create and this lock takes
+                # our new file for a stale one: it holds the lock for a moment and unlinks.
+                while not _try_lock(fd, OWNER_LOCK):
+                    if time.monotonic() > deadline:
+                        raise SegmentInUse(name, 0)
+                    time.sleep(0.001)
+                if os.fstat(fd).st_nlink:
+                    return cls._map(name, shm, size, fd, created=True)
+            except BaseException:
+                os.close(fd)
+                shm.close_fd()
+                raise
+            os.close(fd)  # unlinked under us: create the name again
+            shm.close_fd()
+            if time.monotonic() > deadline:
+                raise SegmentInUse(name, 0)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
@@ -73,26 +203,80 @@ class Segment:
             st = os.fstat(shm.fd)  # the object we opened, not a name that may be swapped
             _check_owner(st, f"shared memory {name}", f"{_SHM_DIR}{name}")
             size = st.st_size
+            fd = _open_lock_fd(name, shm.fd)
         except BaseException:
             shm.close_fd()
             raise
-        return cls._map(name, shm, size)
+        return cls._map(name, shm, size, fd)
 
     @classmethod
-    def _map(cls, name, shm, size):
+    def _map(cls, name, shm, size, fd, created=False):
         try:
             if size == 0:
-                return cls(name, mmap.mmap(-1, 8))  # placeholder: reads as "not ready"
-            return cls(name, mmap.mmap(shm.fd, size))
+                mapping = mmap.mmap(-1, 8)  # placeholder: reads as "not ready"
+            else:
+                mapping = mmap.mmap(shm.fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             shm.close_fd()
+        return cls(name, mapping, fd, created)
 
     @property
     def size(self) -> int:
         return self.view.nbytes
 
+    def try_lock(self, offset: int) -> bool:
+        """Take the write lock on byte ``offset`` of the file without waiting (True), or
+        return False if another open file description (any process, or another Segment
+        of this one) holds it. Held until ``unlock`` or ``close()``. Never blocks."""
+        return self._fd >= 0 and _try_lock(self._fd, offset)
+
+    def unlock(self, offset: int) -> None:
+        if self._fd >= 0:
+            _ofd(self._fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, offset)
+
+    def lock_held(self, offset: int) -> bool:
+        """True if another open file description holds a lock on byte ``offset``: its
+        holder is alive (on this node, in any pid namespace). Never blocks."""
+        return self._fd >= 0 and _lock_held(self._fd, offset)
+
+    def owner_alive(self) -> bool:
+        """True if the creator of this segment still holds ``OWNER_LOCK`` (False for our
+        own: a Segment made by ``create`` is its owner)."""
+        return self.lock_held(OWNER_LOCK)
+
+    def unlink_if_mine(self) -> bool:
+        """Remove the segment's name if it still names this very segment (not a newer one
+        of the same name); True if removed. Call it while holding the owner lock (the
+        creator, or a reclaimer that took it), so nobody else can swap the name between
+        the check and the unlink."""
+        if self._fd < 0 or not _same_file(f"{_SHM_DIR}{self.name}", self._fd):
+            return False
+        return _unlink_name(self.name)
+
+    def release_locks(self) -> None:
+        """Close the descriptor, which drops every lock this Segment holds; the mapping
+        stays. Idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            _WITH_FDS.discard(self)
+            os.close(fd)
+
+    def __del__(self):
+        # garbage without close(): the descriptor (and its locks) must not outlive us
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
-        """Unmap. Idempotent. Every view derived from ``view`` must be released first."""
+        """Drop the locks and unmap. Idempotent. Every view derived from ``view`` must be
+        released first."""
+        self.release_locks()
         if self._mmap is None:
             return
         self.view.release()
@@ -119,12 +303,46 @@ def create_exclusive(name: str, size: int) -> "posix_ipc.SharedMemory":
 
 
 def unlink_segment(name: str) -> bool:
-    """Remove a segment name; True if it existed. Mappings stay valid until unmapped."""
+    """Remove a segment name; True if it existed and was removed. Mappings stay valid
+    until unmapped. Never blocks.
+
+    A segment whose owner lock (``OWNER_LOCK``) another live process holds is left alone
+    (False): whoever calls this after closing its own segment cannot remove a newer owner's
+    segment that reclaimed the name in between. This process's own segments (made by
+    ``Segment.create``, open or closed) and unlocked leftovers are removed, under the owner
+    lock, and only if the name still names the file that was checked."""
+    path = f"{_SHM_DIR}{name}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:  # not ours to open (another user's, or not a file): the plain call decides
+        return _unlink_name(name)
+    try:
+        if _try_lock(fd, OWNER_LOCK) or _created_here(name, fd):
+            return _same_file(path, fd) and _unlink_name(name)
+        return False  # a live owner elsewhere holds it
+    finally:
+        os.close(fd)
+
+
+def _unlink_name(name: str) -> bool:
     try:
         posix_ipc.unlink_shared_memory(name)
         return True
     except posix_ipc.ExistentialError:
         return False
+
+
+def _created_here(name: str, fd: int) -> bool:
+    """True if a Segment this process created (and still has open) maps the file ``fd``."""
+    st = os.fstat(fd)
+    for seg in list(_WITH_FDS):
+        if seg.name == name and seg._created and seg._fd >= 0:
+            mine = os.fstat(seg._fd)
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    return False
 
 
 def _check_owner(st, what: str, path: str) -> None:
@@ -192,7 +410,10 @@ def unlink_semaphore(name: str) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if ``pid`` is a running (not zombie) process on this machine."""
+    """True if ``pid`` is a running (not zombie) process in this process's pid namespace.
+
+    For messages and for names that embed their creator's pid; not a proof of ownership
+    (pids are reused, and other pid namespaces have their own): see ``owner_alive``."""
     if pid <= 0:
         return False
     try:
@@ -213,7 +434,8 @@ def pid_alive(pid: int) -> bool:
 def segment_owner(name: str, owner_slot: int) -> int:
     """The pid recorded at int64 slot ``owner_slot`` of segment ``name``; 0 if the segment
     does not exist or is too small to hold it (being created). ``PermissionError`` if another
-    uid owns the segment (see ``Segment.attach``). Never blocks."""
+    uid owns the segment (see ``Segment.attach``). Never blocks. The pid is as its creator
+    saw it (in its own pid namespace): for messages; ``owner_alive`` says whether it lives."""
     try:
         seg = Segment.attach(name)
     except FileNotFoundError:
@@ -224,9 +446,30 @@ def segment_owner(name: str, owner_slot: int) -> int:
         seg.close()
 
 
+def owner_alive(name: str) -> bool:
+    """Is the process that created shared-memory segment ``name`` alive? The one question a
+    cleaner asks before removing a name.
+
+    True while its creator holds the segment's owner lock (``Segment.create`` /
+    ``create_reclaiming`` take it for the creator's life): that is alive on this node, in
+    any pid namespace, whatever pid it had; a reused pid proves nothing either way. False
+    for a leftover of a process that exited (or a name being created this very moment: a
+    creator locks its new name within microseconds; remove leftovers with
+    ``reclaim_stale``, which is safe against that). ``FileNotFoundError`` if there is no
+    such segment, ``PermissionError`` if another user owns it. Never blocks.
+
+    Segments created without the lock (``create_exclusive`` alone) read as not alive."""
+    seg = Segment.attach(name)
+    try:
+        return seg.owner_alive()
+    finally:
+        seg.close()
+
+
 class SegmentInUse(FileExistsError):
-    """``create_reclaiming`` found the name held by a live process (``owner``, its pid;
-    0 when another creator won a race for a freshly reclaimed name)."""
+    """``create_reclaiming`` found the name held by a live process (``owner``, the pid it
+    recorded, in its own pid namespace; 0 when unknown, e.g. another creator won a race for
+    a freshly reclaimed name)."""
 
     def __init__(self, name: str, owner: int):
         super().__init__(f"{name} is owned by live process {owner}" if owner else
@@ -235,18 +478,24 @@ class SegmentInUse(FileExistsError):
 
 
 def create_reclaiming(name: str, size: int, owner_slot: int) -> "Segment":
-    """``Segment.create``, but a leftover of a crashed creator (the pid at int64 slot
-    ``owner_slot`` has exited) is reclaimed first. Raises ``SegmentInUse`` (a
-    ``FileExistsError``) if a live process owns the name, and ``PermissionError`` if
-    another user does; the caller turns either into its own error. Never blocks."""
+    """``Segment.create`` (the caller then owns the name: it holds the owner lock until
+    ``close()``), but a leftover of an exited creator (nobody holds its owner lock) is
+    reclaimed first. Raises ``SegmentInUse`` (a ``FileExistsError``) if a live process owns
+    the name, and ``PermissionError`` if another user does; the caller turns either into its
+    own error. ``owner_slot``: the int64 slot where creators record their pid, read for the
+    messages only. Blocks at most ~1 s (see ``Segment.create``)."""
     try:
         return Segment.create(name, size)
+    except SegmentInUse:
+        raise
     except FileExistsError:
-        owner = reclaim_stale(name, owner_slot)
-        if owner:
+        owner = _reclaim(name, owner_slot)
+        if owner is not None:
             raise SegmentInUse(name, owner) from None
     try:
         return Segment.create(name, size)
+    except SegmentInUse:
+        raise
     except FileExistsError:
         raise SegmentInUse(name, 0) from None
 
@@ -259,17 +508,39 @@ def create_fresh_semaphore(name: str, initial_value: int = 0) -> None:
     create_semaphore(name, initial_value).close()
 
 
-def reclaim_stale(name: str, owner_slot: int) -> int:
-    """Unlink segment ``name`` unless the process whose pid it holds at int64 slot
-    ``owner_slot`` is alive. Returns that live pid (nothing was touched), or 0 (reclaimed).
+def _reclaim(name: str, owner_slot: int):
+    """Unlink segment ``name`` if nobody holds its owner lock: None (reclaimed, or already
+    gone). Else nothing is touched and the recorded owner pid is returned (0 if unknown).
 
-    Used by creators that find their name taken: a crashed run's leftover is reclaimed, a
-    live owner is reported to the caller, who raises its own error. A segment of another
-    uid raises ``PermissionError`` and is left alone (its pid slot is not to be trusted)."""
-    owner = segment_owner(name, owner_slot)
-    if owner and owner != os.getpid() and pid_alive(owner):
-        return owner
-    unlink_segment(name)
-    log.warning("reclaimed stale shared memory %s left by exited process %s",
-                name, owner or "unknown")
-    return 0
+    The unlink happens while holding the owner lock and only if the name still names the
+    file we locked, so a live owner (which holds the lock) is never unlinked, nor a newer
+    segment of the same name; a creator caught between its create and its lock finds its
+    file unlinked and creates it again (``Segment.create``)."""
+    try:
+        seg = Segment.attach(name)
+    except FileNotFoundError:
+        return None
+    try:
+        owner = seg.view[owner_slot] if seg.size > owner_slot * 8 else 0
+        if not seg.try_lock(OWNER_LOCK):
+            return owner
+        if seg.unlink_if_mine():
+            log.warning("reclaimed stale shared memory %s left by exited process %s",
+                        name, owner or "unknown")
+        return None
+    finally:
+        seg.close()
+
+
+def reclaim_stale(name: str, owner_slot: int) -> int:
+    """Unlink segment ``name`` unless its creator is alive (holds its owner lock: see
+    ``owner_alive``). Returns the live owner's recorded pid (nothing was touched; -1 if it
+    recorded none yet), or 0 (reclaimed, or there was nothing to reclaim).
+
+    Used by creators that find their name taken, and by cleaners: a crashed run's leftover
+    is reclaimed, a live owner is reported to the caller, who raises its own error. A
+    segment of another uid raises ``PermissionError`` and is left alone. Never blocks."""
+    owner = _reclaim(name, owner_slot)
+    if owner is None:
+        return 0
+    return owner or -1

@@ -166,8 +166,10 @@ def claim_ipc_path(path: str) -> None:
     owned by us, else ``PermissionError`` (another user's file is never unlinked).
     libzmq would silently take over a path that another process is listening on, and it
     leaves the file behind after close, so a leftover file is the normal case after a
-    crash. We tell the two apart by connecting (at most 1 s): a live listener accepts, a
-    stale file refuses.
+    crash. We tell the two apart by connecting (at most 1 s): a live listener accepts (or,
+    its backlog full, answers EAGAIN), a stale file refuses. No pid is involved, so a reused
+    pid or another pid namespace cannot fool it: only a socket a live process listens on
+    connects.
     """
     check_private_dir(os.path.dirname(path) or ".")
     try:
@@ -180,10 +182,13 @@ def claim_ipc_path(path: str) -> None:
     try:
         probe.connect(path)
     except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+        if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            pass  # a live listener whose backlog is full (it is busy): in use
+        elif exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            unlink_quietly(path)  # stale: left by a crashed or killed engine
+            return
+        else:
             raise
-        unlink_quietly(path)  # stale: left by a crashed or killed engine
-        return
     finally:
         probe.close()
     raise EndpointInUseError(

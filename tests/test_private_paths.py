@@ -165,6 +165,34 @@ def test_stale_socket_of_ours_is_reclaimed_and_live_one_is_not(ipc_env):
         os.unlink(path)
 
 
+def test_a_live_socket_with_a_full_backlog_is_in_use_not_an_error(ipc_env):
+    """A busy engine whose listen backlog is full answers EAGAIN: it is alive (was a bare
+    BlockingIOError out of TaskQueue's constructor)."""
+    d = private_dir(str(ipc_env / "ours"))
+    path = os.path.join(d, "fdsync-llm-dp0.ipc")
+    live = _bound_socket(path)
+    live.listen(0)
+    waiting = []
+    try:
+        while True:  # fill the backlog: nobody accepts
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            waiting.append(c)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+            assert len(waiting) < 100, "the backlog never filled"
+        with pytest.raises(EndpointInUseError):
+            claim_ipc_path(path)
+        assert os.path.exists(path)
+    finally:
+        for c in waiting:
+            c.close()
+        live.close()
+        os.unlink(path)
+
+
 def test_secure_socket_file_makes_it_0600(ipc_env):
     d = private_dir(str(ipc_env / "ours"))
     path = os.path.join(d, "s.ipc")

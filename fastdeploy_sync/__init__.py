@@ -6,8 +6,9 @@ Importing this package does not import paddle.
 
 from .engine import GroupLost, LostBatch, TaskProducer, TaskQueue
 from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
-                     EngineClosedError, EngineGoneError, EngineRejectedError, GroupInUseError,
-                     GroupLostError, PrefetchError, ProtocolError, TaskSyncError)
+                     EngineClosedError, EngineGoneError, EngineRejectedError,
+                     EngineUnreachableError, GroupInUseError, GroupLostError, PrefetchError,
+                     ProtocolError, TaskSyncError)
 from .liveness import Heartbeat
 from .worker import TaskClient
 
@@ -31,5 +32,6 @@ __all__ = [
     "EngineGoneError",
     "EngineClosedError",
     "GroupLostError",
+    "EngineUnreachableError",
     "AuthenticationError",
 ]

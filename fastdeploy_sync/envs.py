@@ -134,9 +134,12 @@ def max_message_bytes() -> int:
 
 
 def connect_timeout_s() -> float:
-    """``FD_SYNC_CONNECT_TIMEOUT`` (seconds, default 15): how long a FastDeploy drop-in
-    worker (``fastdeploy.EngineWorkerQueue``) waits for its server before raising
-    ``ConnectionError``, as FastDeploy's ``_connect_with_retry`` (5 attempts 3 s apart)."""
+    """``FD_SYNC_CONNECT_TIMEOUT`` (seconds, default 15): how long a worker waits for its
+    engine before raising ``ConnectionError``, as FastDeploy's ``_connect_with_retry`` (5
+    attempts 3 s apart). A FastDeploy drop-in worker (``fastdeploy.EngineWorkerQueue``)
+    waits this long for its server; a ``TaskClient`` whose engine has not welcomed it this
+    long after construction raises ``EngineUnreachableError`` (a ``ConnectionError``) from
+    its next step call. Workers may start before the engine within this bound."""
     return _positive_float("FD_SYNC_CONNECT_TIMEOUT", "15")
 
 

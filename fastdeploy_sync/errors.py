@@ -12,6 +12,7 @@ __all__ = [
     "EngineGoneError",
     "EngineClosedError",
     "GroupLostError",
+    "EngineUnreachableError",
     "AuthenticationError",
 ]
 
@@ -50,6 +51,13 @@ class EngineGoneError(TaskSyncError):
     """Nothing was heard from the engine for the heartbeat timeout (it died, hangs, or the
     network between us is down), or the engine this worker was bound to was replaced by a
     restarted one. Batches this rank held but the group had not taken are not taken."""
+
+
+class EngineUnreachableError(TaskSyncError, ConnectionError):
+    """No engine welcomed this worker within its connect bound (``TaskClient``'s
+    ``connect_timeout``, default ``FD_SYNC_CONNECT_TIMEOUT``): nothing listens at the
+    endpoint, or something does that is not a fastdeploy_sync engine serving this queue.
+    A ``ConnectionError``; the message names the endpoint, the rank and what to check."""
 
 
 class EngineClosedError(TaskSyncError):

@@ -49,9 +49,34 @@ that. Otherwise it blocks at once. An idle 1 ms polling loop, whose ranks arrive
 released by the spin, and one late arrival costs the spin for two barriers at most.
 
 The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
-rank, unlinks them at close, and reclaims leftovers of a crashed run on start.
+rank, unlinks them at close, and reclaims leftovers of a crashed run on start. Who is alive
+is proven by locks, not pids (``shm``): rank 0 holds the segment's owner lock, and every
+rank holds the lock of its own rank byte (``rank_lock``) for its life, so a reused pid or a
+rank in another pid namespace is never taken for alive or dead by mistake.
+
+Lives of one process. A process may close its client and build a new one (a server that
+recovers in-process). The new object must never inherit the old one's generation counters
+or decisions: a rank re-attached to its old segment at generation 0 would pass barriers
+alone (its peers' arrival marks are ahead) and replay old decisions. So a process never
+joins the same group incarnation twice (``_JOINED``): a new rank object waits for rank 0 to
+create a new incarnation. A rank that closes marks its slot ``FAULT_LEFT``, so a peer
+waiting for it raises at once instead of waiting for its timeout.
+
+A step stays all-or-none when a rank stops. A rank that learns of a failure while it waits
+in a barrier it has already arrived at does not leave (a peer arriving later would pass
+and take the step alone): it publishes its fault and keeps waiting, until either every rank
+arrived (the step completes on every rank; the failure is raised by the next step call) or
+a rank that has not arrived published a fault (it will never arrive: nobody passes, and
+this rank raises). Only ``close()`` from another thread makes a waiter leave at once.
+
+Closing from another thread. ``close()`` may run while another thread waits in
+``barrier()`` or ``wait_received()``: it marks the group closed, posts the semaphores, and
+frees them only once every waiter has left (they raise ``ClosedError``); a waiter that does
+not leave within the bound keeps them (leaked, never freed under it). The mapping is never
+unmapped under a reader: it is unmapped when the object is garbage.
 """
 
+import logging
 import os
 import secrets
 import threading
@@ -61,11 +86,14 @@ import weakref
 import posix_ipc
 
 from . import envs
-from .errors import BarrierTimeoutError, GroupInUseError, GroupLostError
-from .shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
-                  open_semaphore, pid_alive, segment_owner, unlink_segment, unlink_semaphore)
+from .errors import BarrierTimeoutError, ClosedError, GroupInUseError, GroupLostError
+from .shm import (OWNER_LOCK, Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
+                  open_semaphore, owner_alive, unlink_semaphore)
 
-__all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name"]
+__all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name", "rank_lock", "remove_if_stale",
+           "FAULT_LEFT"]
+
+log = logging.getLogger(__name__)
 
 
 MAGIC = 0x46445359_4E430001  # "FDSYNC", layout 1
@@ -77,6 +105,21 @@ R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID, R_FAULT, R_WAITING, R_ARRI
 DECISION_RING = 8
 D_GEN, D_FROM, D_TO = range(3)
 D_STRIDE = 4
+# FAULT of a rank that closed its client (other codes are the worker's, all > 0 and < 64).
+FAULT_LEFT = 64
+# How long close() lets a waiter in another thread leave before keeping (leaking) the
+# semaphores instead of freeing them under it.
+_CLOSE_WAIT_S = 1.0
+
+# (segment name, incarnation, rank) of every group this process has served: a new object
+# never joins one of them again (see the module docstring). Guarded by _JOINED_LOCK.
+_JOINED = set()
+_JOINED_LOCK = threading.Lock()
+
+
+def rank_lock(rank: int) -> int:
+    """The byte of the group's segment whose lock rank ``rank`` holds while it lives."""
+    return OWNER_LOCK + 1 + rank
 
 # A blocked waiter re-checks this soon even without a post: the fallback for a lost
 # wake-up (see module docstring). Each re-check that finds nothing doubles the interval up
@@ -104,6 +147,38 @@ def group_shm_name(name: str, dp_id: int) -> str:
 
 def _layout_slots(tp_size: int) -> int:
     return RANK_BASE + tp_size * RANK_STRIDE + DECISION_RING * D_STRIDE
+
+
+def remove_if_stale(name: str, dp_id: int) -> bool:
+    """Remove the group segment of (name, dp_id) and its semaphores if its rank 0 is gone
+    (nobody holds the owner lock); True if removed. A live group is never touched. Never
+    blocks. For cleaners (a crashed run's names are otherwise reclaimed by the next rank 0)."""
+    shm_name = group_shm_name(name, dp_id)
+    try:
+        seg = Segment.attach(shm_name)
+    except FileNotFoundError:
+        return False
+    try:
+        return _reclaim_group(seg)
+    finally:
+        seg.close()
+
+
+def _reclaim_group(seg: Segment) -> bool:
+    """Unlink ``seg``'s semaphores and name if nobody holds its owner lock (taking it first,
+    so that no new rank 0 can appear meanwhile). The tp_size is read from the segment."""
+    if not seg.try_lock(OWNER_LOCK):
+        return False
+    try:
+        v = seg.view
+        tp_size = v[H_TP_SIZE] if seg.size >= RANK_BASE * 8 and v[H_MAGIC] == MAGIC else 0
+        if seg.unlink_if_mine():  # the name first: no new rank 0 can reuse the sem names
+            for r in range(max(0, min(tp_size, 4096))):
+                unlink_semaphore(f"{seg.name}.w{r}")
+            return True
+        return False
+    finally:
+        seg.unlock(OWNER_LOCK)
 
 
 class SoloGroup:
@@ -172,14 +247,20 @@ class SoloGroup:
     def peer_fault(self):
         return None
 
+    def missing_fault(self):
+        return None
+
     def wake(self):
         """Wake a ``wait_received`` in progress (e.g. the prefetch thread just failed)."""
         with self._changed:
             self._wakes += 1
             self._changed.notify_all()
 
-    def close(self):
-        pass
+    def close(self, timeout=None) -> bool:
+        """Wake a ``wait_received`` of another thread (its check raises the client's
+        ``ClosedError``). Nothing to free."""
+        self.wake()
+        return True
 
 
 class ShmTPGroup:
@@ -212,10 +293,9 @@ class ShmTPGroup:
             attach_timeout = envs.attach_timeout_s()
         if tp_rank == 0:
             self._seg = self._create()
+            self._sems = [open_semaphore(n) for n in self._sem_names]
         else:
-            self._seg = self._attach(attach_timeout)
-            self._claim_rank()
-        self._sems = [open_semaphore(n) for n in self._sem_names]
+            self._seg, self._sems = self._attach(attach_timeout)
         v = self._view = self._seg.view
         # Same on every rank: rank 0 wrote it before READY.
         self.incarnation = v[H_INCARNATION]
@@ -231,11 +311,20 @@ class ShmTPGroup:
         self._spin_ns = int(self._spin_s * 1e9)
         self._cheap_ns = int(min(_CHEAP_SPIN_US * 1e3, self._spin_ns))
         self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
-        v[self._my + R_PID] = os.getpid()
+        self._waiting_gen = 0  # the generation a barrier wait of this rank is for, else 0
         self._closed = False
-        # Process exit without close(): the owner still removes its names.
-        self._finalizer = weakref.finalize(
-            self, _release, self._seg, self._sems, tp_rank == 0, self.shm_name, self._sem_names)
+        # Threads inside a semaphore wait of this object, and whether close() began; both
+        # under _gate (taken only around blocking waits and semaphore posts from other
+        # threads, never on the spinning path).
+        self._gate = threading.Condition(threading.Lock())
+        self._blocked = 0
+        self._closing = False
+        with _JOINED_LOCK:
+            _JOINED.add((self.shm_name, self.incarnation, tp_rank))
+        # Process exit or garbage without close(): the names are still removed (rank 0), and
+        # the mapping is unmapped once nothing can read it any more.
+        self._res = _Resources(self._seg, self._sems, self.shm_name, self._sem_names)
+        self._finalizer = weakref.finalize(self, self._res.release, tp_rank == 0)
 
     # -- creation / attachment ---------------------------------------------------------
 
@@ -244,23 +333,36 @@ class ShmTPGroup:
             seg = create_reclaiming(self.shm_name, self._size, H_OWNER_PID)
         except SegmentInUse as exc:
             raise GroupInUseError(
-                f"TP group {self.shm_name} is owned by live process {exc.owner} (its rank 0): "
-                f"two groups cannot share a name and dp_id" if exc.owner else
+                f"TP group {self.shm_name} is owned by live process {exc.owner} (its rank 0; "
+                f"the pid as that process sees it): two groups cannot share a name and dp_id"
+                if exc.owner else
                 f"{self.shm_name}: another rank 0 created this group concurrently") from None
-        for sem_name in self._sem_names:
-            create_fresh_semaphore(sem_name)
-        v = seg.view
-        v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
-        v[H_OWNER_PID] = os.getpid()
-        v[H_INCARNATION] = new_incarnation()
-        v[H_READY] = 1  # last: an attacher that sees READY sees everything above
+        try:
+            for sem_name in self._sem_names:
+                create_fresh_semaphore(sem_name)
+            seg.try_lock(rank_lock(0))  # our own new file: nobody else can hold it
+            v = seg.view
+            v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
+            v[H_OWNER_PID] = os.getpid()
+            v[H_INCARNATION] = new_incarnation()
+            v[RANK_BASE + R_PID] = os.getpid()
+            v[H_READY] = 1  # last: an attacher that sees READY sees everything above
+        except BaseException:
+            for sem_name in self._sem_names:
+                unlink_semaphore(sem_name)
+            seg.unlink_if_mine()
+            seg.close()
+            raise
         return seg
 
     @staticmethod
     def _header_bytes():
         return RANK_BASE * 8
 
-    def _attach(self, timeout: float) -> Segment:
+    def _attach(self, timeout: float):
+        """Attach rank 0's live segment, claim this rank's slot, open the semaphores; retry
+        until ``timeout`` while there is no usable segment (none yet, a stale one, or one
+        whose incarnation this process already served)."""
         deadline = time.monotonic() + timeout
         why = "it does not exist yet"
         while True:
@@ -269,10 +371,21 @@ class ShmTPGroup:
             except FileNotFoundError:
                 seg = None
             if seg is not None:
-                why = self._usable(seg)
-                if why is None:
-                    self._seg_owner = seg.view[H_OWNER_PID]
-                    return seg
+                try:
+                    why = self._usable(seg)
+                    if why is None:
+                        self._claim_rank(seg)
+                        sems = [open_semaphore(n) for n in self._sem_names]
+                        if self._still_named(seg):
+                            return seg, sems
+                        why = "rank 0 replaced it while this rank attached"
+                        for sem in sems:
+                            sem.close()
+                except FileNotFoundError:  # semaphores gone: rank 0 is closing or replacing it
+                    why = "rank 0 is replacing it"
+                except BaseException:
+                    seg.close()
+                    raise
                 seg.close()
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -280,33 +393,55 @@ class ShmTPGroup:
                     f"({why}); is rank 0 of this group running? (FD_SYNC_ATTACH_TIMEOUT)")
             time.sleep(_ATTACH_POLL_S)
 
-    def _claim_rank(self) -> None:
-        """Refuse a second life in a live group: a rank whose slot already names another
-        process (alive: two processes for one rank; exited: one rank restarted, and its
-        peers' model state no longer matches a fresh one) cannot join; the whole group
-        must restart (a new rank 0 creates a new segment)."""
-        held_by = self._seg.view[RANK_BASE + self.tp_rank * RANK_STRIDE + R_PID]
-        if not held_by or held_by == os.getpid():
-            return
-        self._seg.close()
-        if pid_alive(held_by):
+    def _still_named(self, seg: Segment) -> bool:
+        try:
+            st = os.stat(f"/dev/shm{self.shm_name}")
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(seg._fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _claim_rank(self, seg: Segment) -> None:
+        """Take this rank's slot (its lock, then its pid). Refuse a second life in a live
+        group: a slot held by a live process means two processes for one rank; a slot
+        that names a process which has exited or closed means one rank restarted, and its
+        peers' model state no longer matches a fresh one: the whole group must restart
+        (a new rank 0 creates a new incarnation)."""
+        v = seg.view
+        slot = RANK_BASE + self.tp_rank * RANK_STRIDE
+        if not seg.try_lock(rank_lock(self.tp_rank)):
             raise GroupInUseError(
                 f"rank {self.tp_rank} of TP group {self.shm_name} is held by live process "
-                f"{held_by}: check tp_rank on each worker")
-        raise GroupLostError(
-            f"rank {self.tp_rank} of TP group {self.shm_name} already ran in process {held_by}, "
-            f"which exited, while rank 0 (pid {self._seg_owner}) lives on: one rank cannot "
-            f"rejoin a live group (its peers' model state is gone too); restart the whole group")
+                f"{v[slot + R_PID]}: check tp_rank on each worker")
+        held_by = v[slot + R_PID]
+        if held_by:
+            seg.unlock(rank_lock(self.tp_rank))
+            raise GroupLostError(
+                f"rank {self.tp_rank} of TP group {self.shm_name} already ran in process "
+                f"{held_by}, which exited or closed its client, while rank 0 (pid "
+                f"{v[H_OWNER_PID]}) lives on: one rank cannot rejoin a live group (its peers' "
+                f"model state is gone too); restart the whole group")
+        v[slot + R_PID] = os.getpid()
+        with _JOINED_LOCK:
+            _JOINED.add((self.shm_name, v[H_INCARNATION], self.tp_rank))
 
     def _usable(self, seg: Segment):
-        """None if ``seg`` is a live, ready segment of our shape, else why not."""
+        """None if ``seg`` is a live, ready segment of our shape that this process has not
+        served before, else why not."""
         if seg.size < self._header_bytes():
             return "rank 0 is creating it"
         v = seg.view
         if v[H_READY] != 1 or v[H_MAGIC] != MAGIC:
             return "rank 0 is creating it"
-        if not pid_alive(v[H_OWNER_PID]):
-            return f"a stale segment of exited process {v[H_OWNER_PID]} waits for rank 0 to reclaim it"
+        if not seg.owner_alive():
+            return (f"a stale segment of exited process {v[H_OWNER_PID]} waits for rank 0 to "
+                    f"reclaim it")
+        with _JOINED_LOCK:
+            served = (self.shm_name, v[H_INCARNATION], self.tp_rank) in _JOINED
+        if served:
+            return (f"this process already served its incarnation {v[H_INCARNATION]:#x} as "
+                    f"rank {self.tp_rank} (an earlier client, closed or not): waiting for rank 0 "
+                    f"to create a new one")
         if v[H_TP_SIZE] != self.tp_size or seg.size != self._size:
             raise ValueError(f"rank {self.tp_rank} was built with tp_size={self.tp_size} but "
                              f"rank 0 of {self.shm_name} uses tp_size={v[H_TP_SIZE]}")
@@ -322,7 +457,7 @@ class ShmTPGroup:
         # store RECEIVED, then load WAITING: the Dekker pair of wait_received (bounded fallback)
         want = v[self._waiting_slot]
         if want and want <= seq and self.min_received() >= want:
-            self._sems[0].release()
+            self._post(0)
 
     def min_received(self) -> int:
         v = self._view
@@ -348,6 +483,7 @@ class ShmTPGroup:
         sem = self._sems[0]
         v = self._view
         wait_s = _FALLBACK_WAIT_S
+        self._enter_blocking()
         try:
             v[self._waiting_slot] = seq
             while True:
@@ -362,6 +498,8 @@ class ShmTPGroup:
                     sem.acquire(min(remaining, wait_s))
                 except posix_ipc.BusyError:
                     wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)  # idle: re-check less often
+                if self._closing:
+                    raise self._closed_error()
                 if check is not None:
                     check()
         finally:
@@ -373,6 +511,7 @@ class ShmTPGroup:
                     sem.acquire(0)
             except posix_ipc.BusyError:
                 pass
+            self._leave_blocking()
 
     def publish_consumed(self, seq: int) -> None:
         self._view[self._my + R_CONSUMED] = seq
@@ -385,17 +524,32 @@ class ShmTPGroup:
         return True
 
     def publish_fault(self, code: int) -> None:
-        """This rank stopped at an engine-side error ``code`` (see ``worker``); peers
-        blocked in the barrier wake and see it."""
-        self._view[self._my + R_FAULT] = code
-        for sem in self._sems:
-            sem.release()
+        """This rank stopped at an error ``code`` (see ``worker``; the first code stays);
+        peers blocked in the barrier or in ``wait_received`` wake and see it."""
+        v = self._view
+        if not v[self._my + R_FAULT]:
+            v[self._my + R_FAULT] = code
+        for r in range(self.tp_size):
+            self._post(r)
 
     def peer_fault(self):
         """``(rank, code)`` of the first other rank that published a fault, or None."""
         v = self._view
         for r, base in enumerate(self._ranks):
             if r != self.tp_rank and v[base + R_FAULT]:
+                return r, v[base + R_FAULT]
+        return None
+
+    def missing_fault(self):
+        """During a barrier wait: ``(rank, code)`` of the first rank that has not arrived
+        at the generation being waited for and published a fault, i.e. will never arrive
+        (a faulted rank arrives nowhere again); else None. Outside a wait: ``peer_fault()``."""
+        gen = self._waiting_gen
+        if not gen:
+            return self.peer_fault()
+        v = self._view
+        for r, base in enumerate(self._ranks):
+            if r != self.tp_rank and v[base + R_FAULT] and v[base + R_ARRIVED] < gen:
                 return r, v[base + R_FAULT]
         return None
 
@@ -438,8 +592,32 @@ class ShmTPGroup:
 
     def wake(self) -> None:
         """Wake this rank's barrier wait or ``wait_received`` early (e.g. its prefetch
-        thread just failed). Thread-safe."""
-        self._sems[self.tp_rank].release()
+        thread just failed). Thread-safe; does nothing once the group is closed."""
+        self._post(self.tp_rank)
+
+    def _post(self, rank: int) -> None:
+        """Post rank ``rank``'s semaphore, unless close() has begun (it may be freeing
+        them). Thread-safe."""
+        with self._gate:
+            if not self._closing:
+                self._sems[rank].release()
+
+    def _enter_blocking(self) -> None:
+        """A thread is about to wait on a semaphore: close() must not free it meanwhile."""
+        with self._gate:
+            if self._closing:
+                raise self._closed_error()
+            self._blocked += 1
+
+    def _leave_blocking(self) -> None:
+        with self._gate:
+            self._blocked -= 1
+            if self._closing:
+                self._gate.notify_all()
+
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"rank {self.tp_rank} of TP group {self.shm_name} was closed "
+                           f"while this thread waited")
 
     def barrier(self, timeout: float = None, service=None, check=None) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
@@ -459,8 +637,12 @@ class ShmTPGroup:
         to keep receiving from the engine while it waits).
 
         ``check``: a callable run after every wake-up while blocked; whatever it raises ends
-        the wait (the worker raises its prefetch thread's failure this way, before a peer's
-        exit could be reported instead).
+        the wait. The caller must not make it raise for a failure of its own once it has
+        arrived (see the module docstring: publish a fault and keep waiting); the worker
+        raises ``ClosedError`` and the failures of ranks that will never arrive
+        (``missing_fault``) this way.
+
+        Raises ``ClosedError`` if ``close()`` runs meanwhile (from another thread).
         """
         gen = self.gen + 1
         v = self._view
@@ -522,6 +704,8 @@ class ShmTPGroup:
         sleeping_slot = self._my + R_SLEEPING
         v = self._view
         next_liveness = now
+        self._enter_blocking()
+        self._waiting_gen = gen
         try:
             while True:
                 v[sleeping_slot] = gen
@@ -529,18 +713,22 @@ class ShmTPGroup:
                     return
                 if service is not None:
                     service()
+                posted = True
                 try:
                     sem.acquire(wait_s if deadline is None
                                 else max(0.0, min(wait_s, deadline - time.perf_counter())))
                 except posix_ipc.BusyError:
+                    posted = False
                     if service is None:  # nothing posted: a long wait, re-check less often
                         wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)
+                if self._closing:
+                    raise self._closed_error()
                 if self._all_arrived(gen):
                     return
                 if check is not None:
                     check()
                 now = time.perf_counter()
-                if now >= next_liveness:
+                if posted or now >= next_liveness:  # a post may say a peer left or stopped
                     next_liveness = now + 0.1
                     self._check_peers(gen)
                 if deadline is not None and now >= deadline:
@@ -549,55 +737,112 @@ class ShmTPGroup:
                         f"{timeout:.3f}s; {self._describe_missing(gen)}")
         finally:
             v[sleeping_slot] = 0
+            self._waiting_gen = 0
+            self._leave_blocking()
 
     def _missing(self, gen):
         v = self._view
         return [(r, v[b + R_PID]) for r, b in enumerate(self._ranks) if v[b + R_ARRIVED] < gen]
 
+    def rank_alive(self, rank: int) -> bool:
+        """True while rank ``rank``'s process holds its rank lock (it attached and has not
+        closed or exited). Never blocks."""
+        return rank == self.tp_rank or self._seg.lock_held(rank_lock(rank))
+
     def _describe_missing(self, gen):
         parts = []
+        v = self._view
         for r, pid in self._missing(gen):
             if pid == 0:
                 parts.append(f"rank {r} (never attached)")
+            elif v[self._ranks[r] + R_FAULT] == FAULT_LEFT:
+                parts.append(f"rank {r} (pid {pid}, closed its client)")
             else:
-                parts.append(f"rank {r} (pid {pid}, {'alive' if pid_alive(pid) else 'exited'})")
+                parts.append(f"rank {r} (pid {pid}, {'alive' if self.rank_alive(r) else 'exited'})")
         return "waiting for " + ", ".join(parts)
 
     def _check_peers(self, gen):
-        dead = [(r, pid) for r, pid in self._missing(gen) if pid and not pid_alive(pid)]
-        if dead:
+        """Raise ``BarrierTimeoutError`` if a rank that has not arrived closed its client or
+        exited: it never will."""
+        v = self._view
+        gone = []
+        for r, pid in self._missing(gen):
+            if v[self._ranks[r] + R_FAULT] == FAULT_LEFT:
+                gone.append(f"rank {r} (pid {pid}) closed its client")
+            elif pid and not self.rank_alive(r):
+                gone.append(f"rank {r} (pid {pid}) exited")
+        if gone:
             raise BarrierTimeoutError(
                 f"rank {self.tp_rank}: barrier generation {gen} cannot complete: "
-                + ", ".join(f"rank {r} (pid {pid}) exited" for r, pid in dead))
+                + ", ".join(gone))
 
     # -- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Unmap and close; rank 0 also unlinks the names (peers keep their mappings).
-        A non-zero rank whose rank 0 has exited unlinks the leftovers too. Idempotent."""
+    def close(self, timeout: float = _CLOSE_WAIT_S) -> bool:
+        """Leave the group: mark this rank's slot ``FAULT_LEFT`` (peers waiting for it raise
+        at once), wake and wait for any thread of this process blocked in ``barrier()`` or
+        ``wait_received()`` on this object (they raise ``ClosedError``), then close the
+        semaphores; rank 0 also removes the names (peers keep their mappings), and a rank
+        whose rank 0 has gone removes its leftovers. Idempotent; may be called from any
+        thread.
+
+        Blocks at most ``timeout`` seconds for such waiters; if one has not left by then,
+        the semaphores are kept open (leaked until the object is garbage) rather than freed
+        under it, and False is returned. The mapping stays until the object is garbage, so
+        a concurrent reader never touches unmapped memory. True when everything was freed."""
         if self._closed:
-            return
+            return True
         self._closed = True
-        owner = self._view[H_OWNER_PID]
-        unlink = self.tp_rank == 0 or (not pid_alive(owner) and self._owned_by(owner))
-        self._view = None
-        self._finalizer.detach()
-        _release(self._seg, self._sems, unlink, self.shm_name, self._sem_names)
+        v = self._view
+        if not v[self._my + R_FAULT]:
+            v[self._my + R_FAULT] = FAULT_LEFT
+        with self._gate:
+            for sem in self._sems:  # peers waiting for us see LEFT; our own waiters leave
+                sem.release()
+            self._closing = True
+            left = self._gate.wait_for(lambda: self._blocked == 0, timeout)
+        if not left:
+            log.error("rank %d of TP group %s: a thread still waits in the group %.1f s after "
+                      "close(); its semaphores are kept open until the object is garbage",
+                      self.tp_rank, self.shm_name, timeout)
+        # the finalizer stays: it unmaps (and closes kept semaphores) once this is garbage
+        self._res.release(self.tp_rank == 0, close_sems=left, unmap=False)
+        return left
 
-    def _owned_by(self, owner: int) -> bool:
-        """True if the segment now under our name is still the one ``owner`` created
-        (and not a new run's, which we must not unlink)."""
-        return segment_owner(self.shm_name, H_OWNER_PID) == owner
+
+class _Resources:
+    """What a ShmTPGroup frees, for close() and for its finalizer (which must not hold the
+    group itself)."""
+
+    def __init__(self, seg, sems, shm_name, sem_names):
+        self.seg, self.sems, self.shm_name, self.sem_names = seg, sems, shm_name, sem_names
+        self.names_done = False
+
+    def release(self, owner: bool, close_sems: bool = True, unmap: bool = True) -> None:
+        seg = self.seg
+        if not self.names_done:
+            self.names_done = True
+            if owner:
+                # the semaphores first: while the segment's name exists (and we hold its
+                # owner lock) no new rank 0 can create semaphores of the same names
+                for name in self.sem_names:
+                    unlink_semaphore(name)
+                seg.unlink_if_mine()
+            else:
+                _reclaim_group(seg)  # only if rank 0 is gone
+            seg.release_locks()
+        if close_sems:
+            sems, self.sems = self.sems, []
+            for sem in sems:
+                try:
+                    sem.close()
+                except posix_ipc.ExistentialError:
+                    pass
+        if unmap:
+            seg.close()
 
 
-def _release(seg, sems, unlink, shm_name, sem_names):
-    for sem in sems:
-        try:
-            sem.close()
-        except posix_ipc.ExistentialError:
-            pass
-    seg.close()
-    if unlink:
-        unlink_segment(shm_name)
-        for name in sem_names:
-            unlink_semaphore(name)
+def owner_of_group_alive(name: str, dp_id: int) -> bool:
+    """True if rank 0 of the node-local group (name, dp_id) is alive; ``FileNotFoundError``
+    if there is no such group segment. Never blocks."""
+    return owner_alive(group_shm_name(name, dp_id))

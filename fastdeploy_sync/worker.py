@@ -1,10 +1,17 @@
 """Worker side: ``TaskClient``, one per TP rank, used from the worker's event loop.
 
-Async mode (default): a background prefetch thread owns the data socket. It blocks in
-``zmq.Poller.poll()`` with the GIL released while nothing arrives, decodes each batch
-(numpy arrays zero-copy, see ``codec``) into a lock-guarded local slot, and publishes
-"I hold up to seq N" to the group's shared memory. The event loop's ``exist_tasks()``
-is then a few shared-memory reads: no socket, no lock.
+Async mode (default): a background prefetch thread receives. It blocks in an OS-level
+``poll()`` on the data socket's ``zmq.FD`` (and its monitor's, and a wake pipe) with the
+GIL released and without touching the socket, then, holding the receive lock, drains the
+socket: decodes each batch (numpy arrays zero-copy, see ``codec``) into a lock-guarded
+local slot and publishes "I hold up to seq N" to the group's shared memory. The event
+loop's ``exist_tasks()`` is then a few shared-memory reads: no socket, no lock.
+
+Receiving is handed over, not shared: a ZeroMQ socket is not thread-safe, so the data
+socket and its monitor are used only by the thread holding ``_recv_lock`` (a lock is a
+full memory barrier). The prefetch thread takes it after every wake-up; the event loop
+may take it without waiting, when frames have arrived that the prefetch thread has not
+handled (it is waiting for the GIL the event loop holds), and handles them itself.
 
 Sync mode (``DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1``): no thread; the same protocol
 runs with the event loop receiving from the socket itself, in ``exist_tasks()``,
@@ -20,19 +27,36 @@ The step, every rank, every iteration of the event loop::
 or ``tasks = client.sync_step()``. See ``tp_group`` for why the decision is indexed by the
 barrier generation.
 
-Liveness (see ``liveness``): the thread that owns a socket it otherwise blocks on pings the
-engine every heartbeat interval (the prefetch thread; in sync mode a heartbeat thread
-with its own socket, so that a long model step never looks like a dead worker). What it
-learns is left in ``_error``, the one slot every step call already reads, so liveness
-adds nothing to the step's critical path. Errors about the engine are raised only where
-a step starts (``exist_tasks``, ``barrier``, ``num_tasks``), never by ``get_tasks()`` once
-the group's decision is made: every rank takes what the group decided, or none does.
+Liveness (see ``liveness``, whose contract this implements on the worker's side): a
+thread that otherwise blocks (the prefetch thread; in sync mode a heartbeat thread with
+its own socket) pings the engine every heartbeat interval and watches its socket's
+connection through a socket monitor. The engine is *gone* when that connection is down
+(disconnected, or a handshake that never completes) and has not been re-established to
+the same engine instance within the heartbeat timeout, or when nothing was heard on it
+for that long while it is down (libzmq dropped it for missing ZMTP heartbeats: the engine
+was frozen that long already); it is *hung* after ``stall_timeout`` of application
+silence on a live connection. Silence alone, for less than ``stall_timeout``, is never
+death: libzmq's own I/O thread keeps a connection alive with ZMTP heartbeats while a
+Python thread on either side holds the GIL (a long C call, a compile, a huge pickle).
+
+What the watching thread learns is left in ``_error``, the one slot every step call
+already reads, so liveness adds nothing to the step's critical path. Errors about the
+engine are raised only where a step starts (``exist_tasks``, ``barrier``, ``num_tasks``),
+never by ``get_tasks()`` once the group's decision is made: every rank takes what the
+group decided, or none does (a rank that learns of a failure after it arrived at a
+barrier waits for its peers: see ``tp_group``).
+
+Any thread may call ``close()``: a step call blocked in the barrier or in
+``wait_for_tasks()`` is woken and raises ``ClosedError``, and nothing (semaphore, socket,
+mapping) is freed while a thread may still use it.
 """
 
 import collections
+import errno
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 
@@ -42,12 +66,13 @@ from zmq.utils.monitor import recv_monitor_message
 from . import codec, envs, payload_shm
 from .ack_board import EPOCH_SHIFT, AckBoard
 from .auth import HANDSHAKE_FAILED_EVENTS, ClientAuth, handshake_failure_message
-from .errors import (AuthenticationError, ClosedError, EngineClosedError, EngineGoneError, EngineRejectedError,
-                     GroupLostError, PrefetchError, ProtocolError)
+from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EngineClosedError,
+                     EngineGoneError, EngineRejectedError, EngineUnreachableError, GroupLostError,
+                     PrefetchError, ProtocolError)
 from .liveness import Heartbeat
 from .logs import RateLimitedLog
 from .step_profiler import StepProfiler
-from .tp_group import ShmTPGroup, SoloGroup
+from .tp_group import FAULT_LEFT, ShmTPGroup, SoloGroup
 from .transport import (CLIENT_FDS, WakePipe, check_ipc_endpoint, default_endpoint,
                         ensure_free_fds, ipc_path, new_socket, validate_name)
 
@@ -76,8 +101,21 @@ def _make_group(name, dp_id, tp_size, tp_rank, coordinator):
 # Engine-side errors a rank publishes to its group when it stops at one (tp_group FAULT);
 # GroupLostError before EngineRejectedError, its base class.
 _FAULT_CODES = ((EngineGoneError, 1), (GroupLostError, 2), (EngineRejectedError, 3),
-                (EngineClosedError, 4))
+                (EngineClosedError, 4), (EngineUnreachableError, 5))
 _FAULT_CLASSES = {code: cls for cls, code in _FAULT_CODES}
+# Any other failure a rank stops at (a batch that does not decode, a lost seq...): its peers
+# learn that it will not arrive, not why (its own exception says).
+_FAULT_OTHER = 32
+# Raised as themselves by every step call, in both modes (never wrapped in PrefetchError).
+_RAISED_AS_IS = (EngineClosedError, EngineUnreachableError)
+
+# How long close() lets its BYE leave (the engine then knows at once that this rank left).
+_BYE_LINGER_MS = 200
+# How long close() waits for a step call in another thread to let go of a socket before it
+# keeps the sockets (leaks them until exit) rather than closing them under that thread.
+_CLOSE_WAIT_S = 2.0
+# Socket-monitor events a worker watches: connection up and down, and handshakes.
+_MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
 
 class TaskClient:
@@ -101,9 +139,16 @@ class TaskClient:
     ``None`` reads ``FD_SYNC_TP_COORDINATOR`` (default ``shm``). Ignored at tp_size=1.
 
     ``heartbeat``: a ``liveness.Heartbeat`` (None: ``FD_SYNC_HEARTBEAT_INTERVAL`` /
-    ``FD_SYNC_HEARTBEAT_TIMEOUT``, default 1 s / 3 s). Once the engine has welcomed this
-    rank, hearing nothing from it for the timeout makes the next step call raise
-    ``EngineGoneError``.
+    ``FD_SYNC_HEARTBEAT_TIMEOUT`` / ``FD_SYNC_STALL_TIMEOUT``, default 1 s / 3 s / 300 s).
+    Once the engine has welcomed this rank, the next step call raises ``EngineGoneError``
+    when the connection to it is lost and not re-established to the same engine within the
+    timeout, or when it was silent for ``stall_timeout`` on a live connection (see the
+    module docstring); a long GIL hold in this process or the engine's is neither.
+
+    ``connect_timeout`` (seconds; None: ``FD_SYNC_CONNECT_TIMEOUT``, default 15): the engine
+    may start after the workers, but if none has welcomed this rank this long after
+    construction, the next step call raises ``EngineUnreachableError`` (a
+    ``ConnectionError``) naming the endpoint and what to check.
 
     ``profile=None`` reads ``FD_SYNC_PROFILE`` (default ``0``). When on, ``profiler`` is a
     ``StepProfiler`` timing ``exist_tasks``/``barrier``/``get_tasks`` of every step (they
@@ -128,8 +173,9 @@ class TaskClient:
     An ``ipc://`` endpoint must sit in a directory private to this user (checked before
     connecting: ``PermissionError`` otherwise).
 
-    Threading: call the step methods from one thread (the event loop). Use as a context
-    manager, or call ``close()``.
+    Threading: call the step methods from one thread (the event loop). ``close()`` may be
+    called from any thread (a shutdown or signal-handling thread): a step call blocked
+    meanwhile raises ``ClosedError``. Use as a context manager, or call ``close()``.
 
     ``external_barrier=True``: the caller's loop orders the ranks with its own TP barrier
     (FastDeploy's ``paddle.distributed.barrier``), not ``barrier()``. Rank 0's
@@ -149,7 +195,8 @@ class TaskClient:
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
                  endpoint: str = None, async_prefetch: bool = None, coordinator=None,
                  profile: bool = None, heartbeat: Heartbeat = None, keys_dir: str = None,
-                 insecure_tcp: bool = None, external_barrier: bool = False):
+                 insecure_tcp: bool = None, external_barrier: bool = False,
+                 connect_timeout: float = None):
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -160,6 +207,10 @@ class TaskClient:
                                else bool(async_prefetch))
         self.endpoint = endpoint or default_endpoint(name, dp_id)
         self.heartbeat = heartbeat or Heartbeat()
+        self.connect_timeout = (envs.connect_timeout_s() if connect_timeout is None
+                                else float(connect_timeout))
+        if not self.connect_timeout > 0:
+            raise ValueError(f"connect_timeout={connect_timeout!r}: expected seconds > 0")
         # This process's claim on its rank: the engine refuses another worker id for the
         # same rank while this one is alive, and accepts this one back after a reconnect.
         self.worker_id = secrets.randbits(63) | 1
@@ -184,9 +235,18 @@ class TaskClient:
         self._close_seq = None  # the engine's last seq, from its CLOSE message
         self._engine_instance = 0  # the engine that welcomed this rank (receiver only)
         self._epoch_tag = 0  # the group's ack board tag, from WELCOME
-        self._bound = False  # welcomed once: from now on, silence means the engine is gone
+        self._bound = False  # welcomed once: from now on its absence means it is gone
         self._last_heard = time.monotonic()
+        # The watched connection (see _watch_event): when it went down, None while up or
+        # before the first connection; whether any connection was ever made.
+        self._down_since = None
+        self._ever_connected = False
         self._closed = False
+        # The data socket and its monitor belong to whoever holds _recv_lock (the prefetch
+        # thread, or the event loop: see the module docstring); _ack belongs to the event
+        # loop, and close() takes _ack_lock before closing it.
+        self._recv_lock = threading.Lock()
+        self._ack_lock = threading.Lock()
         self._counters = collections.Counter()
         self._peer_log = RateLimitedLog(log)
 
@@ -203,23 +263,27 @@ class TaskClient:
         ensure_free_fds(CLIENT_FDS, who)
         self._group = _make_group(name, dp_id, tp_size, tp_rank, coordinator)
         self.incarnation = self._group.incarnation
+        self._missing_fault = getattr(self._group, "missing_fault", self._group.peer_fault)
+        self._own_fault = False  # this rank published its failure to the group
         self._ctx = zmq.Context(io_threads=1)
-        self._hb_sock = None
+        self._hb_sock = self._hb_monitor = None
         try:
             self._data = self._connect()
             # HELLO tells the engine where this rank (re)starts. The first one is sent at
             # once (a DEALER queues it until the connection is up, so a worker may start
             # before the engine); the monitor re-sends it on every *re*connection.
-            self._monitor = self._data.get_monitor_socket(
-                zmq.EVENT_CONNECTED | HANDSHAKE_FAILED_EVENTS)
+            self._monitor = self._data.get_monitor_socket(_MONITOR_EVENTS)
             self._connections = 0
             self._ack = self._connect()
             if not self.async_prefetch:
+                # sync mode: the heartbeat thread pings on, and watches, its own socket
                 self._hb_sock = self._connect()
+                self._hb_monitor = self._hb_sock.get_monitor_socket(_MONITOR_EVENTS)
         except BaseException:
             self._ctx.destroy(linger=0)
             self._group.close()
             raise
+        self._started = time.monotonic()
         self._wake = WakePipe()
         self._thread = None
         if not self.async_prefetch:
@@ -308,10 +372,12 @@ class TaskClient:
             return True
         need = self._taken + 1
         if not self.async_prefetch:
-            # this rank's own batch first: only this thread reads the socket
-            poller = zmq.Poller()
-            poller.register(self._data, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
+            # this rank's own batch first: only this thread reads the socket. An OS-level
+            # poll of the sockets' descriptors touches no socket, so close() from another
+            # thread may close them meanwhile (the next exist_tasks() raises ClosedError).
+            poller = select.poll()
+            for sock in (self._data, self._monitor):
+                poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
             while self._received < need:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -363,17 +429,21 @@ class TaskClient:
         partners have recently arrived within that window, else blocks on a semaphore at once
         (no CPU; see ``tp_group``).
         ``timeout`` in seconds (None = forever) raises ``BarrierTimeoutError`` naming the
-        missing ranks, early if one of them exited. A no-op at tp_size=1. While waiting it
-        also raises what the engine side learned (see the class docstring), so a rank
-        whose peer stopped at an engine error does not wait for the timeout.
+        missing ranks, early if one of them exited or closed its client. A no-op at
+        tp_size=1. A rank that has not arrived and stopped at an engine-side error makes it
+        raise the same kind of error at once, instead of waiting for the timeout. What this
+        rank itself learns while it waits (after arriving) is raised by the next step call,
+        once every rank arrived: otherwise a peer arriving later would take the step alone.
+        Raises ``ClosedError`` when ``close()`` runs meanwhile in another thread.
         """
         if self._error is not None:
             self._raise_error()
         if self.async_prefetch:
-            self._group.barrier(timeout, check=self._check_error)
+            self._group.barrier(timeout, check=self._barrier_check)
         else:
             self._receive_now()
-            self._group.barrier(timeout, service=self._receive_now, check=self._check_error)
+            self._group.barrier(timeout, service=self._receive_in_wait,
+                                check=self._barrier_check)
 
     def get_tasks(self):
         """Take this step's batches: ``(tasks, read_finished)``. Never blocks.
@@ -443,27 +513,78 @@ class TaskClient:
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the background thread, close every socket, release the shared memory.
-        Idempotent. Blocks at most ~5 s for the thread (it is normally blocked in poll and
-        wakes at once)."""
+        """Say goodbye to the engine, stop the background thread, close every socket,
+        leave the group and remove the shared memory it owns. Idempotent; may be called
+        from any thread.
+
+        A step call that another thread is blocked in (``barrier()``,
+        ``wait_for_tasks()``) is woken and raises ``ClosedError``; later step calls raise
+        ``ClosedError``. Peers of this rank waiting in the barrier raise
+        ``BarrierTimeoutError`` ("closed its client") at once.
+
+        The engine is told (a ``BYE`` carrying the highest seq this rank took) when it
+        welcomed this rank and is not known to be gone, so it need not wait for a timeout.
+
+        Blocks at most ~5 s for the background thread (it is normally blocked in poll and
+        wakes at once), ~1 s for a thread blocked in the group, ~2 s for a step call of
+        another thread to let go of a socket, and 0.2 s for the goodbye to leave. Whatever
+        is still in use when a bound passes is kept (leaked until the object is garbage, or
+        the process exits), never freed under its user; that is logged."""
         if self._closed:
             return
         self._closed = True
+        prior = self._error
+        # Before waking anyone: a woken step call raises this.
+        self._error = ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
         profile_dir = envs.profile_dir() if self.profiler is not None else None
         if profile_dir:
             self._dump_profile(profile_dir)
         self._wake.wake()
         self._thread.join(timeout=5.0)
-        if self._thread.is_alive():
-            log.error("TaskClient %s rank %d: background thread did not stop within 5 s",
-                      self.name, self.tp_rank)
-        self._wake.close()
-        self._error = ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
-        self._data.disable_monitor()
-        self._ctx.destroy(linger=0)
+        thread_stopped = not self._thread.is_alive()
+        if not thread_stopped:
+            log.error("TaskClient %s rank %d: background thread did not stop within 5 s; its "
+                      "sockets are kept open until exit", self.name, self.tp_rank)
+        else:
+            self._wake.close()
+        # Leave the group: wakes a barrier or wait_for_tasks() of another thread and frees
+        # the semaphores once it left; the mapping stays while anything can read it, and
+        # a post from a thread that did not stop is dropped, not made on a freed semaphore.
         self._group.close()
-        if self._board is not None:
-            self._board.close()
+        # The sockets: the event loop may be inside a step call that uses one.
+        got_recv = self._recv_lock.acquire(timeout=_CLOSE_WAIT_S)
+        got_ack = self._ack_lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
+            if thread_stopped and got_recv and got_ack:
+                self._data.disable_monitor()
+                if self._hb_sock is not None:
+                    self._hb_sock.disable_monitor()
+                self._say_bye(prior)
+                self._ctx.destroy(linger=0)
+            else:
+                log.error("TaskClient %s rank %d: a thread still uses its sockets; they are "
+                          "kept open until exit", self.name, self.tp_rank)
+        finally:
+            if got_ack:
+                self._ack_lock.release()
+            if got_recv:
+                self._recv_lock.release()
+        # The ack board: a take in another thread may be writing it; it is unmapped when
+        # it is garbage (the engine owns its name).
+        self._board = None
+
+    def _say_bye(self, prior) -> None:
+        """BYE to the engine, if it welcomed us and is not known to be gone or closed: it
+        then retires this rank's group at once instead of after the heartbeat timeout.
+        Holding _recv_lock. The data socket lingers ``_BYE_LINGER_MS`` for it."""
+        if not self._bound or self._close_seq is not None or isinstance(
+                prior, (EngineGoneError, EngineRejectedError, EngineUnreachableError)):
+            return
+        try:
+            self._data.send(self._header(codec.BYE, seq=self._taken), zmq.NOBLOCK)
+        except zmq.ZMQError:  # no connection to queue it on: the engine learns otherwise
+            return
+        self._data.close(linger=_BYE_LINGER_MS)
 
     def __enter__(self):
         return self
@@ -483,46 +604,60 @@ class TaskClient:
     # -- background threads ------------------------------------------------------------------
 
     def _prefetch_main(self):
-        """Async mode: own the data socket; receive, decode, ping, watch the engine."""
-        poller = zmq.Poller()
-        poller.register(self._data, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake.r, zmq.POLLIN)
+        """Async mode: receive, decode, ping, watch the engine. Blocks in an OS-level poll of
+        the sockets' descriptors (GIL released, no socket touched), then drains them under
+        _recv_lock; the event loop may have drained them first (see the module docstring).
+        ZeroMQ's descriptors signal edges: after every drain to EAGAIN the next arrival
+        signals again, so nothing waits unseen."""
+        poller = select.poll()
+        for fd in (self._data.getsockopt(zmq.FD), self._monitor.getsockopt(zmq.FD),
+                   self._wake.r):
+            poller.register(fd, select.POLLIN)
         interval = self.heartbeat.interval
         try:
-            self._send_hello()
+            with self._recv_lock:
+                self._send_hello()
             next_ping = time.monotonic() + interval
-            while not self._closed:
-                wait_s = max(0.0, min(next_ping, self._silence_deadline()) - time.monotonic())
+            while True:
+                with self._recv_lock:
+                    if self._closed:
+                        return
+                    self._receive_available()
+                    if self._close_seq is not None:
+                        return  # the engine closed: nothing more will come, say nothing more
+                    now = time.monotonic()
+                    self._check_engine(now)
+                    if now >= next_ping:
+                        next_ping = now + interval
+                        self._send_ping(self._data)
+                    # A send processes the socket's pending commands and may consume the
+                    # descriptor's signal for messages that arrived meanwhile: look.
+                    pending = self._data.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                if pending:
+                    continue
+                wait_s = max(0.0, min(next_ping, self._liveness_deadline()) - time.monotonic())
                 poller.poll(wait_s * 1000)  # blocks with the GIL released: no CPU when idle
-                if self._closed:
-                    return
-                self._receive_available()
-                if self._close_seq is not None:
-                    return  # the engine closed: nothing more will come, say nothing more
-                now = time.monotonic()
-                self._check_engine(now)
-                if now >= next_ping:
-                    next_ping = now + interval
-                    self._send_ping(self._data)
-        except BaseException as exc:  # never silent: re-raised on the event loop
+                self._wake.drain()
+        except BaseException as exc:  # never silent: raised on the event loop
             self._fail(exc)
 
     def _heartbeat_main(self):
         """Sync mode: the event loop owns the data socket; this thread only pings the
-        engine on its own socket and watches for its silence, so a step longer than the
-        heartbeat timeout is not taken for a dead worker."""
+        engine on its own socket and watches that socket's connection, so a step longer
+        than the heartbeat timeout is not taken for a dead worker."""
         poller = zmq.Poller()
         poller.register(self._hb_sock, zmq.POLLIN)
+        poller.register(self._hb_monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         interval = self.heartbeat.interval
         try:
             next_ping = time.monotonic()
             while not self._closed:
-                wait_s = max(0.0, min(next_ping, self._silence_deadline()) - time.monotonic())
+                wait_s = max(0.0, min(next_ping, self._liveness_deadline()) - time.monotonic())
                 poller.poll(wait_s * 1000)
                 if self._closed:
                     return
+                self._receive_monitor(self._hb_monitor, watch=True)
                 while True:
                     try:
                         frames = self._hb_sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -542,31 +677,76 @@ class TaskClient:
             self._fail(exc)
 
     def _fail(self, exc):
+        """A background thread stopped at ``exc``: the next step call raises it, which is
+        its one report (nothing is logged above DEBUG: issue "reported once")."""
         if self._closed:
             return
         if self._error is None or isinstance(self._error, EngineClosedError):
             self._error = exc
-        log.error("TaskClient %s rank %d: %s; the next step call raises it", self.name,
-                  self.tp_rank, exc, exc_info=not isinstance(exc, (EngineGoneError,
-                                                                   EngineRejectedError)))
-        self._group.wake()  # a barrier wait in progress raises it now
+        log.debug("TaskClient %s rank %d: %s; the next step call raises it", self.name,
+                  self.tp_rank, exc, exc_info=True)
+        self._group.wake()  # a barrier wait in progress sees it now
 
-    def _silence_deadline(self) -> float:
-        """When the engine's silence would become "gone" (wake up then to say so)."""
-        if self._bound and self._close_seq is None:
-            return self._last_heard + self.heartbeat.timeout + 0.001
+    def _liveness_deadline(self) -> float:
+        """When the watching thread must wake to judge the engine (see _check_engine)."""
+        if self._close_seq is not None:
+            return float("inf")
+        if not self._bound:
+            return self._started + self.connect_timeout + 0.001
+        timeout = self.heartbeat.timeout
+        if self._down_since is not None:
+            return min(self._down_since, self._last_heard) + timeout + 0.001
+        if self.heartbeat.stall_timeout:
+            return self._last_heard + self.heartbeat.stall_timeout + 0.001
         return float("inf")
 
     def _check_engine(self, now):
-        if self._bound and self._close_seq is None:
-            silent = now - self._last_heard
-            if silent > self.heartbeat.timeout:
-                raise EngineGoneError(
-                    f"rank {self.tp_rank} of {self.name!r}: nothing heard from the engine at "
-                    f"{self.endpoint} for {silent:.1f} s (heartbeat timeout "
-                    f"{self.heartbeat.timeout:g} s): it died, hangs, or the network to it is "
-                    f"down; restart the worker group once the engine is back "
-                    f"(FD_SYNC_HEARTBEAT_TIMEOUT sets the bound)")
+        """The liveness contract on this side (module docstring): raises
+        ``EngineUnreachableError`` (never welcomed within the connect bound) or
+        ``EngineGoneError`` (connection lost and not re-established in time; or silent
+        past the stall timeout on a live connection)."""
+        if self._close_seq is not None:
+            return
+        if not self._bound:
+            waited = now - self._started
+            if waited > self.connect_timeout:
+                raise EngineUnreachableError(self._unreachable_message(waited))
+            return
+        timeout = self.heartbeat.timeout
+        silent = now - self._last_heard
+        down = self._down_since
+        if down is not None and (now - down > timeout or silent > timeout):
+            raise EngineGoneError(
+                f"rank {self.tp_rank} of {self.name!r}: the connection to the engine at "
+                f"{self.endpoint} was lost {now - down:.1f} s ago and not re-established to "
+                f"the same engine (nothing heard for {silent:.1f} s; heartbeat timeout "
+                f"{timeout:g} s): it died, is frozen, or the network to it is down; restart "
+                f"the worker group once the engine is back (FD_SYNC_HEARTBEAT_TIMEOUT sets "
+                f"the bound)")
+        if down is None and self.heartbeat.stalled(silent):
+            raise EngineGoneError(
+                f"rank {self.tp_rank} of {self.name!r}: the engine at {self.endpoint} keeps "
+                f"its connection alive but has sent nothing for {silent:.1f} s (stall "
+                f"timeout {self.heartbeat.stall_timeout:g} s): it hangs; restart it and the "
+                f"worker group (FD_SYNC_STALL_TIMEOUT sets the bound)")
+
+    def _unreachable_message(self, waited) -> str:
+        if ipc_path(self.endpoint) is not None:
+            check = ("is the engine (TaskQueue) running on this node with the same name, "
+                     "dp_id and FD_SYNC_IPC_DIR?")
+        else:
+            check = ("is the engine (TaskQueue) running and listening there, and can this "
+                     "node reach it (firewall, address)?")
+        if self._ever_connected:
+            what = ("a connection was made, but nothing there welcomed this rank (another "
+                    "program holds the endpoint, or the engine refuses to serve a second "
+                    "worker group while another one is alive)")
+        else:
+            what = "no connection could be made"
+        return (f"rank {self.tp_rank} of {self.name!r}: no engine welcomed this worker at "
+                f"{self.endpoint} within {waited:.1f} s ({what}): {check} "
+                f"(FD_SYNC_CONNECT_TIMEOUT={self.connect_timeout:g} s sets the bound; the "
+                f"engine may start after the workers, within it)")
 
     # -- receiving (the data socket's owner: prefetch thread, or event loop in sync mode) ---
 
@@ -576,30 +756,34 @@ class TaskClient:
         A failure is raised as is, and latched: every later call raises
         ``PrefetchError``, so nothing can step past a batch this rank lost."""
         try:
-            self._receive_available()
+            with self._recv_lock:
+                if self._closed:
+                    raise ClosedError(f"TaskClient {self.name} rank {self.tp_rank} is closed")
+                self._receive_available()
+        except ClosedError:
+            raise
         except BaseException as exc:
             self._error = exc
             self._error_raised = True
             raise
 
+    def _receive_in_wait(self):
+        """Sync mode, while this rank waits in a barrier it arrived at: receive, but leave
+        a failure in ``_error`` for the barrier's check instead of raising it out of the
+        wait (see ``tp_group``: a rank that arrived does not leave on its own failure)."""
+        try:
+            with self._recv_lock:
+                if not self._closed:
+                    self._receive_available()
+        except BaseException as exc:
+            if self._error is None or isinstance(self._error, EngineClosedError):
+                self._error = exc
+
     def _receive_available(self):
         if self._close_seq is not None:
             return  # the engine closed: a later engine on the endpoint is not ours
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self._connections += 1
-                if self._connections > 1:
-                    self._send_hello()
-            elif event["event"] & HANDSHAKE_FAILED_EVENTS:
-                # nothing was received from that peer: CURVE failed before any message
-                raise AuthenticationError(
-                    f"rank {self.tp_rank} of {self.name!r}: " + handshake_failure_message(
-                        event["event"], self.endpoint, event["value"],
-                        self._auth.keys_dir if self._auth else None))
+        # async: this thread also judges the engine by this socket's connection
+        self._receive_monitor(self._monitor, watch=self.async_prefetch)
         while True:
             try:
                 frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -608,6 +792,37 @@ class TaskClient:
             self._on_message(frames)
             if self._close_seq is not None:
                 return
+
+    def _receive_monitor(self, monitor, watch):
+        """Handle the socket-monitor events of one of our sockets: re-HELLO on a data
+        socket reconnection, authentication failures, and (``watch``: the socket whose
+        connection the liveness judgement follows) the connection going down."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_CONNECTED:
+                self._ever_connected = True
+                if monitor is self._monitor:
+                    self._connections += 1
+                    if self._connections > 1:
+                        self._send_hello()
+            elif kind & HANDSHAKE_FAILED_EVENTS:
+                if self._auth is not None and not (
+                        kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value == errno.EAGAIN):
+                    # nothing was received from that peer: CURVE failed before any message
+                    raise AuthenticationError(
+                        f"rank {self.tp_rank} of {self.name!r}: " + handshake_failure_message(
+                            kind, self.endpoint, value, self._auth.keys_dir))
+                # a handshake that timed out (a frozen peer accepts but never answers):
+                # the connection is not up, as for a disconnect
+                if watch and self._down_since is None:
+                    self._down_since = time.monotonic()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if watch and self._down_since is None:
+                    self._down_since = time.monotonic()
 
     def _header(self, kind, seq=0, aux=0):
         return codec.pack_header(kind, self.tp_rank, self.tp_size, seq=seq, aux=aux,
@@ -647,6 +862,7 @@ class TaskClient:
                 self._counters["stale"] += 1  # from an engine this rank is not bound to
                 return
         self._last_heard = time.monotonic()
+        self._down_since = None  # a message from our engine: the connection is back
         if kind == codec.DATA:
             self._on_data(header, frames)
         elif kind == codec.PONG:
@@ -740,24 +956,75 @@ class TaskClient:
         if board is not None:
             board.publish(self.tp_rank, self._epoch_tag | to_seq)
         else:
-            self._ack.send(self._header(codec.ACK, seq=to_seq), zmq.NOBLOCK)
+            with self._ack_lock:  # close() in another thread must not close it meanwhile
+                if not self._closed:
+                    self._ack.send(self._header(codec.ACK, seq=to_seq), zmq.NOBLOCK)
         return [tasks for _, tasks in items]
 
     def _check_error(self):
-        """The barrier's check while it blocks: our own error, then a peer's fault."""
+        """Before this rank arrives anywhere (``wait_for_tasks``): our own error, then a
+        peer's fault; either is raised (nobody can pass a barrier we have not reached)."""
         if self._error is not None:
             self._raise_error()
         fault = self._group.peer_fault()
         if fault is not None:
-            rank, code = fault
-            cls = _FAULT_CLASSES.get(code, EngineRejectedError)
-            if cls is EngineClosedError and (self._close_seq is None
-                                             or self._taken < self._close_seq):
-                return  # our own CLOSE is on its way, or we still have batches to take
-            self._error = cls(f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group "
-                              f"stopped at {cls.__name__} about the engine at {self.endpoint} "
-                              f"(its log says why), so this step cannot complete")
-            self._raise_error()
+            self._raise_peer_fault(*fault)
+
+    def _barrier_check(self):
+        """The barrier's check after every wake-up, once this rank has arrived: see
+        ``tp_group`` ("A step stays all-or-none"). Our own failure is published to the group
+        and raised only when a rank that has not arrived failed too (the step can never
+        complete); otherwise the wait goes on and the next step call raises it. A
+        ``close()`` from another thread is raised at once."""
+        err = self._error
+        if isinstance(err, ClosedError):
+            raise ClosedError(str(err))
+        fault = self._missing_fault()
+        if fault is None:
+            if err is not None and not self._own_fault:
+                self._publish_own_fault(err)
+            return
+        if err is not None:
+            self._raise_error()  # returns only for an engine CLOSE with batches left to take
+        self._raise_peer_fault(*fault)
+
+    def _raise_peer_fault(self, rank, code):
+        if code == FAULT_LEFT:
+            raise BarrierTimeoutError(
+                f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group closed its "
+                f"client, so this step cannot complete; close this client too and build the "
+                f"whole group again")
+        if code == _FAULT_OTHER:
+            raise BarrierTimeoutError(
+                f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group stopped at an "
+                f"error (its own exception says which), so this step cannot complete; close "
+                f"this client and build the whole group again")
+        cls = _FAULT_CLASSES.get(code, EngineRejectedError)
+        if cls is EngineClosedError and (self._close_seq is None
+                                         or self._taken < self._close_seq):
+            return  # our own CLOSE is on its way, or we still have batches to take
+        self._error = cls(f"rank {self.tp_rank} of {self.name!r}: rank {rank} of the group "
+                          f"stopped at {cls.__name__} about the engine at {self.endpoint} "
+                          f"(its exception says why), so this step cannot complete")
+        self._raise_error()
+
+    def _publish_own_fault(self, err) -> bool:
+        """Tell the group this rank stopped at ``err``: peers waiting for it raise at once
+        (the same kind of error for an engine-side one, instead of "rank N exited"). False
+        (nothing published) for ``ClosedError`` (close() says LEFT itself) and for an
+        engine CLOSE while this rank still has batches to take."""
+        if isinstance(err, ClosedError):
+            return False
+        code = _FAULT_OTHER
+        for cls, cls_code in _FAULT_CODES:
+            if isinstance(err, cls):
+                if cls is EngineClosedError and self._taken < (self._close_seq or 0):
+                    return False
+                code = cls_code
+                break
+        self._group.publish_fault(code)
+        self._own_fault = True
+        return True
 
     def _raise_error(self):
         """Raise what ``_error`` holds, in this client's terms; return (raise nothing) for
@@ -767,14 +1034,12 @@ class TaskClient:
         err = self._error
         if isinstance(err, ClosedError):
             raise ClosedError(str(err))
-        for cls, code in _FAULT_CODES:
-            if isinstance(err, cls):
-                if cls is EngineClosedError and self._taken < (self._close_seq or 0):
-                    return
-                self._group.publish_fault(code)
-                break
-        if isinstance(err, EngineClosedError):
-            raise EngineClosedError(str(err))
+        if isinstance(err, EngineClosedError) and self._taken < (self._close_seq or 0):
+            return
+        if not self._own_fault:
+            self._publish_own_fault(err)
+        if isinstance(err, _RAISED_AS_IS):
+            raise type(err)(str(err))
         if not self.async_prefetch and not self._error_raised:
             self._error_raised = True
             raise err

@@ -60,7 +60,8 @@ def test_a_killed_engine_is_reported_gone_on_every_rank(name, killed_engine_name
     for rank in range(2):
         assert raised[rank]["cause"] == "EngineGoneError", raised[rank]
         # the rank that noticed first says why; a peer waiting for it says who noticed
-        assert ("nothing heard from the engine" in raised[rank]["message"]
+        assert ("connection to the engine" in raised[rank]["message"]
+                and "was lost" in raised[rank]["message"]
                 or "stopped at EngineGoneError" in raised[rank]["message"]), raised[rank]
         assert raised[rank]["message"].startswith(f"rank {rank} ")
         if async_prefetch:
@@ -208,10 +209,12 @@ def test_a_new_group_waits_for_the_old_one_to_go(name, procs, results, doomed):
         for p in first:
             os.kill(p.pid, signal.SIGSTOP)
         try:
-            # the new rank 0 must create a new segment: remove the stopped group's names
+            # the new rank 0 must create a new segment: remove the stopped group's name as
+            # an operator's rm would (the library itself never takes a live owner's name,
+            # and a stopped process is alive)
+            import posix_ipc
             from fastdeploy_sync.tp_group import group_shm_name
-            from fastdeploy_sync.shm import unlink_segment
-            unlink_segment(group_shm_name(name, 0))
+            posix_ipc.unlink_shared_memory(group_shm_name(name, 0))
             for rank in range(2):
                 procs(step_until_error_rank, results, rank, name, 2, True, report_after=2)
             queue.put_tasks(1, timeout=30)

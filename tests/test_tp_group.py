@@ -113,3 +113,65 @@ def test_barrier_releases_a_late_rank(name, procs, results, delay):
         assert rank0.gen == 1
     finally:
         rank0.close()
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a thread; returns a function that joins it (10 s) and returns what fn
+    returned or raised, as ("ok", value) or ("raised", exception)."""
+    import threading
+
+    box = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except BaseException as exc:  # handed to the test
+            box.append(("raised", exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def join():
+        t.join(10)
+        assert box, "the thread did not finish within 10 s"
+        return box[0]
+    return join
+
+
+def test_a_rebuilt_rank_never_rejoins_the_incarnation_it_served(name):
+    """A process closes its rank-1 object and builds a new one while rank 0 (still the
+    old incarnation, ahead by three barriers) lives: the new object must not attach the
+    old segment at generation 0 (it would pass barriers alone and replay old decisions).
+    The peer learns at once that rank 1 left."""
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    old = ShmTPGroup(name, 0, 2, 1, attach_timeout=5)
+    try:
+        for _ in range(3):
+            join = _in_thread(lambda: rank0.barrier(timeout=5))
+            old.barrier(timeout=5)
+            assert join() == ("ok", None)
+        rank0.latch(4, 0, 1)  # a decision a replaying rank would take
+        waiting = _in_thread(lambda: rank0.barrier(timeout=30))
+        old.close()
+        with pytest.raises(TimeoutError, match="already served its incarnation"):
+            ShmTPGroup(name, 0, 2, 1, attach_timeout=0.3)
+        kind, exc = waiting()
+        assert kind == "raised" and isinstance(exc, BarrierTimeoutError), exc
+        assert "rank 1 (pid" in str(exc) and "closed its client" in str(exc)
+    finally:
+        old.close()
+        rank0.close()
+    # the whole group rebuilt: a new incarnation, joined from generation 0
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        new = ShmTPGroup(name, 0, 2, 1, attach_timeout=5)
+        try:
+            assert new.incarnation == rank0.incarnation != old.incarnation
+            join = _in_thread(lambda: rank0.barrier(timeout=5))
+            new.barrier(timeout=5)
+            assert join() == ("ok", None) and new.gen == rank0.gen == 1
+            assert new.decision(1) is None
+        finally:
+            new.close()
+    finally:
+        rank0.close()

@@ -18,23 +18,39 @@ pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 def test_a_batch_that_does_not_decode_fails_loudly(name, procs, results, async_prefetch):
+    from conftest import SPAWN
+
+    leave = SPAWN.Event()
     with TaskQueue(name, 2) as queue:
         for rank in range(2):
-            procs(failing_prefetch_rank, results, rank, name, 2, async_prefetch)
+            procs(failing_prefetch_rank, results, rank, name, 2, async_prefetch, leave)
         collect(results, "ready", 2)  # both in the group before rank 0 can fail and leave
         queue.put_tasks(Exploding(), timeout=5)
-        raised = collect(results, "raised", 2)
+        try:
+            raised = collect(results, "raised", 2)
+        finally:
+            leave.set()
     for rank in range(2):
         errors, logged = raised[rank]
-        assert len(errors) == 2, f"rank {rank} raised {errors}"
+        # reported once: by the raise (the original error, with its traceback, chained as
+        # __cause__), not also by a logged traceback
+        assert logged == 0
+        assert all(e[3] for e in errors if e[1]), "the original error lost its traceback"
+        # A rank waiting in the barrier may first learn that its peer stopped (it will
+        # never arrive) before its own prefetch thread has decoded the batch; its own
+        # failure is raised by the next call, and by every call after it.
+        own = [e for e in errors if e[0] != "BarrierTimeoutError"]
+        assert len(own) == 2 and errors[-2:] == own, f"rank {rank} raised {errors}"
+        for peer_stopped in errors[:-2]:
+            assert f"rank {1 - rank} of the group stopped at an error" in peer_stopped[2]
         if async_prefetch:
-            # every call after the failure raises, chained to the original error; logged once
-            assert [e[:2] for e in errors] == [("PrefetchError", "ProtocolError")] * 2
-            assert logged == 1
+            # every call after the failure raises, chained to the original error
+            assert all(e[:2] == ("PrefetchError", "ProtocolError") for e in own), errors
         else:
             # sync mode: the failing call raises the original, later calls PrefetchError
-            assert errors[0][0] == "ProtocolError" and errors[1][:2] == ("PrefetchError", "ProtocolError")
-        assert "cannot be rebuilt" in errors[-1][2] or "does not decode" in errors[-1][2]
+            assert own[0][0] == "ProtocolError", errors
+            assert all(e[:2] == ("PrefetchError", "ProtocolError") for e in own[1:]), errors
+        assert "cannot be rebuilt" in own[-1][2] or "does not decode" in own[-1][2]
 
 
 def test_idle_worker_burns_no_cpu(name, procs, results):
@@ -228,3 +244,54 @@ def test_a_closed_engine_is_reported_after_everything_sent_was_taken(name, async
                 assert second.stats()["consumed"] == [0]  # nothing of it was taken
     finally:
         first.close()
+
+
+def _stand_in_engine(ctx, endpoint):
+    """A ROUTER that speaks just enough of the engine's side to welcome one worker."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    return router
+
+
+def _recv_from_worker(router, kind, timeout_ms=5000):
+    deadline = time.monotonic() + timeout_ms / 1000
+    while time.monotonic() < deadline:
+        if router.poll(100):
+            identity, header, *rest = router.recv_multipart()
+            h = codec.unpack_header(header)
+            if h.kind == kind:
+                return identity, h, rest
+    raise AssertionError(f"no message of kind {kind} from the worker")
+
+
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_close_says_bye_with_the_last_seq_taken(name, async_prefetch):
+    """TaskClient.close() tells the engine at once (BYE, with the usual ids and the highest
+    seq this rank took), so it need not wait out the heartbeat timeout."""
+    engine_id = 0x1234567
+    ctx = zmq.Context()
+    try:
+        router = _stand_in_engine(ctx, "tcp://127.0.0.1:0")
+        endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        client = TaskClient(name, 1, 0, endpoint=endpoint, async_prefetch=async_prefetch)
+        try:
+            identity, hello, _ = _recv_from_worker(router, codec.HELLO)
+            ids = dict(engine=engine_id, group=hello.group, worker=hello.worker)
+            router.send_multipart([identity, codec.pack_header(codec.WELCOME, 0, 1, aux=1,
+                                                               **ids)])
+            for seq in (1, 2):
+                frames = codec.encode_payload(make_batch(seq))
+                router.send_multipart([identity, codec.pack_header(
+                    codec.DATA, 0, 1, seq=seq, check=codec.payload_checksum(frames), **ids),
+                    *frames])
+            assert wait_until(lambda: client.num_tasks() == 2)
+            assert client.exist_tasks()
+            assert [b for b, _ in client.get_tasks()[0]] == [1, 2]
+        finally:
+            client.close()
+        _, bye, _ = _recv_from_worker(router, codec.BYE, timeout_ms=2000)
+        assert (bye.rank, bye.seq, bye.engine, bye.group, bye.worker) == (
+            0, 2, engine_id, hello.group, hello.worker)
+    finally:
+        ctx.destroy(linger=0)

@@ -90,8 +90,11 @@ def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=No
 
 
 @_report_errors
-def failing_prefetch_rank(out, rank, name, tp, async_prefetch):
-    """Steps until the client raises; report the exception types and how often it logged."""
+def failing_prefetch_rank(out, rank, name, tp, async_prefetch, leave=None):
+    """Steps until the client raised twice an error of its own; report the exception types
+    and how often it logged. With ``leave`` (an Event), close only once it is set: a rank that closes early
+    makes its peer's barrier raise "rank N closed its client" before the peer's own
+    failure can arrive."""
     records = []
 
     class Collect(logging.Handler):
@@ -103,14 +106,20 @@ def failing_prefetch_rank(out, rank, name, tp, async_prefetch):
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
         out.put(("ready", rank, os.getpid()))
         raised = []
-        while len(raised) < 2 and time.monotonic() < deadline:
+        # two of its own (a peer's failure may be raised first: see the test)
+        while (sum(e[0] != "BarrierTimeoutError" for e in raised) < 2 and len(raised) < 10
+               and time.monotonic() < deadline):
             try:
                 client.sync_step(timeout=10)
             except Exception as exc:
                 raised.append((type(exc).__name__, type(exc.__cause__).__name__
-                               if exc.__cause__ else None, str(exc)))
+                               if exc.__cause__ else None, str(exc),
+                               exc.__cause__ is not None
+                               and exc.__cause__.__traceback__ is not None))
             time.sleep(0.001)
         out.put(("raised", rank, (raised, len(records))))
+        if leave is not None:
+            leave.wait(30)
 
 
 @_report_errors
@@ -400,3 +409,195 @@ def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=
             got.extend(client.sync_step(timeout=10))
             time.sleep(0.001)
         out.put(("taken", rank, got))
+
+
+# -- rebuilds: a worker process that builds its client again ------------------------------
+
+@_report_errors
+def storm_engine(out, life, name, tp, n, seed, seconds, heartbeat=FAST_HEARTBEAT):
+    """One life of a restarting engine: put batches ``((life, i), tokens)`` at a random
+    pace for ``seconds``, then close (unless the test kills it first). Batches no group
+    takes within 0.3 s are skipped (put order within a life stays increasing)."""
+    import numpy as np
+
+    from fastdeploy_sync import Heartbeat
+
+    rng = random.Random(seed * 7919 + life)
+    end = time.monotonic() + seconds
+    with TaskQueue(name, tp, max_inflight=4, heartbeat=Heartbeat(*heartbeat)) as queue:
+        out.put(("engine_up", life, os.getpid()))
+        i = 0
+        while time.monotonic() < end and i < n:
+            try:
+                queue.put_tasks(((life, i), np.arange(i, i + 64, dtype=np.int64)), timeout=0.3)
+            except TimeoutError:
+                pass  # no group takes right now (it is being rebuilt): skip this one
+            i += 1
+            time.sleep(rng.random() * 0.002)
+        queue.close(timeout=1)
+
+
+@_report_errors
+def rebuild_storm_rank(out, rank, name, tp, seconds, seed, async_prefetch=True,
+                       rebuild_p=0.002, cleanup_s=0.1, heartbeat=FAST_HEARTBEAT):
+    """A worker process that, for ``seconds``, steps a FastDeploy-shaped loop and builds
+    its ``TaskClient`` again after every error and at random points (``rebuild_p`` per
+    step), as a server that recovers in-process does: it first spends up to ``cleanup_s``
+    (random) on its own clean-up, then closes the old client and builds a new one.
+
+    Reports ("lives", rank, (lives, errors)): ``lives`` maps each group incarnation this
+    rank served to every step it passed, ``[(step, [batch id, ...]), ...]``, where ``step``
+    counts the barriers that client object passed (an empty list: nothing taken);
+    ``errors`` counts what was raised, by type (the engine-side cause for PrefetchError)."""
+    import collections
+
+    from fastdeploy_sync import Heartbeat, TaskSyncError
+
+    os.environ["FD_SYNC_ATTACH_TIMEOUT"] = "3"
+    rng = random.Random(seed * 1000 + rank)
+    lives = collections.defaultdict(list)
+    errors = collections.Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            client = TaskClient(name, tp, rank, async_prefetch=async_prefetch,
+                                heartbeat=Heartbeat(*heartbeat))
+        except (TaskSyncError, TimeoutError) as exc:
+            errors["construct:" + type(exc).__name__] += 1
+            time.sleep(rng.random() * 0.05)
+            continue
+        steps = lives[client.incarnation]
+        step = 0
+        try:
+            while time.monotonic() < deadline:
+                if rank == 0:
+                    client.exist_tasks()
+                client.barrier(timeout=5)
+                step += 1
+                steps.append((step, [batch_id for batch_id, _ in client.get_tasks()[0]]))
+                time.sleep(rng.random() * 0.002)  # the model step
+                if rng.random() < rebuild_p:
+                    errors["rebuilt on purpose"] += 1
+                    break
+        except TaskSyncError as exc:
+            errors[type(_engine_cause(exc)).__name__] += 1
+        time.sleep(rng.random() * cleanup_s)  # the server's own clean-up, old client still open
+        client.close()
+    out.put(("lives", rank, (dict(lives), dict(errors))))
+
+
+def check_lives(lives_by_rank):
+    """The invariant across rebuilds: for every group incarnation, every rank passed the
+    same barriers and took the same batches at each (a rank that passed barriers in an
+    incarnation its peers had left, or twice from step 1, passed them alone), in put order
+    within each engine life, none twice."""
+    ranks = sorted(lives_by_rank)
+    incarnations = set()
+    for rank in ranks:
+        incarnations.update(lives_by_rank[rank])
+    problems = []
+    for inc in sorted(incarnations):
+        per_rank = [lives_by_rank[r].get(inc, []) for r in ranks]
+        if any(steps != per_rank[0] for steps in per_rank):
+            problems.append(f"group {inc:#x}: " + "; ".join(
+                f"rank {r} passed {len(s)} barriers, took {sum(len(i) for _, i in s)} "
+                f"batches, last steps {[x for x in s if x[1]][-2:]}"
+                for r, s in zip(ranks, per_rank)))
+        flat = [batch_id for _, ids in per_rank[0] for batch_id in ids]
+        if flat != sorted(flat) or len(set(flat)) != len(flat):
+            problems.append(f"group {inc:#x}: batches out of put order or twice: {flat[:20]}")
+    return problems
+
+
+# -- close() from another thread ------------------------------------------------------------
+
+@_report_errors
+def close_from_thread_rank(out, rank, name, tp, call, async_prefetch, blocked_s=0.3):
+    """Rank 0 with its event loop in a thread calling ``call`` ("barrier", "wait_for_tasks",
+    "sync_step": blocking while the peer never steps; "exist_tasks", "get_tasks": in a
+    tight loop) while the main thread calls ``close()``, as a shutdown or signal-handling
+    thread does. Reports ("closed", rank, (exception type, message, seconds from close()
+    to the call raising, seconds close() took, calls made))."""
+    import threading
+
+    from fastdeploy_sync import Heartbeat
+
+    client = TaskClient(name, tp, rank, async_prefetch=async_prefetch,
+                        heartbeat=Heartbeat(0.2, 30))
+    out.put(("ready", rank, os.getpid()))
+    raised = []
+    calls = [0]
+    closing = [None]
+
+    def loop():
+        try:
+            while True:
+                calls[0] += 1
+                if call == "barrier":
+                    client.barrier(timeout=30)
+                elif call == "wait_for_tasks":
+                    client.wait_for_tasks(30)
+                elif call == "sync_step":
+                    client.sync_step(timeout=30)
+                elif call == "exist_tasks":
+                    client.exist_tasks()
+                elif call == "get_tasks":
+                    client.get_tasks()
+                else:
+                    raise ValueError(call)
+        except BaseException as exc:
+            raised.append((type(exc).__name__, str(exc), time.monotonic() - closing[0]
+                           if closing[0] else None))
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    time.sleep(blocked_s)  # the call is blocked (or spinning) by now
+    assert not raised, f"the call raised before close(): {raised}"
+    closing[0] = time.monotonic()
+    client.close()
+    close_s = time.monotonic() - closing[0]
+    thread.join(10)
+    assert not thread.is_alive(), f"{call} still runs 10 s after close()"
+    out.put(("closed", rank, (*raised[0], close_s, calls[0])))
+
+
+@_report_errors
+def idle_peer_rank(out, rank, name, tp, seconds):
+    """A peer that joins the group and never steps (so rank 0's barrier blocks)."""
+    from fastdeploy_sync import Heartbeat
+
+    with TaskClient(name, tp, rank, heartbeat=Heartbeat(0.2, 30)):
+        out.put(("ready", rank, os.getpid()))
+        time.sleep(seconds)
+
+
+@_report_errors
+def gil_hold_rank(out, rank, name, tp, async_prefetch, hold_s, heartbeat, n_after=2):
+    """Take one batch, then hold the GIL for ``hold_s`` seconds in one C call (as a long
+    numpy or compile step does: no Python thread of this process runs meanwhile), then take
+    ``n_after`` more. Reports ("took_first", rank, ids) and ("after_hold", rank, (seconds
+    held, every batch taken))."""
+    import ctypes
+
+    from fastdeploy_sync import Heartbeat
+
+    hold = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
+    hold.argtypes = [ctypes.c_uint]
+    got = []
+    deadline = time.monotonic() + 30
+    with TaskClient(name, tp, rank, async_prefetch=async_prefetch,
+                    heartbeat=Heartbeat(*heartbeat)) as client:
+        out.put(("ready", rank, os.getpid()))
+        while not got:
+            assert time.monotonic() < deadline, "the first batch never came"
+            got.extend(client.sync_step(timeout=10))
+            time.sleep(0.001)
+        out.put(("took_first", rank, list(got)))
+        t0 = time.monotonic()
+        hold(int(hold_s * 1e6))
+        held = time.monotonic() - t0
+        while len(got) < 1 + n_after:
+            assert time.monotonic() < deadline, f"took {got} by the deadline"
+            got.extend(client.sync_step(timeout=10))
+            time.sleep(0.001)
+        out.put(("after_hold", rank, (held, got)))

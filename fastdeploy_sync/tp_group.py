@@ -37,16 +37,32 @@ vs "you arrived" and "I wait for seq N" vs "I received N", have a bounded fallba
 (semaphore waits time out and re-check), so a theoretically lost wake-up costs at most
 one fallback interval, never a hang.
 
-The adaptive barrier: spinning releases ranks that arrive together in about a µs but
-burns the CPU for as long as the partner is late; blocking costs no CPU but ~30 µs of
-wake-up. Each rank remembers how late its partners were at its last two barriers (from
-their ARRIVED_AT, so it is exact even when it slept; 0 when it came last). It spins the
-full window only while work is in flight (some rank holds a batch not yet taken) and the
-partners came within the window both times; with no work in flight it spins only
-``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only if they came within
-that. Otherwise it blocks at once. An idle 1 ms polling loop, whose ranks arrive tens of
-µs apart, therefore sleeps instead of spinning; ranks that arrive together are still
-released by the spin, and one late arrival costs the spin for two barriers at most.
+The barrier knows the loop's state. Spinning releases ranks that arrive together in
+about a µs but burns the CPU for as long as the partner is late; blocking costs no CPU
+but ~30 µs of wake-up. Which one pays depends on what the loop does between barriers, so
+the barrier asks the loop's recent history, not the queue:
+
+  * is the loop busy? The share of the wall time since this rank last asked that its
+    thread wanted a CPU: ran on one (``time.thread_time_ns``, ~0.5 µs), or, when that is
+    short of busy, waited in the run queue for one (a thread preempted on a loaded machine
+    is still busy; one that sleeps is not: its ``/proc/.../schedstat``, ~0.8 µs more). Asked
+    only on the waiting path, after a first 2 µs of spinning, and at most once per
+    ``_BUSY_SPAN_NS``, so ranks that arrive together never pay it.
+    A decode loop computes between barriers (measured here: 0.99 of the time, Python
+    step); an idle loop sleeps (FastDeploy's 1 ms loop: 0.01-0.02). Busy means at least
+    ``_BUSY_SHARE``. Whether a batch is in flight says nothing about it: a decode loop
+    runs for many steps without a new batch.
+  * how late were the partners? Each rank remembers how late they were at its last two
+    barriers (from their ARRIVED_AT, exact even when it slept; 0 when it came last).
+
+A busy loop spins the full window, then blocks: a barrier that blocks wakes its rank tens
+of µs after the last arrival, and in a busy loop that skew is carried into the next
+barrier, where it costs again (measured: always spinning the window halved a late rank's
+next wait against blocking at once after late partners). An idle loop spins only
+``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only when the partners came
+within that at both of the last two barriers; otherwise it blocks at once: there the
+skew meets a 1 ms sleep, not a waiting partner. No flag: a loop that goes from
+idle to busy spins from its first wait after the change of pace.
 
 The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
 rank, unlinks them at close, and reclaims leftovers of a crashed run on start. Who is alive
@@ -128,10 +144,51 @@ def rank_lock(rank: int) -> int:
 _FALLBACK_WAIT_S = 0.01
 _IDLE_FALLBACK_WAIT_S = 0.1
 _ATTACH_POLL_S = 0.01
-# Partners arriving within this many µs: spin even with no work in flight (a sleep and a
-# wake-up cost the waiter more CPU than that), so that ranks arriving together are released
-# in a µs, not ~30 µs.
+# An idle loop's barrier spins this many µs at most, and only when its partners came within
+# that (a sleep and a wake-up cost the waiter more CPU), so that ranks arriving together
+# are released in a µs, not ~30 µs.
 _CHEAP_SPIN_US = 8.0
+# Every wait first spins this long before asking whether the loop is busy (which costs a
+# syscall, ~0.5 µs): partners arriving together never pay for the question.
+_FIRST_SPIN_S = 2e-6
+# The loop is busy when its thread was on a CPU at least this share of the time since the
+# last question; spans shorter than _BUSY_SPAN_NS keep the last answer (a tight loop).
+_BUSY_SHARE = 0.5
+_BUSY_SPAN_NS = 200_000
+
+
+class _RunQueueWait:
+    """Nanoseconds the calling thread has waited on a run queue (runnable, but another
+    thread had the CPU) since it started, from its ``/proc/.../schedstat``: one descriptor,
+    kept open and re-read (~0.8 µs), reopened if another thread asks; 0 where schedstat is
+    missing. (Its first field, the CPU time, lags by up to a scheduler tick: the CPU time
+    comes from ``time.thread_time_ns``, which is exact.)"""
+
+    def __init__(self):
+        self._tid = None
+        self._fd = -1
+
+    def read(self) -> int:
+        tid = threading.get_native_id()
+        if tid != self._tid:
+            self.close()
+            self._tid = tid
+            try:
+                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._fd = -1
+        if self._fd >= 0:
+            try:
+                # "<ns on a CPU> <ns waiting on a run queue> <timeslices>"
+                return int(os.pread(self._fd, 96, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+        return 0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def new_incarnation() -> int:
@@ -238,7 +295,7 @@ class SoloGroup:
     def all_consumed(self, seq):
         return self._consumed >= seq
 
-    def barrier(self, timeout=None, service=None, check=None):
+    def barrier(self, timeout=None, service=None, check=None, on_wait=None):
         pass
 
     def publish_fault(self, code):
@@ -308,6 +365,13 @@ class ShmTPGroup:
         self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
         # How late (ns) the partners were at the last two barriers (0: this rank came last).
         self._late_prev = self._late_last = 0
+        # Whether the loop is busy (see the module docstring): the last answer, and the
+        # thread CPU and monotonic clocks when it was given.
+        self._busy = False
+        self._runq = _RunQueueWait()
+        self._cpu_at = time.thread_time_ns()
+        self._runq_at = self._runq.read()
+        self._wall_at = time.monotonic_ns()
         self._spin_ns = int(self._spin_s * 1e9)
         self._cheap_ns = int(min(_CHEAP_SPIN_US * 1e3, self._spin_ns))
         self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
@@ -619,15 +683,15 @@ class ShmTPGroup:
         return ClosedError(f"rank {self.tp_rank} of TP group {self.shm_name} was closed "
                            f"while this thread waited")
 
-    def barrier(self, timeout: float = None, service=None, check=None) -> None:
+    def barrier(self, timeout: float = None, service=None, check=None, on_wait=None) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
 
-        Waits by spinning on shared memory for up to ``spin_us`` (sub-µs release when
-        ranks arrive together), then blocking on this rank's semaphore (GIL released, no
-        CPU; ~30 µs wake-up when the last rank arrives). It blocks at once, without
-        spinning, when the last two barriers say the spin would be wasted (partners came
-        later than the window, or later than ``_CHEAP_SPIN_US`` with no work in flight,
-        when it spins ``_CHEAP_SPIN_US`` at most): see the module docstring.
+        Waits by spinning on shared memory (sub-µs release when ranks arrive together),
+        then blocking on this rank's semaphore (GIL released, no CPU; ~30 µs wake-up when
+        the last rank arrives). How long it spins depends on the loop's recent history:
+        up to ``spin_us`` while the loop is busy and the partners came within that at the
+        last two barriers; ``_CHEAP_SPIN_US`` at most while it is idle; not at all after
+        partners came later (see the module docstring).
 
         ``timeout`` (seconds, None = forever): raises ``BarrierTimeoutError`` naming the
         ranks that did not arrive. It is raised early if one of them has exited. After a
@@ -635,6 +699,10 @@ class ShmTPGroup:
 
         ``service``: a callable run while blocked, at least every 0.5 ms (sync mode uses it
         to keep receiving from the engine while it waits).
+
+        ``on_wait``: a callable run once when this rank has to wait (its partners did not
+        arrive within the first 2 µs), before it spins on: work the waiting time can absorb
+        (async mode receives what its prefetch thread has not). It must not raise.
 
         ``check``: a callable run after every wake-up while blocked; whatever it raises ends
         the wait. The caller must not make it raise for a failure of its own once it has
@@ -652,7 +720,7 @@ class ShmTPGroup:
         if self._all_arrived(gen):
             self._lateness(0)  # last to arrive: nobody was late
         else:
-            self._wait(gen, timeout, service, check, self._spin_budget_s())
+            self._wait(gen, timeout, service, check, arrived_at, on_wait)
             self._lateness(self._partner_lateness(gen, arrived_at))
         self._wake_sleepers(gen)
         self.gen = gen
@@ -660,26 +728,31 @@ class ShmTPGroup:
     def _lateness(self, late_ns: int) -> None:
         self._late_prev, self._late_last = self._late_last, late_ns
 
-    def _spin_budget_s(self) -> float:
-        """How long to spin before blocking: the window while work is in flight and the
-        partners came within it at the last two barriers; a few µs with no work in flight
-        if they came within that; else 0 (block at once)."""
-        late = max(self._late_prev, self._late_last)
-        if late <= self._cheap_ns:
-            return self._spin_s if self._work_in_flight() else self._cheap_ns * 1e-9
-        if late <= self._spin_ns and self._work_in_flight():
+    def _spin_budget_s(self, now_ns: int) -> float:
+        """How long to spin before blocking (see the module docstring): the window while
+        the loop is busy; up to ``_CHEAP_SPIN_US`` while it is idle, if the partners came
+        within that at both of the last two barriers; else 0."""
+        if self._loop_busy(now_ns):
             return self._spin_s
-        return 0.0
+        return self._cheap_ns * 1e-9 if max(self._late_prev, self._late_last) <= self._cheap_ns \
+            else 0.0
 
-    def _work_in_flight(self) -> bool:
-        """Some rank holds a batch this rank has not taken: a step may take it now, so
-        the barrier's release latency matters."""
-        v = self._view
-        consumed = v[self._my + R_CONSUMED]
-        for s in self._received_slots:
-            if v[s] > consumed:
-                return True
-        return False
+    def _loop_busy(self, now_ns: int) -> bool:
+        """Did this rank's thread want a CPU at least ``_BUSY_SHARE`` of the time since the
+        last answer? A span shorter than ``_BUSY_SPAN_NS`` keeps the last answer."""
+        span = now_ns - self._wall_at
+        if span < _BUSY_SPAN_NS:
+            return self._busy
+        cpu = time.thread_time_ns()
+        wanted = cpu - self._cpu_at
+        if wanted < _BUSY_SHARE * span:
+            # short of CPU: on a loaded machine it may have been preempted, which is busy
+            runq = self._runq.read()
+            wanted += runq - self._runq_at
+            self._runq_at = runq
+        self._busy = wanted >= _BUSY_SHARE * span
+        self._cpu_at, self._wall_at = cpu, now_ns
+        return self._busy
 
     def _partner_lateness(self, gen, arrived_at) -> int:
         """ns between this rank's arrival at ``gen`` and the last partner's."""
@@ -691,14 +764,21 @@ class ShmTPGroup:
                 last = int(v[s])
         return last - arrived_at
 
-    def _wait(self, gen, timeout, service, check, spin_s):
-        now = time.perf_counter()
-        spin_end = now + spin_s
+    def _wait(self, gen, timeout, service, check, arrived_at, on_wait=None):
+        start = now = time.perf_counter()
+        spin_end = now + _FIRST_SPIN_S
+        while now < spin_end:  # partners arriving with us: released without the question
+            if self._all_arrived(gen):
+                return
+            now = time.perf_counter()
+        if on_wait is not None:
+            on_wait()
+        spin_end = start + self._spin_budget_s(arrived_at)
         while now < spin_end:
             if self._all_arrived(gen):
                 return
             now = time.perf_counter()
-        deadline = None if timeout is None else now + timeout - spin_s
+        deadline = None if timeout is None else start + timeout
         sem = self._sems[self.tp_rank]
         wait_s = 0.0005 if service is not None else _FALLBACK_WAIT_S
         sleeping_slot = self._my + R_SLEEPING
@@ -763,13 +843,16 @@ class ShmTPGroup:
 
     def _check_peers(self, gen):
         """Raise ``BarrierTimeoutError`` if a rank that has not arrived closed its client or
-        exited: it never will."""
+        exited: it never will. A rank that published a fault first is the caller's
+        ``check`` to judge (it knows what the fault means: e.g. an engine CLOSE that this
+        rank's own CLOSE, still on its way, will confirm), not an exit."""
         v = self._view
         gone = []
         for r, pid in self._missing(gen):
-            if v[self._ranks[r] + R_FAULT] == FAULT_LEFT:
+            fault = v[self._ranks[r] + R_FAULT]
+            if fault == FAULT_LEFT:
                 gone.append(f"rank {r} (pid {pid}) closed its client")
-            elif pid and not self.rank_alive(r):
+            elif not fault and pid and not self.rank_alive(r):
                 gone.append(f"rank {r} (pid {pid}) exited")
         if gone:
             raise BarrierTimeoutError(
@@ -807,6 +890,8 @@ class ShmTPGroup:
                       self.tp_rank, self.shm_name, timeout)
         # the finalizer stays: it unmaps (and closes kept semaphores) once this is garbage
         self._res.release(self.tp_rank == 0, close_sems=left, unmap=False)
+        if left:
+            self._runq.close()
         return left
 
 

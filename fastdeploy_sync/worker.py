@@ -114,6 +114,11 @@ _BYE_LINGER_MS = 200
 # How long close() waits for a step call in another thread to let go of a socket before it
 # keeps the sockets (leaks them until exit) rather than closing them under that thread.
 _CLOSE_WAIT_S = 2.0
+# The event loop receives in barrier() (async mode) when its prefetch thread is behind: on
+# every barrier for this long after it last found frames the thread had not handled, else on
+# every _DRAIN_PROBE_EVERY-th barrier and whenever it waits anyway (see _drain).
+_STARVED_S = 0.1
+_DRAIN_PROBE_EVERY = 16
 # Socket-monitor events a worker watches: connection up and down, and handshakes.
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
@@ -264,6 +269,7 @@ class TaskClient:
         self._group = _make_group(name, dp_id, tp_size, tp_rank, coordinator)
         self.incarnation = self._group.incarnation
         self._missing_fault = getattr(self._group, "missing_fault", self._group.peer_fault)
+        self._local_group = isinstance(self._group, (ShmTPGroup, SoloGroup))
         self._own_fault = False  # this rank published its failure to the group
         self._ctx = zmq.Context(io_threads=1)
         self._hb_sock = self._hb_monitor = None
@@ -284,6 +290,13 @@ class TaskClient:
             self._group.close()
             raise
         self._started = time.monotonic()
+        # The event loop's own poll of the sockets' descriptors (see _drain); _drain_in counts
+        # barriers down to the next look, _starved_until says until when to look every time.
+        self._drain_poll = select.poll()
+        for sock in (self._data, self._monitor):
+            self._drain_poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._drain_in = _DRAIN_PROBE_EVERY
+        self._starved_until = 0.0
         self._wake = WakePipe()
         self._thread = None
         if not self.async_prefetch:
@@ -439,7 +452,13 @@ class TaskClient:
         if self._error is not None:
             self._raise_error()
         if self.async_prefetch:
-            self._group.barrier(timeout, check=self._barrier_check)
+            if self._local_group:
+                self._group.barrier(timeout, check=self._barrier_check, on_wait=self._drain)
+            else:  # across nodes (paddle): a collective, no waiting path of ours
+                self._group.barrier(timeout, check=self._barrier_check)
+            self._drain_in -= 1
+            if self._drain_in <= 0:  # the step's barrier is passed: the time is our own
+                self._drain_step()
         else:
             self._receive_now()
             self._group.barrier(timeout, service=self._receive_in_wait,
@@ -602,6 +621,35 @@ class TaskClient:
                       self.name, self.tp_rank, path, exc)
 
     # -- background threads ------------------------------------------------------------------
+
+    def _drain(self) -> bool:
+        """Event loop, async mode: if frames have arrived that the prefetch thread has not
+        handled yet (it waits for the GIL, which this thread holds while the step is pure
+        Python), receive and decode them here, now. Never waits: the receive lock is taken
+        only if it is free, and the sockets' descriptors are polled with timeout 0 (~0.3 µs),
+        so a step that finds nothing pays that much. A failure is latched as the prefetch
+        thread's would be (the next step call raises it). True if frames were pending."""
+        if not self._recv_lock.acquire(False):
+            return False
+        try:
+            if self._closed or self._close_seq is not None or not self._drain_poll.poll(0):
+                return False
+            self._counters["received_by_loop"] += 1  # times the event loop stepped in
+            try:
+                self._receive_available()
+            except BaseException as exc:
+                self._fail(exc)
+            self._starved_until = time.monotonic() + _STARVED_S
+            return True
+        finally:
+            self._recv_lock.release()
+
+    def _drain_step(self) -> None:
+        """Look for frames the prefetch thread has not handled: at every barrier while it
+        was recently behind, else every _DRAIN_PROBE_EVERY-th one."""
+        self._drain()
+        starved = time.monotonic() < self._starved_until
+        self._drain_in = 1 if starved else _DRAIN_PROBE_EVERY
 
     def _prefetch_main(self):
         """Async mode: receive, decode, ping, watch the engine. Blocks in an OS-level poll of

@@ -43,7 +43,7 @@ def _fixed_spin():
     """The barrier before it became adaptive: always spin the full window first."""
     from fastdeploy_sync.tp_group import ShmTPGroup
 
-    ShmTPGroup._spin_budget_s = lambda self: self._spin_s
+    ShmTPGroup._spin_budget_s = lambda self, now_ns=0: self._spin_s
 
 
 # -- helper processes (module level so that spawn can import them) ---------------------------

@@ -6,7 +6,10 @@ counts the round trips), in the same run.
 
     python scripts/bench_sync.py [--iters 5000]
 
-Section 6 measures the StepProfiler's own cost per step (FD_SYNC_PROFILE=1).
+Section 6 measures the StepProfiler's own cost per step (FD_SYNC_PROFILE=1). Section 7
+measures delivery (put -> every rank took the batch) in a busy TP=2 loop whose 2 ms step
+holds the GIL (pure Python) or releases it (sleep), async and sync alternately; section 8
+what the barrier's busy-loop question and the event loop's look at its sockets cost.
 
 Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
 manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
@@ -127,6 +130,30 @@ def manager_barrier_rank(address, iters):
     with FDManagerQueue(address=address, tp_size=2, tp_rank=1) as q:
         for _ in range(iters + 1):
             q.barrier(timeout=60)
+
+
+def delivery_rank(name, rank, step, async_prefetch, n, out):
+    """A busy TP=2 loop (rank 0 checks, barrier, every rank takes, then a 2 ms step that
+    holds the GIL, "python", or releases it, "sleep"); records when each batch was taken."""
+    taken_at = {}
+    with TaskClient(name, 2, rank, async_prefetch=async_prefetch) as client:
+        client.barrier(timeout=60)
+        out.put(("ready", rank, None))
+        deadline = time.monotonic() + 120
+        while len(taken_at) < n and time.monotonic() < deadline:
+            if rank == 0:
+                client.exist_tasks()
+            client.barrier(timeout=60)
+            for batch_id, _ in client.get_tasks()[0]:
+                taken_at[batch_id] = time.monotonic_ns()
+            if step == "python":
+                end = time.perf_counter() + 0.002
+                while time.perf_counter() < end:
+                    pass
+            else:
+                time.sleep(0.002)
+        by_loop = client.stats().get("received_by_loop", 0)
+    out.put(("taken", rank, (taken_at, by_loop)))
 
 
 # -- sections --------------------------------------------------------------------------------
@@ -311,6 +338,91 @@ def bench_decode(iters=300):
     return rows
 
 
+def bench_delivery(n, rounds=2):
+    """Put -> every rank took it (CLOCK_MONOTONIC, shared by the processes), TP=2, puts of
+    64 x 512 int64 token ids 5-15 ms apart, for each step kind and mode, modes alternating
+    (``rounds`` times). Returns {(step, mode): [per-batch ms, ...]} and the share of
+    batches the event loop received itself (async)."""
+    batch = make_requests()
+    rows, by_loop = {}, {}
+    for _ in range(rounds):
+        for step in ("python", "sleep"):
+            for mode, async_prefetch in (("async", True), ("sync", False)):
+                name = "bd" + uuid.uuid4().hex[:8]
+                out = SPAWN.Queue()
+                with TaskQueue(name, 2) as queue:
+                    ps = [SPAWN.Process(target=delivery_rank,
+                                        args=(name, r, step, async_prefetch, n, out))
+                          for r in range(2)]
+                    for p in ps:
+                        p.start()
+                    for _ in range(2):
+                        out.get(timeout=60)
+                    rng = random.Random(1)
+                    put_at = {}
+                    for i in range(n):
+                        time.sleep(0.005 + rng.random() * 0.01)
+                        put_at[i] = time.monotonic_ns()
+                        queue.put_tasks((i, batch), timeout=30)
+                    got = {}
+                    for _ in range(2):
+                        _, rank, report = out.get(timeout=180)
+                        got[rank] = report
+                    for p in ps:
+                        p.join(30)
+                ms = [(max(got[r][0][i] for r in range(2)) - put_at[i]) / 1e6 for i in range(n)]
+                rows.setdefault((step, mode), []).extend(ms)
+                if async_prefetch:
+                    by_loop.setdefault(step, []).append(
+                        max(got[r][1] for r in range(2)) / n)
+    return rows, by_loop
+
+
+def bench_questions(iters=20000):
+    """What the barrier's busy-loop question and the event loop's look at its sockets cost
+    (per call, ns, the best of 5 blocks)."""
+    import select
+    import threading
+
+    import zmq
+
+    from fastdeploy_sync.tp_group import _RunQueueWait
+
+    runq = _RunQueueWait()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect("tcp://127.0.0.1:9")  # never connects: an idle socket's descriptor
+    poller = select.poll()
+    poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+    lock = threading.Lock()
+
+    def lock_pair():
+        if lock.acquire(False):
+            lock.release()
+
+    candidates = (("time.perf_counter_ns()", time.perf_counter_ns),
+                  ("time.monotonic_ns()", time.monotonic_ns),
+                  ("time.thread_time_ns() (CPU time of the thread)", time.thread_time_ns),
+                  ("schedstat run-queue wait (pread, kept open)", runq.read),
+                  ("zmq socket getsockopt(EVENTS)", lambda: sock.getsockopt(zmq.EVENTS)),
+                  ("poll(0) of the socket's descriptor", lambda: poller.poll(0)),
+                  ("lock acquire(False) + release", lock_pair))
+    rows = {}
+    try:
+        for label, fn in candidates:
+            best = float("inf")
+            for _ in range(5):
+                t0 = ns()
+                for _ in range(iters):
+                    fn()
+                best = min(best, (ns() - t0) / iters)
+            rows[label] = best
+    finally:
+        runq.close()
+        ctx.destroy(linger=0)
+    return rows
+
+
 def bench_profiler_overhead(blocks=200, steps=2000):
     """exist_tasks + barrier + get_tasks at TP=1 with nothing pending, on a client without
     and one with the StepProfiler, in alternating blocks; per block, the mean step time.
@@ -349,7 +461,7 @@ def line(label, samples, ref=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=5000)
-    ap.add_argument("--sections", default="1,2,3,4,5,6",
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7,8",
                     help="comma-separated section numbers to run (default: all)")
     args = ap.parse_args()
     n = args.iters
@@ -357,7 +469,8 @@ def main():
     print(f"fastdeploy_sync micro-benchmark, python {sys.version.split()[0]}, "
           f"{os.cpu_count()} cores, {n} iterations; perf_counter_ns overhead "
           f"{timer_overhead():.2f} us (included below)")
-    sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6]
+    sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6,
+                _section_7, _section_8]
     for k, section in enumerate(sections, 1):
         if k in want:
             section(n)
@@ -423,6 +536,31 @@ def _section_6(n):
     print(f"  {'step with profiler':<46} p50 {np.median(profiled) / 1e3:10.2f} us (block means)")
     print(f"  {'overhead (paired block difference)':<46} p50 {np.median(diff) / 1e3:10.2f} us   "
           f"p25-p75 {np.percentile(diff, 25) / 1e3:.2f}-{np.percentile(diff, 75) / 1e3:.2f} us")
+
+
+
+def _section_7(n):
+    count = max(n // 20, 100)
+    print(f"\n7. put -> every rank took it, TP=2 busy loop (2 ms step), {count} batches of 64 x "
+          f"512 token ids 5-15 ms apart, per step kind and mode, alternating, 2 rounds (ms)")
+    rows, by_loop = bench_delivery(count)
+    for step in ("python", "sleep"):
+        holds = "holds the GIL" if step == "python" else "releases the GIL"
+        for mode in ("sync", "async"):
+            ms = np.asarray(rows[(step, mode)])
+            extra = ""
+            if mode == "async":
+                extra = (f"   received by the event loop: "
+                         f"{100 * float(np.mean(by_loop[step])):.0f} % of batches")
+            print(f"  {step + ' step (' + holds + '), ' + mode:<46} p50 "
+                  f"{np.percentile(ms, 50):8.2f} ms p99 {np.percentile(ms, 99):8.2f} ms{extra}")
+
+
+def _section_8(n):
+    print("\n8. what the barrier's busy-loop question and the look at the sockets cost "
+          "(per call, best of 5 blocks)")
+    for label, cost in bench_questions().items():
+        print(f"  {label:<52} {cost:8.1f} ns")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,13 @@ choosing can still crash the worker or run code in it (``scripts/fuzz_codec.py
 authenticate peers with ZeroMQ CURVE, ipc sockets are protected by file permissions.
 """
 
-import array
+import copyreg
+import io
+import itertools
 import pickle
 import struct
 
+import numpy as np
 import xxhash
 
 from .errors import ProtocolError
@@ -258,6 +261,35 @@ class EncodedPayload:
         return [self.body, self.offsets, b"".join(pieces)]
 
 
+def _reduce_ndarray(arr):
+    """How the encoder pickles a plain ``numpy.ndarray``.
+
+    numpy's own protocol-5 reduction rebuilds every array through
+    ``numpy._core.numeric._frombuffer``, a Python function (``frombuffer`` then
+    ``reshape``): ~1.1 µs per array to encode and ~1.2 µs to decode, which made up most
+    of a 64-request batch's encode and decode time. ``numpy.ndarray(shape, dtype,
+    buffer)`` is a single C call that builds the same thing: an array viewing the
+    out-of-band buffer (read-only when the buffer is), its dtype and shape taken from the
+    pickle body. A buffer shorter than the shape needs raises ``TypeError`` (decode turns
+    it into ``ProtocolError``). Arrays this does not cover (below ``OOB_MIN_BYTES``, not
+    C-contiguous, holding Python objects, or of a dtype the buffer protocol cannot export,
+    such as datetime64) keep numpy's reduction."""
+    if arr.nbytes >= OOB_MIN_BYTES and arr.flags.c_contiguous and not arr.dtype.hasobject:
+        try:
+            return np.ndarray, (arr.shape, arr.dtype, pickle.PickleBuffer(arr))
+        except (ValueError, TypeError, BufferError):
+            pass
+    return arr.__reduce_ex__(5)
+
+
+def _dispatch_table():
+    """copyreg's reductions (read at every call: a registration made at any time counts)
+    plus ``_reduce_ndarray``, unless the application registered its own for ndarray."""
+    table = copyreg.dispatch_table.copy()
+    table.setdefault(np.ndarray, _reduce_ndarray)
+    return table
+
+
 def encode_parts(obj) -> EncodedPayload:
     """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
 
@@ -266,19 +298,31 @@ def encode_parts(obj) -> EncodedPayload:
     ``MAX_DATA_BYTES``); the data region is left for the caller to fill, into a frame
     (``EncodedPayload.frames()``) or into shared memory (``payload_shm``).
     """
-    buffers = []
+    buffers, layout = [], []
+    size = 0
 
     def keep_out_of_band(pickle_buffer):
+        # lays the buffer out as it comes (one pass: a second loop over 64 buffers cost
+        # ~16 µs of a 64-request batch's encode)
+        nonlocal size
         raw = pickle_buffer.raw()
-        if raw.nbytes < OOB_MIN_BYTES:
+        length = raw.nbytes
+        if length < OOB_MIN_BYTES:
             return True  # in-band
+        start = (size + _ALIGN - 1) & -_ALIGN
         buffers.append(raw)
+        layout.append((start, length))
+        size = start + length
         return False
 
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep_out_of_band)
+    pickler.dispatch_table = _dispatch_table()
     try:
-        body = pickle.dumps(obj, protocol=5, buffer_callback=keep_out_of_band)
+        pickler.dump(obj)
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise TypeError(f"task batch is not picklable: {exc}") from exc
+    body = out.getvalue()
     if len(body) > MAX_BODY_BYTES:
         raise ValueError(
             f"task batch pickles to {len(body)} bytes, more than codec.MAX_BODY_BYTES "
@@ -289,18 +333,11 @@ def encode_parts(obj) -> EncodedPayload:
     if len(buffers) > MAX_BUFFERS:
         raise ValueError(f"task batch holds {len(buffers)} arrays of {OOB_MIN_BYTES} bytes or "
                          f"more, more than codec.MAX_BUFFERS ({MAX_BUFFERS}); split the batch")
-    offsets = array.array("q")
-    layout = []
-    size = 0
-    for raw in buffers:
-        start = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        layout.append((start, raw.nbytes))
-        offsets.extend((start, raw.nbytes))
-        size = start + raw.nbytes
     if size > MAX_DATA_BYTES:
         raise ValueError(f"task batch's arrays take {size} bytes, more than "
                          f"codec.MAX_DATA_BYTES ({MAX_DATA_BYTES}); split the batch")
-    return EncodedPayload(body, buffers, layout, offsets.tobytes(), size)
+    offsets = struct.pack(f"<{2 * len(layout)}q", *itertools.chain.from_iterable(layout))
+    return EncodedPayload(body, buffers, layout, offsets, size)
 
 
 def encode_payload(obj) -> list:

@@ -193,6 +193,10 @@ MAX_BUFFERS = 1 << 16
 _LENGTH = struct.Struct("<Q")
 _PICKLE5_PREFIX = b"\x80\x05"  # PROTO 5, the first opcode of every body encode_payload makes
 _PICKLE_STOP = b"."  # STOP, its last
+_ZEROS = bytes(64)  # an alignment gap is shorter than _ALIGN
+# write_data copies buffers of at least this size with numpy (GIL released); below it the
+# per-call cost of a numpy copy (~2 µs) outweighs the GIL time it would free.
+_GIL_FREE_COPY_BYTES = 1 << 20
 
 
 class EncodedPayload:
@@ -206,6 +210,9 @@ class EncodedPayload:
 
     The buffers alias the caller's objects: copy them (``frames()``, ``write_data()``)
     before the caller may mutate or free what was passed to ``encode_parts()``.
+
+    ``data_hash()`` hashes the data region as the copy will hold it (for node-local
+    shared memory, whose bytes do not travel in a frame, see ``payload_shm``).
     """
 
     __slots__ = ("body", "buffers", "layout", "offsets", "data_size")
@@ -216,29 +223,43 @@ class EncodedPayload:
 
     def write_data(self, dest) -> None:
         """Copy every buffer to its offset in ``dest`` (a writable buffer of at least
-        ``data_size`` bytes): the one copy of the batch. The alignment gaps are not
-        written (fresh shared memory is already zero-filled)."""
+        ``data_size`` bytes, such as a reused shared-memory region) and zero the alignment
+        gaps between them: the one copy of the batch, after which ``dest`` holds exactly
+        the bytes ``data_hash()`` describes. Buffers of 1 MiB and more are copied by numpy,
+        which releases the GIL while it copies (a memoryview assignment would hold it for
+        the whole copy: ~4 ms per 64 MiB here, long enough to delay the engine's I/O
+        thread); smaller ones by memoryview assignment, which costs less per call."""
         view = memoryview(dest).cast("B")
-        for (start, length), raw in zip(self.layout, self.buffers):
-            view[start:start + length] = raw
-        view.release()
-
-    def checksum(self) -> int:
-        """``payload_checksum(self.frames())``, computed from the caller's buffers without
-        building the data frame (the hash is streamed: the alignment gaps hash as the zero
-        bytes the data region holds there). Valid only while the caller leaves the arrays
-        unchanged, as the copy is."""
-        if not self.buffers:
-            return _checksum([memoryview(self.body)])
-        hasher = xxhash.xxh3_64()
-        for view in (memoryview(self.body), memoryview(self.offsets)):
-            hasher.update(_LENGTH.pack(view.nbytes))
-            hasher.update(view)
-        hasher.update(_LENGTH.pack(self.data_size))
+        if view.nbytes < self.data_size:
+            raise ValueError(f"{view.nbytes}-byte destination for a {self.data_size}-byte "
+                             f"data region")
+        array = None
         end = 0
         for (start, length), raw in zip(self.layout, self.buffers):
             if start > end:
-                hasher.update(bytes(start - end))
+                view[end:start] = _ZEROS[:start - end]
+            if length >= _GIL_FREE_COPY_BYTES:
+                if array is None:
+                    array = np.frombuffer(view, dtype=np.uint8)
+                np.copyto(array[start:start + length], np.frombuffer(raw, dtype=np.uint8))
+            else:
+                view[start:start + length] = raw
+            end = start + length
+        del array
+        view.release()
+
+    def data_hash(self) -> int:
+        """xxh3_64 of the data region (``frames()[2]``, or what ``write_data`` writes), never
+        0, streamed from the caller's buffers without building the region: the alignment
+        gaps hash as the zero bytes the region holds there. Valid only while the caller
+        leaves the arrays unchanged, as the copy is. 0 when there are no buffers."""
+        if not self.buffers:
+            return 0
+        hasher = xxhash.xxh3_64()
+        end = 0
+        for (start, length), raw in zip(self.layout, self.buffers):
+            if start > end:
+                hasher.update(_ZEROS[:start - end])
             hasher.update(raw)
             end = start + length
         return hasher.intdigest() or 1

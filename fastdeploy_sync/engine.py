@@ -354,6 +354,7 @@ class TaskQueue:
             group = self._group
         out["group"] = f"{group.incarnation:016x}" if group else None
         out["ranks"] = self.ranks()
+        out.update(self._encoder.stats())  # shm_*: which path large batches took
         return out
 
     def status(self) -> dict:

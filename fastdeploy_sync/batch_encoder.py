@@ -157,7 +157,7 @@ class BatchEncoder:
                        f"({held['bytes_held'] >> 20} MiB)" if size <= pool.data_size else
                        f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
                        f"FD_SYNC_SHM_POOL_MB)")
-                self._note("pool-full", logging.INFO, "%s: a %.1f MiB batch takes a segment "
+                self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a segment "
                            "of its own: %s", size / payload_shm.MiB, why)
             number = next(self._numbers)
         no_room = payload_shm.fresh_fits(size)
@@ -179,7 +179,7 @@ class BatchEncoder:
                 return shared
         with self._lock:
             self.counters["shm_socket_fallbacks"] += 1
-            self._note("socket", logging.WARNING, "%s: a %.1f MiB batch goes over the socket "
+            self._note("socket", logging.WARNING, "a %.1f MiB batch goes over the socket "
                        "(one copy per rank) instead of shared memory: %s",
                        size / payload_shm.MiB, no_room)
         return None
@@ -194,12 +194,12 @@ class BatchEncoder:
         self._pool_retry_at = now + _POOL_RETRY_S
         size, why = payload_shm.pool_size(self._pool_bytes, max(self._shm_min_bytes, 1 << 20))
         if size == 0:
-            self._note("pool-none", logging.WARNING, "%s: no shared-memory pool (%s; "
+            self._note("pool-none", logging.WARNING, "no shared-memory pool (%s; "
                        "FD_SYNC_SHM_POOL_MB=%d): large batches take a segment of their own "
                        "or the socket", why, self._pool_bytes >> 20)
             return None
         if size < self._pool_bytes:
-            self._note("pool-small", logging.WARNING, "%s: shared-memory pool sized down to "
+            self._note("pool-small", logging.WARNING, "shared-memory pool sized down to "
                        "%d MiB (FD_SYNC_SHM_POOL_MB=%d): %s", size >> 20, self._pool_bytes >> 20,
                        why)
         name = payload_shm.pool_name(self.name, self.dp_id, next(self._numbers))
@@ -210,7 +210,7 @@ class BatchEncoder:
                 f"TaskQueue {self.name} dp_id={self.dp_id}: pool {name} exists: another "
                 f"TaskQueue of this name lives in this process; close it first") from None
         except OSError as exc:
-            self._note("pool-failed", logging.WARNING, "%s: could not create the "
+            self._note("pool-failed", logging.WARNING, "could not create the "
                        "shared-memory pool %s (%d MiB): %s; retrying in %.0f s", name,
                        size >> 20, exc, _POOL_RETRY_S)
             return None

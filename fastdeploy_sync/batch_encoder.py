@@ -59,7 +59,8 @@ class BatchEncoder:
     shared memory (a ``tcp://`` queue always sends arrays inline). Read here:
     ``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (batches whose arrays take at least this much go
     through shared memory), ``FD_SYNC_SHM_POOL_MB`` (the pool's size),
-    ``FD_SYNC_SHM_CHECKSUM`` (whether ranks hash the shared bytes).
+    ``FD_SYNC_SHM_CHECKSUM`` (whether the shared bytes are hashed and verified by every
+    rank; off by default, see ``payload_shm``).
     ``max_message_bytes``: the largest message the workers accept.
 
     ``counters`` (for ``TaskQueue.stats()``): ``shm_pool_batches``,

@@ -232,7 +232,11 @@ def shm_pool_bytes() -> int:
 
 
 def shm_checksum() -> bool:
-    """``FD_SYNC_SHM_CHECKSUM`` (default ``1``): whether every rank hashes the array bytes of
-    a shared-memory batch (``payload_shm``) before decoding it. The pickle body and the
-    reference are always checked."""
-    return _flag("FD_SYNC_SHM_CHECKSUM", "1")
+    """``FD_SYNC_SHM_CHECKSUM`` (default ``0``): ``1`` makes the engine hash the array bytes
+    of every shared-memory batch (``payload_shm``) and every rank verify the hash before
+    decoding. The pickle body and the reference (offsets, region, stamp) are always
+    checked before anything is unpickled; the array bytes are only ever the contents of
+    arrays whose dtype and shape come from the checked body, and only this user can write
+    them (see docs/large-batches.md). Costs each rank one pass over the bytes: 64 MiB to
+    TP=4 went from 8.7 to 3.3 GB/s effective here. Read by ``TaskQueue`` at construction."""
+    return _flag("FD_SYNC_SHM_CHECKSUM", "0")

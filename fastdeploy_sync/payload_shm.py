@@ -43,11 +43,16 @@ it (unlinked once no batch of the next group still sits in it) and the next grou
 new one; ranks of the old group that still hold arrays keep their pages.
 
 Integrity: the DATA message's checksum covers the body and the reference (which holds
-the offsets), verified before anything is mapped or unpickled, as on the socket path.
-The array bytes in shared memory are hashed (xxh3_64) by the engine from the caller's
-buffers and verified by every rank (``FD_SYNC_SHM_CHECKSUM``, default on), costing each
-rank one pass over the bytes (~2 ms per 64 MiB here). See ``docs/large-batches.md`` for
-what turning it off trades.
+the offsets, the region and its stamp) and is verified before anything is mapped or
+unpickled, as on the socket path; then the reference is checked by arithmetic against
+what it names. The array bytes in shared memory are not hashed by default
+(``FD_SYNC_SHM_CHECKSUM=1`` makes the engine hash them and every rank verify them): the
+unpickler never reads them (they only become the contents of arrays whose dtype and
+shape come from the checked body; numpy refuses to build an object array over a
+buffer), no transport carries them (the rank reads the very pages the engine wrote),
+and only this uid can write them (0600, created exclusively, owner-checked on open).
+Hashing them cost each rank one pass over the bytes, and more than half of the
+delivery time of a 64 MiB batch to TP=4 here (see ``docs/large-batches.md``).
 
 Trust: names are ``/fdsync.NAME.dpN.b<K>.<engine-pid>`` (own segment) and
 ``/fdsync.NAME.dpN.bp<K>.<engine-pid>`` (pool), created exclusively with mode 0600. A
@@ -646,7 +651,7 @@ class PayloadReader:
         over the body and the reference (as for the socket path; a corrupted reference
         can point nowhere); the reference's structure; the name (this queue's prefix),
         owner and size of what it names; the region's bounds and stamp; the array bytes'
-        hash when the engine sent one (``FD_SYNC_SHM_CHECKSUM``). Then
+        hash when the engine sent one (``FD_SYNC_SHM_CHECKSUM=1``). Then
         ``codec.decode_payload`` (structure, bounds, unpickling) on the mapped bytes, which
         the decoded arrays view read-only.
 

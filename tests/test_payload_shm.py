@@ -471,11 +471,16 @@ def test_a_retired_groups_shared_batches_come_back_and_its_pool_is_unlinked(
         assert len(pool_names(name)) == 1 and shm_stats(queue)["shm_pools_created"] == 2
 
 
-def test_shared_bytes_unhashed_when_checksum_is_off(name, procs, results, small_threshold,
-                                                    monkeypatch):
-    """FD_SYNC_SHM_CHECKSUM=0: the reference carries no hash of the shared bytes (body and
-    reference are still checked); batches arrive identical."""
-    monkeypatch.setenv("FD_SYNC_SHM_CHECKSUM", "0")
+@pytest.mark.parametrize("setting,hashed", [(None, False), ("1", True)],
+                         ids=["default-unhashed", "FD_SYNC_SHM_CHECKSUM=1"])
+def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_threshold,
+                                                 monkeypatch, setting, hashed):
+    """By default the reference carries no hash of the shared bytes (body and reference
+    are checked); FD_SYNC_SHM_CHECKSUM=1 hashes them. Batches arrive identical either way."""
+    if setting is None:
+        monkeypatch.delenv("FD_SYNC_SHM_CHECKSUM", raising=False)
+    else:
+        monkeypatch.setenv("FD_SYNC_SHM_CHECKSUM", setting)
     seen = []
     import fastdeploy_sync.batch_encoder as be
 
@@ -492,6 +497,6 @@ def test_shared_bytes_unhashed_when_checksum_is_off(name, procs, results, small_
         for i in range(4):
             queue.put_tasks(make_batch(i), timeout=30)
         taken = collect(results, "taken", 2)
-    assert seen == [0, 0]
+    assert len(seen) == 2 and all((h != 0) == hashed for h in seen), seen
     for rank, (batches, shared) in taken.items():
         assert batches == [expected(i) for i in range(4)] and shared == 2

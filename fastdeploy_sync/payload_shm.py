@@ -558,14 +558,15 @@ class PayloadPool:
 
     def close(self) -> None:
         """Unlink the name and close the file (dropping the ownership lock). Idempotent.
-        The mapping is left to the garbage collector: regions being written or decoded
-        (a ``LostBatch``'s arrays) keep it alive, and it goes with the last of them."""
+        The mapping stays until this object is garbage: a region still being written by
+        a put that is about to fail, or decoded again for a ``LostBatch`` (whose arrays
+        then keep it), must find it mapped; the memory returns to the system with the
+        last of them."""
         if self.closed:
             return
         self.closed = self.retired = True
         unlink_segment(self.name)
         os.close(self._fd)
-        self._words = self._data = self._mapping = None
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use

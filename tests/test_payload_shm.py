@@ -500,3 +500,54 @@ def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_thr
     assert len(seen) == 2 and all((h != 0) == hashed for h in seen), seen
     for rank, (batches, shared) in taken.items():
         assert batches == [expected(i) for i in range(4)] and shared == 2
+
+
+@_report_errors
+def mutate_references(out, rank, name, inputs, seed):
+    """Decode ``inputs`` mutations of a pool batch's body and reference, the checksum
+    recomputed each time (what a buggy sender could produce): count the outcomes."""
+    import random
+
+    rng = random.Random(seed)
+    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    outcomes = {"decoded": 0, "ProtocolError": 0, "GroupLostError": 0}
+    try:
+        (body, ref), _, _ = _pool_batch(name, pool, 0, data_hash=rng.random() < 0.5)
+        reader = payload_shm.PayloadReader(name, 0, 2, 1)
+        for _ in range(inputs):
+            mutated = bytearray(ref)
+            kind = rng.random()
+            if kind < 0.5:  # flip bytes anywhere: header fields, offsets, name
+                for _ in range(rng.randint(1, 4)):
+                    mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
+            elif kind < 0.8:  # a plausible field with a hostile value
+                field = rng.choice((8, 20, 24, 32, 40, 48, 56))
+                value = rng.choice((0, 1, -1, 1 << 20, (1 << 63) - 1, -(1 << 63),
+                                    rng.randrange(-(1 << 40), 1 << 40)))
+                mutated[field:field + 8] = value.to_bytes(8, "little", signed=True)
+            else:  # cut or extend
+                mutated = mutated[:rng.randrange(len(mutated))] if rng.random() < 0.5 else \
+                    mutated + bytes(rng.randrange(1, 64))
+            frames = [body, bytes(mutated)]
+            try:
+                reader.decode(*frames, codec.payload_checksum(frames))
+                outcomes["decoded"] += 1
+            except (ProtocolError, GroupLostError) as exc:
+                outcomes[type(exc).__name__] += 1
+    finally:
+        pool.close()
+    out.put(("outcomes", rank, outcomes))
+
+
+def test_mutated_references_are_refused_cleanly(name, procs, results):
+    """Decoding stays total on the shared-memory path too: 3000 mutated references with
+    a recomputed checksum, in a child process, give ProtocolError or GroupLostError (or
+    decode a batch with different array contents), never another exception, a crash or
+    a large allocation."""
+    inputs = 3000
+    child = procs(mutate_references, results, 0, name, inputs, 20261124)
+    outcomes = collect(results, "outcomes", 1, timeout=120)[0]
+    child.join(timeout=30)
+    assert child.exitcode == 0, f"the decoding child exited with {child.exitcode}"
+    assert sum(outcomes.values()) == inputs, outcomes
+    assert outcomes["ProtocolError"] > inputs // 2, outcomes

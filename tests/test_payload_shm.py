@@ -551,3 +551,24 @@ def test_mutated_references_are_refused_cleanly(name, procs, results):
     assert child.exitcode == 0, f"the decoding child exited with {child.exitcode}"
     assert sum(outcomes.values()) == inputs, outcomes
     assert outcomes["ProtocolError"] > inputs // 2, outcomes
+
+
+def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name, monkeypatch):
+    """_retire decodes the retired group's batches outside the engine's mutex; a put
+    timing out in another thread meanwhile discards the last pending region of that pool,
+    which closes it. The LostBatch decode must still find the bytes."""
+    from fastdeploy_sync.batch_encoder import BatchEncoder
+
+    monkeypatch.setenv("FD_SYNC_SHM_PAYLOAD_MIN_KB", str(THRESHOLD_KB))
+    encoder = BatchEncoder(name, 0, 2, node_local=True, max_message_bytes=1 << 30)
+    try:
+        kept = encoder.encode(make_batch(0))
+        encoder.keep(1, kept)
+        pending = encoder.encode(make_batch(2))  # a put still waiting for room
+        dropped = encoder.drop_all()  # the group is retired
+        encoder.discard(pending)  # the waiting put times out: the retired pool is idle
+        assert pool_names(name) == []  # ... and unlinked
+        assert describe(encoder.decode_retained(kept.frames, dropped[1])) == expected(0)
+        encoder.forget(dropped)
+    finally:
+        encoder.close()

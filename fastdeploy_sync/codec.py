@@ -288,19 +288,35 @@ def _reduce_ndarray(arr):
     numpy's own protocol-5 reduction rebuilds every array through
     ``numpy._core.numeric._frombuffer``, a Python function (``frombuffer`` then
     ``reshape``): ~1.1 µs per array to encode and ~1.2 µs to decode, which made up most
-    of a 64-request batch's encode and decode time. ``numpy.ndarray(shape, dtype,
-    buffer)`` is a single C call that builds the same thing: an array viewing the
-    out-of-band buffer (read-only when the buffer is), its dtype and shape taken from the
-    pickle body. A buffer shorter than the shape needs raises ``TypeError`` (decode turns
-    it into ``ProtocolError``). Arrays this does not cover (below ``OOB_MIN_BYTES``, not
-    C-contiguous, holding Python objects, or of a dtype the buffer protocol cannot export,
-    such as datetime64) keep numpy's reduction."""
+    of a 64-request batch's encode and decode time. Here a 1-d array (token ids) is
+    rebuilt by ``numpy.frombuffer(buffer, dtype)`` alone, one C call, and an n-d array by
+    ``_array``; either is a view of the out-of-band buffer (read-only when the buffer is),
+    its dtype (and shape) taken from the pickle body. Like numpy's own path it goes
+    through ``numpy.frombuffer``, which refuses a dtype flagged as holding Python objects
+    and a buffer that is not a whole number of items (``ValueError``; decode turns it
+    into ``ProtocolError``): ``numpy.ndarray(shape, dtype, buffer)``, one call too, would
+    build an object array over raw bytes, read as pointers when touched. (A dtype whose
+    pickled state was corrupted can carry wrong flags and pass that check, here as
+    before: what the body checksum is for; ``scripts/fuzz_codec.py --recompute-checksum``
+    measures that residual risk.) Arrays this does not cover (below ``OOB_MIN_BYTES``, not C-contiguous, holding Python objects, or of a
+    dtype the buffer protocol cannot export, such as datetime64) keep numpy's
+    reduction."""
     if arr.nbytes >= OOB_MIN_BYTES and arr.flags.c_contiguous and not arr.dtype.hasobject:
         try:
-            return np.ndarray, (arr.shape, arr.dtype, pickle.PickleBuffer(arr))
+            buffer = pickle.PickleBuffer(arr)
         except (ValueError, TypeError, BufferError):
-            pass
+            return arr.__reduce_ex__(5)
+        if arr.ndim == 1:
+            return np.frombuffer, (buffer, arr.dtype)
+        return _array, (buffer, arr.dtype, arr.shape)
     return arr.__reduce_ex__(5)
+
+
+def _array(buffer, dtype, shape):
+    """Decode side of ``_reduce_ndarray`` for n-d arrays: the buffer as ``dtype`` items
+    (``numpy.frombuffer``: no Python objects, a whole number of items), in ``shape``
+    (``ValueError`` when the count differs)."""
+    return np.frombuffer(buffer, dtype).reshape(shape)
 
 
 def _dispatch_table():

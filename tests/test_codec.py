@@ -3,6 +3,7 @@ process (a decoding bug shows as a failed test, not as a dead test runner)."""
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -270,10 +271,10 @@ def test_arrays_of_every_kind_round_trip_exactly(array, out_of_band):
 
 
 def test_plain_arrays_are_rebuilt_by_one_c_call():
-    """A large C-contiguous ndarray pickles as ``numpy.ndarray(shape, dtype, buffer)``
-    (one C call to decode), not through numpy's Python-level ``_frombuffer``."""
+    """A large C-contiguous 1-d ndarray pickles as ``numpy.frombuffer(buffer, dtype)`` (one
+    C call to decode), not through numpy's Python-level ``_frombuffer``."""
     body = codec.encode_payload(fastdeploy_batch())[0]
-    assert b"ndarray" in body and b"_frombuffer" not in body
+    assert b"frombuffer" in body and b"_frombuffer" not in body
     # an object array cannot travel out of band: numpy's own reduction, in band
     objects = np.array([{"x": 1}, None] * 600, dtype=object)
     frames, decoded = checked_round_trip(objects)
@@ -294,11 +295,37 @@ def test_an_application_reduction_for_ndarray_is_respected(monkeypatch):
 
 
 def test_a_body_whose_shape_needs_more_than_its_buffer_is_a_protocol_error():
-    frames = codec.encode_payload(np.arange(4096, dtype=np.int64))
+    frames = codec.encode_payload(np.arange(4096, dtype=np.int64).reshape(64, 64))
     # an authenticated sender's body asking for more elements than the buffer holds
     # (the checksum recomputed): numpy refuses, decode raises ProtocolError, nothing crashes
-    body = frames[0].replace(b"\x4d\x00\x10", b"\x4d\x00\x20")  # BININT2 4096 -> 8192
+    body = frames[0].replace(b"K@K@\x86", b"K\x80K@\x86")  # shape (64, 64) -> (128, 64)
     assert body != frames[0]
     bad = [body, frames[1], frames[2]]
     with pytest.raises(ProtocolError, match="does not decode"):
         codec.decode_payload(bad, codec.payload_checksum(bad))
+
+
+class _ObjectsOverBytes:
+    """Pickles as the encoder's reconstructors called with a dtype of Python objects over an
+    out-of-band buffer of plain int64 (what a buggy authenticated sender could send)."""
+
+    def __init__(self, dtype, ndim):
+        self.dtype, self.ndim = np.dtype(dtype), ndim
+
+    def __reduce__(self):
+        data = pickle.PickleBuffer(np.arange(4096, dtype=np.int64))
+        if self.ndim == 1:
+            return np.frombuffer, (data, self.dtype)
+        return codec._array, (data, self.dtype, (64, 32))
+
+
+@pytest.mark.parametrize("dtype", [object, [("id", "<i8"), ("obj", "O")]],
+                         ids=["object", "structured-with-objects"])
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_an_out_of_band_array_of_python_objects_is_refused(dtype, ndim):
+    """Bytes are never read as pointers: the reconstructors refuse an out-of-band array of
+    Python objects, and decode raises ProtocolError (numpy.ndarray would build one)."""
+    frames = codec.encode_payload(_ObjectsOverBytes(dtype, ndim))
+    assert len(frames) == 3  # the buffer did travel out of band
+    with pytest.raises(ProtocolError, match="does not decode"):
+        codec.decode_payload(frames, codec.payload_checksum(frames))

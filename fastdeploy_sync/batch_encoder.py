@@ -124,7 +124,7 @@ class BatchEncoder:
         reference carries the hash of the shared bytes (0: not hashed)."""
         # the body travels over the socket either way: refuse what no path can carry
         self._check_message_size([parts.body, parts.offsets])
-        target = self._reserve(parts.data_size)
+        target = self._place(parts.data_size)
         if target is None:
             return None
         try:
@@ -141,7 +141,7 @@ class BatchEncoder:
             raise
         return EncodedBatch(frames, check, target)
 
-    def _reserve(self, size):
+    def _place(self, size):
         """Room for ``size`` bytes: a pool region, a segment of its own, or None."""
         with self._lock:
             if self._closed:

@@ -48,11 +48,12 @@ unpickled, as on the socket path; then the reference is checked by arithmetic ag
 what it names. The array bytes in shared memory are not hashed by default
 (``FD_SYNC_SHM_CHECKSUM=1`` makes the engine hash them and every rank verify them): the
 unpickler never reads them (they only become the contents of arrays whose dtype and
-shape come from the checked body; numpy refuses to build an object array over a
-buffer), no transport carries them (the rank reads the very pages the engine wrote),
-and only this uid can write them (0600, created exclusively, owner-checked on open).
-Hashing them cost each rank one pass over the bytes, and more than half of the
-delivery time of a 64 MiB batch to TP=4 here (see ``docs/large-batches.md``).
+shape come from the checked body, built by ``numpy.frombuffer``, which refuses dtypes
+that hold Python objects), no transport carries them (the rank reads the very pages the
+engine wrote), and only this uid can write them (0600, created exclusively,
+owner-checked on open). Hashing them costs each rank one more pass over the bytes: about
+half of the delivery time of a 64 MiB batch to TP=4 here (see
+``docs/large-batches.md``).
 
 Trust: names are ``/fdsync.NAME.dpN.b<K>.<engine-pid>`` (own segment) and
 ``/fdsync.NAME.dpN.bp<K>.<engine-pid>`` (pool), created exclusively with mode 0600. A
@@ -140,7 +141,10 @@ def pool_size(requested: int, min_bytes: int, path: str = _SHM_DIR):
                                             f"quarter of it free")]
     size, why = min(limits, key=lambda limit: limit[0])
     size = max(0, size) // MiB * MiB
-    return (size if size >= min_bytes else 0), why
+    if size < min_bytes:
+        return 0, (f"{why}: " if why else "") + (f"{size // MiB} MiB is less than the "
+                                                 f"{-(-min_bytes // MiB)} MiB a pool needs")
+    return size, why
 
 
 def fresh_fits(size: int, path: str = _SHM_DIR):

@@ -12,8 +12,10 @@ in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
 
 Node-local engines put the data region of a large batch in shared memory instead of a
 frame (``payload_shm``): ``encode_parts()`` collects the buffers without copying them,
-the engine writes them once into the segment, and the worker hands its read-only mapping
-to ``decode_payload()`` as the data frame (same checks, same checksum).
+the engine writes them once (``EncodedPayload.write_data``), and the worker hands its
+read-only mapping to ``decode_payload()`` as the data frame (the same structure checks;
+the message's checksum covers the body and the reference to the shared bytes, see
+``payload_shm``).
 
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
@@ -87,7 +89,7 @@ HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = se
 #            frames[1] = the queue name
 DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
 #           payload (encode_payload), or [body, reference] when a node-local engine put
-#           the arrays in shared memory (payload_shm; check covers the shared bytes)
+#           the arrays in shared memory (payload_shm; check covers body and reference)
 ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
 WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)

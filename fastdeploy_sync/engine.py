@@ -275,8 +275,10 @@ class TaskQueue:
         ``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (default 1 MiB) is copied once into shared memory,
         which every rank maps read-only (``payload_shm``); only the pickle body and a small
         reference travel over the socket, so the message limit applies to them and the
-        arrays are bounded by ``codec.MAX_DATA_BYTES``. Either way the arrays are copied
-        once before this returns: mutating them afterwards does not change the batch.
+        arrays are bounded by ``codec.MAX_DATA_BYTES``. When shared memory has no room
+        (``/dev/shm`` small or full) the batch goes over the socket instead, never refused
+        for it (``batch_encoder``). Either way the arrays are copied once before this
+        returns: mutating them afterwards does not change the batch.
 
         Blocks while ``max_inflight`` batches are not yet consumed by every rank.
         ``timeout`` (seconds, None = forever): raises ``TimeoutError`` naming the ranks that

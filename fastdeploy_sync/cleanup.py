@@ -169,17 +169,29 @@ def _not_ours(st) -> str:
     return f"owned by uid {st.st_uid}, not {os.geteuid()}: left alone"
 
 
+def _ours(item: Leftover, is_type) -> bool:
+    """True if ``item.path`` is a file of our uid and of the type ``is_type`` accepts
+    (``stat.S_ISREG``, ``stat.S_ISSOCK``); else sets ``item.state`` ("gone" or "not ours",
+    with why) and returns False. Never follows a symlink."""
+    try:
+        st = os.lstat(item.path)
+    except FileNotFoundError:
+        item.state, item.why = "gone", "removed meanwhile"
+        return False
+    if st.st_uid != os.geteuid():
+        item.state, item.why = "not ours", _not_ours(st)
+        return False
+    if not is_type(st.st_mode):
+        item.state, item.why = "not ours", f"not a {is_type.__name__[4:].lower()} file: left alone"
+        return False
+    return True
+
+
 def _segment(entry, m) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
     kind = "payload" if m["pid"] else m["kind"]
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        item.state, item.why = "gone", "removed meanwhile"
-        return item
-    if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-        item.state, item.why = "not ours", _not_ours(st)
+    if not _ours(item, stat.S_ISREG):
         return item
     if m["pid"]:
         owner = int(m["pid"])
@@ -242,14 +254,7 @@ def _sockets(name, dp_id) -> list:
 def _socket(path, m) -> Leftover:
     kind = ".put" if m["kind"] else "socket"
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        item.state, item.why = "gone", "removed meanwhile"
-        return item
-    if st.st_uid != os.geteuid() or not stat.S_ISSOCK(st.st_mode):
-        item.state, item.why = "not ours", _not_ours(st) if st.st_uid != os.geteuid() else \
-            "not a socket: left alone"
+    if not _ours(item, stat.S_ISSOCK):
         return item
     if ipc_listener_alive(path):
         item.why = "a process listens on it"

@@ -47,6 +47,32 @@ __all__ = ["TaskQueueCollector", "register", "RANK_STATES"]
 
 RANK_STATES = ("connected", "disconnected", "never connected")
 
+_C, _G, _H = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+_RANK = ("rank",)
+# key, family, name (after the prefix), help, labels beyond queue and dp_id (None: no labels)
+_FAMILIES = (
+    ("put", _C, "batches_put", "Batches put into the queue", ()),
+    ("delivered", _C, "batches_delivered", "Batches consumed by every rank of a worker group", ()),
+    ("in_flight", _G, "batches_in_flight", "Batches put and not yet consumed by every rank", ()),
+    ("max_inflight", _G, "max_inflight", "The queue's bound on batches in flight", ()),
+    ("delivery", _H, "delivery_seconds",
+     "Time from put_tasks() until every rank consumed the batch", ()),
+    ("consumed", _G, "rank_consumed_seq", "Highest seq the rank consumed", _RANK),
+    ("lag", _G, "rank_lag_batches", "Batches put that the rank has not consumed", _RANK),
+    ("state", _G, "rank_state", "1 for the rank's current state, 0 for the others",
+     _RANK + ("state",)),
+    ("silent", _G, "rank_silent_seconds", "Seconds since the engine last heard from the rank",
+     _RANK),
+    ("groups", _C, "groups", "Worker groups the engine admitted", ()),
+    ("retired", _C, "groups_retired", "Worker groups retired, by reason", ("reason",)),
+    ("rejected", _C, "rejected_peers", "HELLOs and messages the engine refused", ()),
+    ("garbage", _C, "garbage_frames", "Messages to the engine that did not parse", ()),
+    ("stale", _C, "stale_messages", "Messages of another engine instance, worker group or worker",
+     ()),
+    ("unreachable", _C, "unreachable_sends", "Sends to a rank whose connection was gone", ()),
+    ("scrape_errors", _C, "scrape_errors", "Queues whose stats() raised during a scrape", None),
+)
+
 
 class TaskQueueCollector(Collector):
     """A prometheus_client collector over a set of ``TaskQueue``s (anything with the same
@@ -91,47 +117,11 @@ class TaskQueueCollector(Collector):
         return list(families.values())
 
     def _families(self) -> dict:
-        p, q = self._prefix, ["queue", "dp_id"]
-        r = q + ["rank"]
-        return {
-            "put": CounterMetricFamily(f"{p}_batches_put", "Batches put into the queue", labels=q),
-            "delivered": CounterMetricFamily(
-                f"{p}_batches_delivered", "Batches consumed by every rank of a worker group",
-                labels=q),
-            "in_flight": GaugeMetricFamily(
-                f"{p}_batches_in_flight", "Batches put and not yet consumed by every rank",
-                labels=q),
-            "max_inflight": GaugeMetricFamily(
-                f"{p}_max_inflight", "The queue's bound on batches in flight", labels=q),
-            "delivery": HistogramMetricFamily(
-                f"{p}_delivery_seconds",
-                "Time from put_tasks() until every rank consumed the batch", labels=q),
-            "consumed": GaugeMetricFamily(
-                f"{p}_rank_consumed_seq", "Highest seq the rank consumed", labels=r),
-            "lag": GaugeMetricFamily(
-                f"{p}_rank_lag_batches", "Batches put that the rank has not consumed", labels=r),
-            "state": GaugeMetricFamily(
-                f"{p}_rank_state", "1 for the rank's current state, 0 for the others",
-                labels=r + ["state"]),
-            "silent": GaugeMetricFamily(
-                f"{p}_rank_silent_seconds", "Seconds since the engine last heard from the rank",
-                labels=r),
-            "groups": CounterMetricFamily(
-                f"{p}_groups", "Worker groups the engine admitted", labels=q),
-            "retired": CounterMetricFamily(
-                f"{p}_groups_retired", "Worker groups retired, by reason", labels=q + ["reason"]),
-            "rejected": CounterMetricFamily(
-                f"{p}_rejected_peers", "HELLOs and messages the engine refused", labels=q),
-            "garbage": CounterMetricFamily(
-                f"{p}_garbage_frames", "Messages to the engine that did not parse", labels=q),
-            "stale": CounterMetricFamily(
-                f"{p}_stale_messages",
-                "Messages of another engine instance, worker group or worker", labels=q),
-            "unreachable": CounterMetricFamily(
-                f"{p}_unreachable_sends", "Sends to a rank whose connection was gone", labels=q),
-            "scrape_errors": CounterMetricFamily(
-                f"{p}_scrape_errors", "Queues whose stats() raised during a scrape"),
-        }
+        made = {}
+        for key, family, name, text, extra in _FAMILIES:
+            labels = None if extra is None else ["queue", "dp_id", *extra]
+            made[key] = family(f"{self._prefix}_{name}", text, labels=labels)
+        return made
 
     @staticmethod
     def _add(f, queue, s) -> None:

@@ -148,9 +148,12 @@ def test_status_watch_refreshes_until_interrupted(name, procs, results):
         for rank in range(2):
             procs(hold_group_rank, results, rank, name, 2, 5.0)
         collect(results, "ready", 2)
+        # SIGINT as in a terminal (a shell running the suite in the background would hand
+        # the child SIGINT ignored)
         watch = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
                                   "--watch", "0.2"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+                                 stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             time.sleep(2.0)
         finally:

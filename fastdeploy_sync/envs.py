@@ -238,5 +238,6 @@ def shm_checksum() -> bool:
     checked before anything is unpickled; the array bytes are only ever the contents of
     arrays whose dtype and shape come from the checked body, and only this user can write
     them (see docs/large-batches.md). Costs each rank one pass over the bytes: 64 MiB to
-    TP=4 went from 8.7 to 3.3 GB/s effective here. Read by ``TaskQueue`` at construction."""
+    TP=4 went from 5.6-7.2 to 3.3-3.5 GB/s effective here. Read by ``TaskQueue`` at
+    construction."""
     return _flag("FD_SYNC_SHM_CHECKSUM", "0")

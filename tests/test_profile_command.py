@@ -316,20 +316,22 @@ def test_report_too_few_rounds_gives_no_interval_and_no_met_or_missed():
 
 
 def test_report_same_machine_twice_never_flips_met_and_missed():
-    """Runs drawn from one machine (the same effects, rounds moving +-15 %): for every row,
-    no two runs say met and MISSED; where a row sits near its target, runs say
+    """Runs drawn from one machine (the same effects, rounds moving +-15 %), several rows
+    sitting right at their targets, where a verdict from the point estimate alone flips from
+    run to run: for every row, no two runs say met and MISSED; near a target, runs say
     inconclusive instead."""
     from fastdeploy_sync.profiling import report
 
     words = {}
     for seed in range(12):
-        raw = _fake_raw(seed=seed, round_noise=0.15, crit_us={"async": 27.0, "sync": 140.0},
-                        gil_us={"async": 55.0}, delivery_ms={"async": 4.0})
+        raw = _fake_raw(seed=seed, round_noise=0.15,
+                        crit_us={"async": 29.5, "sync": 150.0, "fd-manager": 600.0},
+                        gil_us={"async": 60.0}, delivery_ms={"async": 4.0, "sync": 4.0})
         for row, word in _verdicts(report.summarize(raw)).items():
             words.setdefault(row, set()).add(word)
     for row, seen in words.items():
         assert not {"met", "MISSED"} <= seen, (row, seen)
-    assert any("inconclusive" in seen for seen in words.values())
+    assert sum("inconclusive" in seen for seen in words.values()) >= 3
 
 
 def test_report_header_counts_the_rows_and_modes_are_never_column_names():

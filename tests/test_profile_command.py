@@ -183,11 +183,13 @@ def test_help_states_the_run_time_and_the_step_kinds():
 # -- the report on synthetic runs (no processes; every figure known in advance) -------------
 
 def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us=None,
-              round_noise=0.0, step_ms=2.0, delivery_ms=None, idle_cpu=None, seed=0):
+              round_noise=0.0, step_ms=2.0, delivery_ms=None, idle_cpu=None, seed=0,
+              model_factor=None):
     """A raw result shaped like ``run_profile``'s. Per mode: critical path ``crit_us`` per
     step, GIL wait ``gil_us`` per model step, delivery ``delivery_ms``; every round's times
     scaled by ``1 + round_noise * N(0, 1)`` (a shared machine moving whole rounds), plus
-    5 % step-to-step jitter."""
+    5 % step-to-step jitter; the model step of a mode takes ``model_factor[mode]`` times
+    the calibrated length (1)."""
     from fastdeploy_sync.profiling.runner import ProfileOptions
 
     rng = np.random.default_rng(seed)
@@ -207,7 +209,8 @@ def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us
                 workers = []
                 for rank in range(tp):
                     jitter = 1 + 0.05 * rng.standard_normal(steps)
-                    model = (step_ms * 1e6 * scale * jitter).astype(np.int64)
+                    factor = (model_factor or {}).get(mode, 1.0)
+                    model = (step_ms * 1e6 * factor * scale * jitter).astype(np.int64)
                     crit_mean = 0.0 if mode == "none" else crit_us[mode] * 1e3 * scale
                     crit = (crit_mean * jitter).astype(np.int64)
                     gil = (gil_us[mode] * 1e3 * scale * jitter).astype(np.int64)
@@ -305,6 +308,21 @@ def test_report_an_interval_across_the_target_is_inconclusive_with_the_interval(
     text = report.format_table(summary)
     line = next(x for x in text.splitlines() if "async critical path p50 <= 30 us" in x)
     assert line.rstrip().endswith("inconclusive") and f"[{low:.2f}, {high:.2f}] us" in line
+
+
+def test_report_inflation_is_inconclusive_when_the_model_step_ran_faster_than_in_none():
+    """Async's model step 20 % shorter than in the loop without task sync, in every round:
+    task sync cannot cause that, so a "met" from the inflation alone would be wrong."""
+    from fastdeploy_sync.profiling import report
+
+    summary = report.summarize(_fake_raw(model_factor={"async": 0.8}, round_noise=0.05))
+    row = next(t for t in summary["targets"] if "inflation" in t["target"])
+    assert row["interval"][1] < 3.0  # the interval alone would say met
+    assert row["verdict"] == "inconclusive" and "faster than in none" in row["reason"]
+    assert any("step-time inflation inconclusive" in n for n in summary["notes"])
+    normal = report.summarize(_fake_raw(round_noise=0.05))
+    row = next(t for t in normal["targets"] if "inflation" in t["target"])
+    assert row["verdict"] == "met" and row["reason"] is None
 
 
 def test_report_too_few_rounds_gives_no_interval_and_no_met_or_missed():

@@ -49,7 +49,9 @@ DEFINITIONS = {
                 f"uses the same resampled rounds for both (paired)",
     "verdict": f"met or MISSED only when the interval lies wholly on one side of the target, "
                f"otherwise inconclusive; fewer than {MIN_ROUNDS} rounds give no interval and "
-               f"every verdict is inconclusive",
+               f"every verdict is inconclusive; the inflation is also inconclusive when the "
+               f"model step ran faster than in none beyond its interval (task sync cannot "
+               f"do that: the loops did not meet the same machine)",
     "step": "one iteration of rank 0's loop: check (exist_tasks), barrier, take (get_tasks), "
             "then the model step",
     "model_step": "the calibrated work of the step kind, then the model's TP collective "
@@ -377,7 +379,8 @@ def _target(kind, name, figure, threshold, better, unit):
         else "n/a"
     return {"step_kind": kind, "target": name, "measured": figure["value"],
             "interval": figure["interval"], "threshold": threshold, "better": better,
-            "unit": unit, "verdict": word, "met": {"met": True, "MISSED": False}.get(word)}
+            "unit": unit, "verdict": word, "met": {"met": True, "MISSED": False}.get(word),
+            "reason": None}
 
 
 def _kind_targets(kind, out, stats, modes, boot):
@@ -395,6 +398,15 @@ def _kind_targets(kind, out, stats, modes, boot):
                             5.0, "above", "x"))
     rows.append(_target(kind, "async step-time inflation <= 3 % of none's step",
                         a["inflation_pct"], 3.0, "below", "%"))
+    slowdown = a["model_slowdown_pct"]["interval"]
+    if slowdown is not None and slowdown[1] < 0:
+        # The model step (and its collective) ran faster than in the loop without task
+        # sync, beyond the interval: task sync cannot do that, so the two loops did not
+        # meet the same machine and the inflation says nothing about task sync.
+        rows[-1].update(verdict="inconclusive", met=None,
+                        reason=f"the model step ran faster than in none (model slowdown "
+                               f"{_interval(slowdown, '%', 1)}): none is no like-for-like "
+                               f"reference on this machine")
     gil = a["interruption"]["gil_wait_added_pct"]
     if gil is not None:
         rows.append(_target(kind, "async GIL wait added <= 3 % of none's step", gil, 3.0,
@@ -430,7 +442,10 @@ def _kind_notes(kind, out, modes, targets):
                 f"the ranks' skew, not rank 0's work; a core per process (--cpus, tp + 1 free "
                 f"cores) separates the two")
         infl = by_name.get("async step-time inflation <= 3 % of none's step")
-        if infl is not None and infl["verdict"] == "inconclusive":
+        if infl is not None and infl["reason"]:
+            notes.append(f"{kind}: step-time inflation inconclusive: {infl['reason']}. The "
+                         f"interruption table measures the model step's losses directly")
+        elif infl is not None and infl["verdict"] == "inconclusive":
             ref = modes_out[REFERENCE]["round_means_ms"]
             notes.append(
                 f"{kind}: the step-time inflation is not resolved on this machine (interval "
@@ -571,7 +586,8 @@ def format_table(summary) -> str:
             unit = t["unit"]
             lines.append(f"  {t['step_kind'] or 'idle':<7}{t['target']:<52}"
                          f"{_num(t['measured'], 2) + ' ' + unit:>12}  "
-                         f"{_interval(t['interval'], unit, 2):<24}{t['verdict']}")
+                         f"{_interval(t['interval'], unit, 2):<24}{t['verdict']}"
+                         + (" (see notes)" if t["reason"] else ""))
     problems = [f"  {kind} {mode}: {problem}" for kind, k in summary["step_kinds"].items()
                 for mode, m in k["modes"].items() for problem in m.get("problems", [])]
     if problems:

@@ -10,9 +10,10 @@ its own CPU clock says for how long. Printed per step kind and case: the interru
 step (off-CPU, run queue, GIL wait, other, switches) and the holder's total GIL holding time
 beside the total GIL wait measured in the main thread.
 
-What to expect: alone, GIL wait ~0 (the resolution); with the holder, GIL wait close to the
-holding time on an idle machine, less when the cores are busy (a GIL waiter that finds the
-cores taken waits in the run queue: the figure is a lower bound). The python step can only
+What to expect: alone, GIL wait 0; with the holder, the holding time between the measured
+lower and upper bounds, both close to it on an idle machine; when the cores are busy the
+lower bound falls (a GIL waiter that finds the cores taken waits in the run queue) and the
+upper one rises (it holds the other processes' preemptions too). The python step can only
 lose the GIL at the interpreter's switch interval (5 ms), the paddle step at every op.
 """
 
@@ -82,9 +83,10 @@ def main(argv=None):
                     f"{mean['gil_ns']:7.1f}  other {mean['other_ns']:6.1f}  switches invol. "
                     f"{a['involuntary'].mean():.2f} vol. {a['voluntary'].mean():.2f}")
             if hold:
-                gil = a["gil_ns"].sum()
-                line += (f"  | holder held the GIL {held_ns / 1e6:.1f} ms, GIL wait measured "
-                         f"{gil / 1e6:.1f} ms ({gil / held_ns:.2f}x)")
+                low, high = a["gil_ns"].sum(), a["gil_upper_ns"].sum()
+                line += (f"\n{'':<23}holder held the GIL {held_ns / 1e6:.1f} ms; GIL wait "
+                         f"measured {low / 1e6:.1f} ms (lower bound, {low / held_ns:.2f}x) to "
+                         f"{high / 1e6:.1f} ms (upper bound, {high / held_ns:.2f}x)")
             print(line)
 
 

@@ -71,11 +71,13 @@ def test_gil_wait_is_clearly_above_zero_with_a_gil_holding_thread_and_near_zero_
     # zero of the quiet case.
     assert holder["voluntary"].sum() > 0
     assert holder["gil_ns"].sum() > 0
-    # The parts add up to the whole in every interval.
+    # The parts add up to the whole in every interval; the upper bound is above the lower.
     for a in (alone, holder):
         assert np.array_equal(a["runq_ns"] + a["gil_ns"] + a["other_ns"], a["off_cpu_ns"])
         assert (a["runq_ns"] >= 0).all() and (a["gil_ns"] >= 0).all()
+        assert (a["gil_upper_ns"] >= a["gil_ns"]).all()
         assert len(a["wall_ns"]) == STEPS
+    assert alone["gil_upper_ns"].sum() == 0 < holder["gil_upper_ns"].sum()
 
 
 def test_the_meter_does_not_release_the_gil():

@@ -184,7 +184,7 @@ def test_help_states_the_run_time_and_the_step_kinds():
 
 def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us=None,
               round_noise=0.0, step_ms=2.0, delivery_ms=None, idle_cpu=None, seed=0,
-              model_factor=None):
+              model_factor=None, runq_us=20.0):
     """A raw result shaped like ``run_profile``'s. Per mode: critical path ``crit_us`` per
     step, GIL wait ``gil_us`` per model step, delivery ``delivery_ms``; every round's times
     scaled by ``1 + round_noise * N(0, 1)`` (a shared machine moving whole rounds), plus
@@ -214,11 +214,12 @@ def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us
                     crit_mean = 0.0 if mode == "none" else crit_us[mode] * 1e3 * scale
                     crit = (crit_mean * jitter).astype(np.int64)
                     gil = (gil_us[mode] * 1e3 * scale * jitter).astype(np.int64)
-                    runq = (50e3 * scale * jitter).astype(np.int64)
+                    runq = (runq_us * 1e3 * scale * jitter).astype(np.int64)
                     vol = (gil > 0).astype(np.int64)
                     interruption = {
                         "wall_ns": model, "cpu_ns": model - runq - gil, "off_cpu_ns": runq + gil,
                         "runq_ns": runq, "gil_ns": gil, "other_ns": np.zeros(steps, np.int64),
+                        "gil_upper_ns": np.where(vol > 0, runq + gil, 0),
                         "involuntary": np.ones(steps, np.int64), "voluntary": vol}
                     iter_ns = model + crit
                     start = rnd * 10**9
@@ -295,6 +296,19 @@ def test_report_far_from_every_target_gives_met_or_missed():
     assert words[("python", "async critical path p50 <= 30 us")] == "MISSED"
     assert words[("python", "async GIL wait added <= 3 % of none's step")] == "MISSED"  # 10 %
     assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "MISSED"
+
+
+def test_report_gil_wait_is_judged_on_both_bounds():
+    """GIL wait 0.25 % of the step (lower bound) in steps that also spent 5 % in the run
+    queue: the upper bound crosses the 3 % target, so the row cannot say met."""
+    from fastdeploy_sync.profiling import report
+
+    row = "async GIL wait added <= 3 % of none's step"
+    quiet = _verdicts(report.summarize(_fake_raw(gil_us={"async": 5.0}, runq_us=2.0)))
+    busy = report.summarize(_fake_raw(gil_us={"async": 5.0}, runq_us=100.0))
+    assert quiet[("python", row)] == "met"
+    t = next(t for t in busy["targets"] if t["target"] == row)
+    assert t["measured"] < 1.0 < 3.0 < t["interval"][1] and t["verdict"] == "inconclusive"
 
 
 def test_report_an_interval_across_the_target_is_inconclusive_with_the_interval():

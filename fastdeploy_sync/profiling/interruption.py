@@ -14,6 +14,7 @@
                 with a voluntary context switch      step that does no I/O and takes no lock
                                                      of its own, what it can block on is the
                                                      GIL another thread of the process holds
+                                                     (a lower bound; see below for the upper)
     other       the rest                             off-CPU time the kernel did not see as a
                                                      wait of this thread: the hypervisor ran
                                                      another virtual CPU (steal), or a wait
@@ -29,10 +30,15 @@ a hundred under load (time stolen by the hypervisor counts in neither the thread
 nor its run queue; a run-queue wait now and then lands in the next interval), and the rule
 keeps those errors out of the GIL figure.
 
-GIL wait is a lower bound when the cores are busy: CPython's GIL wait is a 5 ms timed wait,
-and a waiter that wakes (on the timeout, or when the GIL is handed over) and finds the cores
-taken spends that part of the wait in the run queue. On an idle machine the figure matches
-a thread that holds the GIL for known times to a few % (``scripts/gil_wait_check.py``).
+The GIL wait comes as two bounds. CPython's GIL wait is a 5 ms timed wait: a waiter that
+wakes (on the timeout, or when the GIL is handed over) and finds the cores taken spends
+that part of its wait in the run queue, so when the cores are busy the blocked time alone
+is a *lower* bound. Every wait for the GIL blocks at least once, so it lies inside the
+intervals that have a voluntary switch: all their off-CPU time is an *upper* bound (it also
+holds whatever preemption by other processes fell into those intervals). On an idle
+machine the two nearly meet, and the lower one matches a thread that holds the GIL for
+known times to a few %; under load they part (``scripts/gil_wait_check.py`` prints both
+beside the holder's own holding time).
 
 Resolution: the clocks count nanoseconds; ``begin()``/``end()`` read them one after the
 other, ~1 us apart, so an interval's split is good to about +-2 us. Nothing here releases
@@ -144,18 +150,22 @@ class ThreadInterruption:
     def arrays(self) -> dict:
         """The kept intervals as int64 arrays (copies), nanoseconds or counts:
         ``wall_ns``, ``cpu_ns``, ``off_cpu_ns`` = wall - CPU, and its parts ``runq_ns``,
-        ``gil_ns``, ``other_ns`` (None where ``available`` is False), ``involuntary``,
-        ``voluntary``. ``off_cpu_ns`` and ``other_ns`` are signed: the reading skew (about
+        ``gil_ns`` (the GIL wait's lower bound), ``other_ns``; ``gil_upper_ns`` (the
+        upper bound: the off-CPU time of intervals with a voluntary switch); ``involuntary``,
+        ``voluntary``. The run-queue split and both GIL bounds are None where ``available``
+        is False. ``off_cpu_ns`` and ``other_ns`` are signed: the reading skew (about
         +-2 us) can make a near-zero interval slightly negative, and clamping them would
         bias every mean upwards."""
         v = np.frombuffer(self._values, dtype=np.int64).reshape(-1, len(FIELDS))[:self.count]
         out = {name: v[:, k].copy() for k, name in enumerate(FIELDS)}
         off = out["off_cpu_ns"] = out["wall_ns"] - out["cpu_ns"]
         if not self.available:
-            out["runq_ns"] = out["gil_ns"] = out["other_ns"] = None
+            out["runq_ns"] = out["gil_ns"] = out["gil_upper_ns"] = out["other_ns"] = None
             return out
+        blocked = out["voluntary"] > 0
         runq = out["runq_ns"] = np.clip(out["runq_ns"], 0, np.maximum(off, 0))
-        out["gil_ns"] = np.where(out["voluntary"] > 0, np.maximum(off - runq, 0), 0)
+        out["gil_ns"] = np.where(blocked, np.maximum(off - runq, 0), 0)
+        out["gil_upper_ns"] = np.where(blocked, np.maximum(off, 0), 0)
         out["other_ns"] = off - runq - out["gil_ns"]
         return out
 

@@ -135,7 +135,8 @@ def _interruption(ax, k, modes, kind):
     floor = 0.1  # us: where a zero is drawn on the log scale
     parts = (("run_queue_us", "run queue: another thread or process had the core", "none",
               "0.35", "//", -0.18),
-             ("gil_wait_us", "GIL wait: blocked on the GIL another thread held", None, None,
+             ("gil_wait_us", "GIL wait, lower bound: blocked on the GIL another thread held",
+              None, None,
               "", 0.18))
     for key, label, face, edge, hatch, dx in parts:
         figs = [k["modes"][m]["interruption"].get(key) for m in names]
@@ -151,11 +152,17 @@ def _interruption(ax, k, modes, kind):
                             capsize=4)
             ax.annotate(f"{vals[j]:.1f}", (j + dx, max(vals[j], floor)), xytext=(0, 2),
                         textcoords="offset points", ha="center", va="bottom", fontsize=7.5)
+    upper = [k["modes"][m]["interruption"].get("gil_wait_upper_us") for m in names]
+    ups = [max(f["value"], floor) if f and f["value"] is not None else None for f in upper]
+    ax.plot([j + 0.18 for j, u in enumerate(ups) if u is not None], [u for u in ups if u is not None],
+            "kv", ms=7, label="GIL wait, upper bound: all off-CPU time of steps that blocked")
     for j, m in enumerate(names):
         i = k["modes"][m]["interruption"]
         added, inv = i.get("gil_wait_added_pct"), i.get("involuntary_switches_per_step")
+        high = i.get("gil_wait_added_upper_pct")
         text = "" if not added or added["value"] is None else \
-            f"GIL wait added {added['value']:+.2f} %\n"
+            f"GIL wait added {added['value']:+.2f}" + \
+            ("" if not high else f" to {high['value']:+.2f}") + " %\n"
         text += "" if not inv else f"{inv['value']:.2f} preemptions/step"
         ax.annotate(text, (j, 1.0), xycoords=("data", "axes fraction"), xytext=(0, -4),
                     textcoords="offset points", ha="center", va="top", fontsize=7.5)

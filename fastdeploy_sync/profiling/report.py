@@ -70,19 +70,20 @@ DEFINITIONS = {
                "thread: wall time minus the thread's own CPU time (time.thread_time_ns)",
     "run_queue": "part of off-CPU: runnable but not running, another thread or process had "
                  "the core (sched_info run_delay in /proc/self/task/<tid>/schedstat, ns)",
-    "gil_wait": "part of off-CPU: blocked, i.e. off-CPU - run queue in steps where the thread "
-                "switched out of its own accord (a voluntary context switch; without one it "
-                "cannot have blocked). The work does no I/O and takes no lock, so what it "
-                "blocks on is the GIL held by another thread of the process (async: the "
-                "prefetch thread; sync: the heartbeat thread; none: no other thread). A lower "
-                "bound when the cores are busy: a GIL waiter that wakes and finds them taken "
-                "waits in the run queue. Resolution ~+-2 us per step (the clocks are read one "
-                "after another); checked against a thread holding the GIL for known times "
+    "gil_wait": "time rank 0's event-loop thread waited for the GIL another thread of the "
+                "process held during the model step's work (async: the prefetch thread; "
+                "sync: the heartbeat thread; none: no other thread), as two bounds. Lower: "
+                "the time it was blocked, i.e. off-CPU - run queue in steps where it switched "
+                "out of its own accord (a voluntary context switch; the work does no I/O and "
+                "takes no lock, so what it blocks on is the GIL). Upper: all off-CPU time of "
+                "those steps (every GIL wait blocks at least once; a waiter that wakes to "
+                "busy cores waits in the run queue). Close on an idle machine, apart under "
+                "load. Resolution ~+-2 us per step (the clocks are read one after another); "
+                "checked against a thread holding the GIL for known times "
                 "(scripts/gil_wait_check.py); the meter costs ~6 us per step, in every mode",
-    "other": "part of off-CPU: neither run queue nor GIL wait; the hypervisor ran another "
-             "virtual CPU (steal), or a run-queue wait counted in a neighbouring step",
     "gil_wait_added": "100 * (G - G0) / R; G, G0: the mode's and none's mean GIL wait per "
-                      "step, over the same rounds",
+                      "step, over the same rounds, for each bound; the target's interval runs "
+                      "from the lower bound's low end to the upper bound's high end",
     "context_switches": "of the event-loop thread during the model step's work, per step "
                         "(getrusage RUSAGE_THREAD): involuntary = preempted, voluntary = "
                         "blocked (here: waiting for the GIL)",
@@ -103,7 +104,8 @@ DEFINITIONS = {
 }
 
 _INTERRUPTION_FIELDS = (("off_cpu", "off_cpu_ns"), ("run_queue", "runq_ns"),
-                        ("gil_wait", "gil_ns"), ("other", "other_ns"))
+                        ("gil_wait", "gil_ns"), ("gil_wait_upper", "gil_upper_ns"),
+                        ("other", "other_ns"))
 
 
 def _ms(d):
@@ -223,9 +225,11 @@ def _summarize_kind(raw, kind, rounds, modes, boot):
         stats[mode] = st
         out["modes"][mode] = m
     for mode in modes:  # what each mode adds to none's GIL wait (paired by round)
-        gil, gil0 = stats[mode].get("gil_wait"), stats[REFERENCE].get("gil_wait")
-        out["modes"][mode]["interruption"]["gil_wait_added_pct"] = None if gil is None else \
-            boot.figure(lambda idx, g=gil: 100 * (g(idx) - gil0(idx)) / ref_iter(idx))
+        intr = out["modes"][mode]["interruption"]
+        for bound in ("gil_wait", "gil_wait_upper"):
+            g, g0 = stats[mode].get(bound), stats[REFERENCE].get(bound)
+            intr[f"{bound.replace('gil_wait', 'gil_wait_added')}_pct"] = None if g is None \
+                else boot.figure(lambda idx, g=g, g0=g0: 100 * (g(idx) - g0(idx)) / ref_iter(idx))
         if "fd-manager" in modes and mode != "fd-manager":
             out["modes"][mode]["critical_path_p50_vs_fd_manager"] = boot.figure(
                 _ratio_stat(stats["fd-manager"]["p50"], stats[mode]["p50"]))
@@ -407,9 +411,15 @@ def _kind_targets(kind, out, stats, modes, boot):
                         reason=f"the model step ran faster than in none (model slowdown "
                                f"{_interval(slowdown, '%', 1)}): none is no like-for-like "
                                f"reference on this machine")
-    gil = a["interruption"]["gil_wait_added_pct"]
-    if gil is not None:
-        rows.append(_target(kind, "async GIL wait added <= 3 % of none's step", gil, 3.0,
+    low, high = (a["interruption"][k] for k in ("gil_wait_added_pct",
+                                                 "gil_wait_added_upper_pct"))
+    if low is not None:
+        # Judged on both bounds at once: met only if even the upper bound's interval is
+        # below the target, MISSED only if even the lower bound's is above it.
+        bounded = high is not None and None not in (low["interval"], high["interval"])
+        both = {"value": low["value"], "interval": [low["interval"][0], high["interval"][1]]
+                if bounded else None}
+        rows.append(_target(kind, "async GIL wait added <= 3 % of none's step", both, 3.0,
                             "below", "%"))
     if "sync" in modes:
         ratio = boot.figure(_ratio_stat(stats["async"]["delivery_p50"],
@@ -448,7 +458,7 @@ def _kind_notes(kind, out, modes, targets):
         elif infl is not None and infl["verdict"] == "inconclusive":
             ref = modes_out[REFERENCE]["round_means_ms"]
             notes.append(
-                f"{kind}: the step-time inflation is not resolved on this machine (interval "
+                f"{kind}: the step-time inflation is not resolved on this machine ("
                 f"{_interval(infl['interval'], '%', 1)}; none's own round means ranged "
                 f"{min(ref):.2f}-{max(ref):.2f} ms). The interruption table measures the "
                 f"model step's losses directly: GIL wait is what our threads took from it, "
@@ -528,6 +538,11 @@ def _num(v, digits=1):
     if abs(v) >= 1000:
         return f"{v:,.0f}"
     return f"{v:.{digits}f}"
+
+
+def _val(v, unit, digits=1):
+    """``v unit``, or ``-`` (no unit) when there is no value."""
+    return "-" if v is None else f"{_num(v, digits)} {unit}"
 
 
 def _interval(interval, unit, digits=1):
@@ -610,24 +625,28 @@ def _kind_tables(k, modes):
         parts = " / ".join(_num(sec[s]["p50_us"]) for s in SECTIONS) + " us"
         vs = x.get("critical_path_p50_vs_fd_manager")
         out.append(f"  {mode:<11}{_fig(x['critical_path_p50_us'], 'us'):>32}"
-                   f"{_num(d['p99_us']) + ' us':>12}{_num(d['mean_us']) + ' us':>12}"
+                   f"{_val(d['p99_us'], 'us'):>12}{_val(d['mean_us'], 'us'):>12}"
                    f"  {parts:>30}  {_fig(vs, 'x') if vs else '-':>32}")
     out += ["interruption of the model step's work, rank 0's event-loop thread, mean per step",
             f"  {'mode':<11}{'model step':>11}{'off-CPU':>11}{'run queue':>11}{'other':>10}"
-            f"{'GIL wait [interval]':>28}{'GIL wait added [interval]':>32}"
+            f"{'GIL wait: lower [interval]':>32}{'upper':>10}"
+            f"{'GIL wait added: lower [interval]':>36}{'upper':>9}"
             f"{'switches invol. / vol.':>25}"]
     for mode in [REFERENCE] + modes:
         x = m[mode]
         i = x["interruption"]
         inv, vol = i["involuntary_switches_per_step"], i["voluntary_switches_per_step"]
         sw = "-" if inv is None else f"{inv['value']:.2f} / {vol['value']:.2f}"
-        added = i.get("gil_wait_added_pct")
-        out.append(f"  {mode:<11}{_num(x['model_step_ms'], 2) + ' ms':>11}"
-                   f"{_num((i['off_cpu_us'] or {}).get('value')) + ' us':>11}"
-                   f"{_num((i['run_queue_us'] or {}).get('value')) + ' us':>11}"
-                   f"{_num((i['other_us'] or {}).get('value')) + ' us':>10}"
-                   f"{_fig(i['gil_wait_us'], 'us'):>28}"
-                   f"{_fig(added, '%', 2, sign=True) if added else '-':>32}{sw:>25}")
+        added, upper = i.get("gil_wait_added_pct"), i.get("gil_wait_added_upper_pct")
+        upper = "-" if not upper else f"{upper['value']:+.2f} %"
+        out.append(f"  {mode:<11}{_val(x['model_step_ms'], 'ms', 2):>11}"
+                   f"{_val((i['off_cpu_us'] or {}).get('value'), 'us'):>11}"
+                   f"{_val((i['run_queue_us'] or {}).get('value'), 'us'):>11}"
+                   f"{_val((i['other_us'] or {}).get('value'), 'us'):>10}"
+                   f"{_fig(i['gil_wait_us'], 'us'):>32}"
+                   f"{_val((i['gil_wait_upper_us'] or {}).get('value'), 'us'):>10}"
+                   f"{_fig(added, '%', 2, sign=True) if added else '-':>36}"
+                   f"{upper:>9}{sw:>25}")
     out += ["effect on the loop, rank 0, % of none's mean step (inflation = critical path share "
             "+ model slowdown)",
             f"  {'mode':<11}{'step mean':>10}{'inflation [interval]':>32}"
@@ -635,10 +654,10 @@ def _kind_tables(k, modes):
     for mode in [REFERENCE] + modes:
         x = m[mode]
         if mode == REFERENCE:
-            out.append(f"  {mode:<11}{_num(x['step_ms']['mean_ms'], 2) + ' ms':>10}"
+            out.append(f"  {mode:<11}{_val(x['step_ms']['mean_ms'], 'ms', 2):>10}"
                        f"{'(the reference)':>32}")
             continue
-        out.append(f"  {mode:<11}{_num(x['step_ms']['mean_ms'], 2) + ' ms':>10}"
+        out.append(f"  {mode:<11}{_val(x['step_ms']['mean_ms'], 'ms', 2):>10}"
                    f"{_fig(x['inflation_pct'], '%', 1, sign=True):>32}"
                    f"{x['critical_path_share_pct']['value']:>+13.1f} %"
                    f"{x['model_slowdown_pct']['value']:>+14.1f} %")
@@ -654,7 +673,7 @@ def _kind_tables(k, modes):
         th = "-" if None in th else f"{max(th):.1f} %"
         eng = "-" if cpu["engine_process"] is None else f"{cpu['engine_process']:.1f} %"
         out.append(f"  {mode:<11}{_fig(x['delivery_p50_ms'], 'ms', 2):>32}"
-                   f"{_num(d['p99_ms'], 2) + ' ms':>12}"
+                   f"{_val(d['p99_ms'], 'ms', 2):>12}"
                    f"{_pct(x['delivery_boundaries']['share_first']) + ' / ' + _num(x['delivery_boundaries']['mean'], 2):>21}"
                    f"{eng + ' / ' + th:>38}{str(b['put']) + ' / ' + str(min(b['taken_per_rank'])):>21}"
                    f"{'yes' if x['ranks_agree'] else 'NO':>13}")

@@ -59,7 +59,7 @@ class ProfileOptions:
     batch: int = 64
     prompt_len: int = 512
     tokens: str = "numpy"
-    steps: int = 1000  # load-phase steps per mode and step kind (split across the rounds)
+    steps: int = 600  # load-phase steps per mode and step kind (split across the rounds)
     rounds: int = 10
     idle_steps: int = 600  # idle-phase iterations per mode (split across the rounds); 0: none
     max_inflight: int = 8

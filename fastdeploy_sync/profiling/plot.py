@@ -161,11 +161,11 @@ def _interruption(ax, k, modes, kind):
         added, inv = i.get("gil_wait_added_pct"), i.get("involuntary_switches_per_step")
         high = i.get("gil_wait_added_upper_pct")
         text = "" if not added or added["value"] is None else \
-            f"GIL wait added {added['value']:+.2f}" + \
-            ("" if not high else f" to {high['value']:+.2f}") + " %\n"
-        text += "" if not inv else f"{inv['value']:.2f} preemptions/step"
+            f"GIL added\n{added['value']:+.2f}" + \
+            ("" if not high else f"..{high['value']:+.2f}") + " %\n"
+        text += "" if not inv else f"{inv['value']:.1f} preempt./step"
         ax.annotate(text, (j, 1.0), xycoords=("data", "axes fraction"), xytext=(0, -4),
-                    textcoords="offset points", ha="center", va="top", fontsize=7.5)
+                    textcoords="offset points", ha="center", va="top", fontsize=7)
     ax.set_yscale("log")
     top = max([p.get_height() for p in ax.patches] + [10.0])
     ax.set_ylim(floor / 2, top * 60)
@@ -173,7 +173,7 @@ def _interruption(ax, k, modes, kind):
     ax.set_ylabel(f"us per model step, log scale ({k['modes'][REFERENCE]['model_step_ms']:.2f} ms "
                   f"in none)")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(0, 0.86), fontsize=8)
+    ax.legend(loc="center right", fontsize=7.5)
 
 
 def _inflation(ax, summary, kinds, modes):

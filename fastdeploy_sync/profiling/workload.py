@@ -8,11 +8,11 @@ the CPU to a background thread must get longer, or the profiler could not see th
 ``numpy``   128x128 float32 matmul + tanh rounds: releases the GIL inside each call and
             takes it back between calls (where a GIL-holding thread would delay it).
 ``paddle``  forwards of a small transformer block on paddle CPU (attention + MLP); each
-            op releases and re-takes the GIL, as a GPU model's kernel launches do (measured:
-            a thread holding the GIL 1 ms in every 4 delays it ~3x as much as the
-            ``python`` step, which it can only take the GIL from at the interpreter's 5 ms
-            switch interval; ``scripts/gil_wait_check.py``). Imports paddle (~1.5 s) in
-            the worker, and only there.
+            op releases and re-takes the GIL, as a GPU model's kernel launches do (measured
+            with ``scripts/gil_wait_check.py``: a thread holding the GIL 1 ms in every 4
+            delays it 3.5-5.6x as much (lower bounds, two runs) as the ``python`` step, which gives the GIL up only
+            at the interpreter's 5 ms switch interval). Imports paddle (~1.5 s) in the
+            worker, and only there.
 ``sleep``   ``time.sleep(step_ms)``: no CPU, no GIL (the step a GPU kernel launch leaves).
 
 Batches are ``{"batch_id", "put_ns", "requests"}`` with ``requests`` a list of

@@ -45,7 +45,7 @@ def _figure(f, interval=True):
 def test_profile_all_modes_both_step_kinds(tmp_path):
     before = _ours()
     json_path, png_path = tmp_path / "profile.json", tmp_path / "profile.png"
-    steps, rounds, idle = 100, 5, 50
+    steps, rounds, idle = 100, 5, 150
     kinds = ["python", "paddle"] if HAS_PADDLE else ["python"]
     out = _run(["--steps", str(steps), "--rounds", str(rounds), "--idle-steps", str(idle),
                 "--step", ",".join(kinds), "--json", str(json_path), "--plot", str(png_path)])
@@ -95,7 +95,9 @@ def test_profile_all_modes_both_step_kinds(tmp_path):
     idle_modes = summary["idle"]["modes"]
     assert set(idle_modes) == {"none", *MODES}
     assert idle_modes["none"]["iterations"] == idle
-    # The no-GIL-hog property, robustly: the prefetch thread is blocked in poll while idle.
+    # The no-GIL-hog property, robustly: the prefetch thread is blocked in poll while idle
+    # (30 iterations, ~35 ms, per round: a heartbeat or a late WELCOME in a window is
+    # well under the bound).
     assert max(idle_modes["async"]["prefetch_thread_cpu_pct"]) < 2.0
     assert idle_modes["sync"]["prefetch_thread_cpu_pct"] == [None, None]
 
@@ -153,6 +155,54 @@ def test_profile_cpus_pins_the_engine_and_each_rank(tmp_path):
     assert p["engine_cpus"] == [engine_cpu]
     assert [c["cpus"] for c in p["calibration"]["python"]] == [[rank_cpu]]
     assert "pinned: engine cpu" in out.stdout
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/<pid>/task/<tid>/children")
+def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
+    """The fd-manager's server stops answering (SIGSTOP) before the run ends: the workers'
+    manager clients then hang while closing, and the runner kills them after its exit
+    bound. Their model collective's shared memory must be gone all the same (a worker
+    closed it last, after the manager client, and a killed run left it in /dev/shm)."""
+    import signal
+    import uuid
+
+    from fastdeploy_sync.profiling import runner
+
+    monkeypatch.setattr(runner, "_EXIT_TIMEOUT_S", 5.0)
+    options = runner.ProfileOptions(mode="fd-manager", step_kinds=["python"], steps=20,
+                                    rounds=1, idle_steps=0).validate()
+    run_name = f"prof{uuid.uuid4().hex[:10]}"
+    procs = runner._Processes(options, run_name)
+    stopped = []
+    try:
+        procs.expect([procs.engine], "ready", 120)
+        calibration = procs.expect(procs.workers, "calibrated", 120)
+        procs.send(procs.workers, ("units", {"python": calibration[0]["python"]["units"]}))
+        segment = runner._run_segment(procs, options, f"{run_name}s0", "fd-manager", "python",
+                                      "load", 0, 20, None)
+        assert segment["put"] > 0
+        stopped = _children(procs.procs[procs.engine].pid)  # the manager's server process
+        assert stopped, "the engine has no manager process"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        assert glob.glob(f"/dev/shm/*{run_name}m*")  # the collective exists until the exit
+    finally:
+        procs.close()
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not glob.glob(f"/dev/shm/*{run_name}*")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -320,12 +320,14 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kinds, step_ms, progress,
     except BaseException:
         _report_failure(conn, f"worker rank {tp_rank}")
     finally:
-        for steps in kept.values():
-            steps.close()
-        if tp_model is not None:
-            tp_model.close()
+        # Shared memory first: it outlives a process that is killed before it finishes
+        # (the fd-manager client's close makes several manager round trips).
         if collective is not None:
             collective.close()
+        if tp_model is not None:
+            tp_model.close()
+        for steps in kept.values():
+            steps.close()
 
 
 def _open_steps(spec, tp_size, tp_rank, kept):

@@ -41,6 +41,7 @@ _CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 _START_TIMEOUT_S = 180.0  # process start, imports (paddle: seconds), calibration
 _SEGMENT_TIMEOUT_S = 600.0
 _TICK_S = 0.2  # progress bar refresh while waiting
+_EXIT_TIMEOUT_S = 60.0  # every process's exit, together (measured 2-6 s, more under load)
 
 
 class ProfileError(RuntimeError):
@@ -229,14 +230,20 @@ class _Processes:
         return [got[i] for i in who]
 
     def close(self):
+        """Ask every process to exit, wait for all of them together for at most
+        ``_EXIT_TIMEOUT_S``, then kill whatever is left. Exiting takes 2-6 s here (the
+        fd-manager's server shutdown, a worker's manager client, paddle's teardown): a
+        process killed before its cleanup leaves its shared memory behind."""
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 try:
                     conn.send(("exit", None))
                 except (OSError, BrokenPipeError):
                     pass
+        deadline = time.monotonic() + _EXIT_TIMEOUT_S
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

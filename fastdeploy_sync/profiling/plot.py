@@ -95,35 +95,39 @@ def _cdf(ax, values, **kw):
         ax.plot(np.maximum(v, 1e-3), np.arange(1, v.size + 1) / v.size, lw=2, **kw)
 
 
-def _critical_path(ax, k, modes):
-    for mode in modes:
-        m = k["modes"][mode]
-        _cdf(ax, m["critical_path_samples_us"], color=COLORS.get(mode),
-             label=f"{mode}: p50 {_interval_text(m['critical_path_p50_us'], 'us')}, "
-                   f"p99 {m['critical_path_us']['p99_us']:.0f} us")
+def _cdf_panel(ax, curves, xlabel, ylabel):
+    """One CDF per ``(samples, mode, label)`` on a log x axis."""
+    for samples, mode, label in curves:
+        _cdf(ax, samples, color=COLORS.get(mode), label=label)
     ax.set_xscale("log")
     _plain_ticks(ax)
-    ax.set_xlabel("critical path per step, us (log scale)")
-    ax.set_ylabel("fraction of steps at or below")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
         ax.legend(loc="lower right", fontsize=8.5)
+
+
+def _critical_path(ax, k, modes):
+    curves = []
+    for mode in modes:
+        m = k["modes"][mode]
+        curves.append((m["critical_path_samples_us"], mode,
+                       f"{mode}: p50 {_interval_text(m['critical_path_p50_us'], 'us')}, "
+                       f"p99 {m['critical_path_us']['p99_us']:.0f} us"))
+    _cdf_panel(ax, curves, "critical path per step, us (log scale)",
+               "fraction of steps at or below")
 
 
 def _delivery(ax, k, modes):
+    curves = []
     for mode in modes:
         m = k["modes"][mode]
         b = m["delivery_boundaries"]["share_first"]
-        _cdf(ax, m["delivery_samples_ms"], color=COLORS.get(mode),
-             label=f"{mode}: p50 {_interval_text(m['delivery_p50_ms'], 'ms', 2)}; "
-                   f"{'-' if b is None else f'{100 * b:.0f} %'} at the 1st boundary")
-    ax.set_xscale("log")
-    _plain_ticks(ax)
-    ax.set_xlabel("delivery, ms (log scale)")
-    ax.set_ylabel("fraction of batches at or below")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
-        ax.legend(loc="lower right", fontsize=8.5)
+        curves.append((m["delivery_samples_ms"], mode,
+                       f"{mode}: p50 {_interval_text(m['delivery_p50_ms'], 'ms', 2)}; "
+                       f"{'-' if b is None else f'{100 * b:.0f} %'} at the 1st boundary"))
+    _cdf_panel(ax, curves, "delivery, ms (log scale)", "fraction of batches at or below")
 
 
 def _interruption(ax, k, modes, kind):

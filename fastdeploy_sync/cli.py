@@ -22,7 +22,6 @@ batch, keys not written); 2 a usage error (bad name, option or value), reported 
 
 import argparse
 import json
-import os
 import sys
 import time
 

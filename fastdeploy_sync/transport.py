@@ -36,6 +36,7 @@ __all__ = [
     "private_dir",
     "check_private_dir",
     "claim_ipc_path",
+    "ipc_listener_alive",
     "secure_socket_file",
     "check_ipc_endpoint",
     "ensure_free_fds",
@@ -177,23 +178,34 @@ def claim_ipc_path(path: str) -> None:
     except FileNotFoundError:
         return
     _check_own_socket(path, st)
+    if not ipc_listener_alive(path):
+        unlink_quietly(path)  # stale: left by a crashed or killed engine
+        return
+    raise EndpointInUseError(
+        f"ipc://{path} is in use by a live TaskQueue; pick another name or dp_id, "
+        f"or stop the other engine first")
+
+
+def ipc_listener_alive(path: str) -> bool:
+    """True if a process listens on the unix socket ``path`` (a connect is accepted, or its
+    backlog is full: EAGAIN), False if the file is a leftover (connection refused) or gone.
+    Blocks at most 1 s.
+
+    libzmq leaves the socket file behind when its owner exits, so the file's existence says
+    nothing; only a listener accepting says the owner is alive. Other errors propagate."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-            pass  # a live listener whose backlog is full (it is busy): in use
-        elif exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            unlink_quietly(path)  # stale: left by a crashed or killed engine
-            return
-        else:
-            raise
+            return True  # a live listener whose backlog is full (it is busy)
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        raise
     finally:
         probe.close()
-    raise EndpointInUseError(
-        f"ipc://{path} is in use by a live TaskQueue; pick another name or dp_id, "
-        f"or stop the other engine first")
+    return True
 
 
 def secure_socket_file(path: str) -> None:

@@ -131,6 +131,7 @@ class TaskQueue:
         # engine of the same endpoint (a restart) is recognised on both sides.
         self.instance = secrets.randbits(63) | 1
         self._closed = False  # put_tasks() refused from now on
+        self._finished = False  # close() has returned: num_tasks() refused too
         self._stop = False  # close() has drained: the I/O thread says CLOSE and exits
         self._counters = collections.Counter()
         self.group_events = queue.SimpleQueue()
@@ -270,13 +271,19 @@ class TaskQueue:
         return seq
 
     def num_tasks(self) -> int:
-        """Batches put but not yet consumed by every rank. Never blocks on the workers."""
+        """Batches put but not yet consumed by every rank. Never blocks on the workers.
+        Answers while ``close()`` drains; raises ``ClosedError`` once it has returned (its
+        return value lists what was not consumed)."""
         with self._mutex:
+            if self._finished:
+                raise ClosedError(f"TaskQueue {self.name} is closed (close() returned what "
+                                  f"was not consumed)")
             self._read_board()
             return self._next_seq - 1 - min(self._consumed)
 
     def exist_tasks(self) -> bool:
-        """True while some batch is not yet consumed by every rank."""
+        """True while some batch is not yet consumed by every rank; ``ClosedError`` as
+        ``num_tasks()``."""
         return self.num_tasks() > 0
 
     def ranks(self) -> list:
@@ -284,7 +291,9 @@ class TaskQueue:
         (``connected``, ``disconnected`` or ``never connected``), ``since`` (wall-clock
         time of the last change), ``silent_s`` (seconds since it was last heard from),
         ``worker`` (its worker id), ``reason`` (why it is disconnected) and ``consumed``.
-        True within the heartbeat timeout. Never blocks on the workers."""
+        True within the heartbeat timeout. Never blocks on the workers; after ``close()``
+        the last state (every rank that was connected: ``disconnected``, "the queue
+        closed")."""
         now = time.monotonic()
         with self._mutex:
             self._read_board()
@@ -303,7 +312,8 @@ class TaskQueue:
     def stats(self) -> dict:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
         ``pings``, ``sent``, ``groups_retired``...), the last seq put, every rank's consumed
-        seq and state (see ``ranks()``), the group's incarnation. Cheap; for logs."""
+        seq and state (see ``ranks()``), the group's incarnation. Cheap; for logs. Never
+        raises after ``close()``: the final figures."""
         with self._mutex:
             self._read_board()
             out = dict(self._counters)
@@ -317,10 +327,11 @@ class TaskQueue:
     def status(self) -> dict:
         """Everything ``fastdeploy-sync status`` shows: the queue's name, dp_id, tp_size,
         endpoint, engine instance and ``stats()`` (per-rank state and watermarks included).
-        JSON-serialisable. Never blocks on the workers."""
+        ``closed`` is True from the start of ``close()``. JSON-serialisable. Never blocks
+        on the workers; never raises after ``close()``."""
         out = {"name": self.name, "dp_id": self.dp_id, "tp_size": self.tp_size,
                "endpoint": self.endpoint, "engine": f"{self.instance:016x}",
-               "max_inflight": self.max_inflight, "pid": os.getpid()}
+               "max_inflight": self.max_inflight, "pid": os.getpid(), "closed": self._closed}
         out.update(self.stats())
         return out
 
@@ -368,8 +379,12 @@ class TaskQueue:
             self._auth.close()
         self._ctx.term()
         self._wake.close()
-        if self._board is not None:
-            self._board.close()
+        with self._mutex:  # queries from other threads read the board under the lock
+            self._read_board()  # its last word, for stats() and ranks() from now on
+            board, self._board = self._board, None
+            self._finished = True
+        if board is not None:
+            board.close()
         for seq in list(self._shared):  # the I/O thread has stopped: nothing sends them now
             self._release_shared(seq)
         unlink_quietly(self._ipc_path)
@@ -557,6 +572,7 @@ class TaskQueue:
                     self._send(link, [codec.pack_header(
                         codec.CLOSE, link.rank, self.tp_size, seq=last, engine=self.instance,
                         group=group.incarnation, worker=link.worker)])
+                link.disconnect("the queue closed")
         self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
 
     def _send(self, link_or_identity, frames) -> bool:

@@ -265,3 +265,50 @@ def test_a_producer_in_another_process_puts_through_the_queue(name, procs, resul
                 producer.put_tasks(3, timeout=0.2)
     finally:
         queue.close(timeout=0)
+
+
+def test_queries_after_close_with_a_connected_group_from_any_thread(name, procs, results):
+    """close() with a group still connected: afterwards put_tasks/num_tasks/exist_tasks
+    raise ClosedError, and ranks/stats/status describe the final state, from any thread
+    (they raised TypeError once the ack board was unmapped)."""
+    import threading
+
+    from fastdeploy_sync import ClosedError
+    from workers import step_until_error_rank
+
+    n = 3
+    queue = TaskQueue(name, 2)
+    for rank in range(2):
+        procs(step_until_error_rank, results, rank, name, 2, True, report_after=n)
+    for i in range(n):
+        queue.put_tasks(i, timeout=30)
+    collect(results, "took_n", 2)
+    assert queue.close(timeout=10) == []
+    raised = collect(results, "raised", 2, timeout=30)
+    assert [raised[r]["cause"] for r in range(2)] == ["EngineClosedError"] * 2
+
+    failures = []
+
+    def ask():
+        try:
+            for call in (queue.num_tasks, queue.exist_tasks, lambda: queue.put_tasks(9)):
+                with pytest.raises(ClosedError, match="closed"):
+                    call()
+            ranks = queue.ranks()
+            assert [r["consumed"] for r in ranks] == [n, n]
+            assert [r["state"] for r in ranks] == ["disconnected"] * 2, ranks
+            assert all(r["reason"] == "the queue closed" for r in ranks), ranks
+            stats = queue.stats()
+            assert stats["last_seq"] == n and stats["consumed"] == [n, n]
+            status = queue.status()
+            assert status["closed"] is True and status["last_seq"] == n
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    ask()
+    thread = threading.Thread(target=ask)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not failures, failures
+    assert queue.close() == []  # idempotent

@@ -554,11 +554,16 @@ class TaskQueue:
                     # timeout, whichever comes first (so silence is reported on time)
                     next_tick = min(now + tick_s, self._members.tick(now))
                 self._send_new()
-        except Exception as exc:
-            log.exception("TaskQueue %s: I/O thread failed", self.name)
+        except BaseException as exc:  # never silent: every caller learns it
+            log.exception("TaskQueue %s: I/O thread failed; the queue is unusable (every "
+                          "call raises TaskSyncError): close it and start a new one", self.name)
             with self._not_full:
                 self._error = exc
                 self._not_full.notify_all()
+            # Nobody serves the sockets any more: drop every connection, so that workers
+            # and producers learn the engine is gone instead of waiting on it.
+            self._sock.close(linger=0)
+            self._put_sock.close(linger=0)
 
     def _finish_close(self):
         self._producers.close()
@@ -698,8 +703,11 @@ class TaskQueue:
             for seq, frames, taken_by in unfinished:
                 try:
                     tasks = self._decode_retained(frames, dropped.get(seq))
-                except ProtocolError as exc:  # cannot happen for our own bytes; never lose the seq
-                    tasks = exc
+                except BaseException as exc:
+                    # A producer's bytes (or an object whose unpickling raises, even
+                    # SystemExit) must not end the I/O thread; never lose the seq either.
+                    tasks = ProtocolError(f"batch {seq} does not decode: {exc!r}")
+                    tasks.__cause__ = exc
                 lost.append((seq, tasks, taken_by))
         finally:
             # Nothing retained any more: unlink (the LostBatch arrays keep their pages);

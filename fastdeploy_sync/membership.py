@@ -40,7 +40,9 @@ _RETIRED_MEMORY = 64
 class LostBatch:
     """A batch a retired group did not finish: ``seq`` (as ``put_tasks()`` returned it),
     ``tasks`` (the object put, decoded again from the retained bytes: numpy arrays in it
-    are read-only) and ``taken_by`` (the ranks known to have taken it; empty if none did)."""
+    are read-only; a ``ProtocolError``, its cause chained, if those bytes do not decode,
+    e.g. a producer's object whose unpickling raises) and ``taken_by`` (the ranks known to
+    have taken it; empty if none did)."""
 
     __slots__ = ("seq", "tasks", "taken_by")
 

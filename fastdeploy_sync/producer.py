@@ -78,18 +78,26 @@ class ProducerEndpoint:
 
     def serve(self):
         """Enqueue waiting producer batches, in arrival order, while there is room; answer
-        those whose producer stopped waiting."""
+        every one whose producer's wait has run out, wherever it waits in the line."""
         now = time.monotonic()
         queue = self._queue
-        while self.pending:
-            deadline, identity, h, frames = self.pending[0]
-            status, seq = queue._enqueue(frames, h.check, expired=now >= deadline)
-            if status is None:
-                return  # no room yet: the head waits, and so does everyone behind it
-            self.pending.popleft()
-            if status == codec.P_ACCEPTED:
-                self._counters["puts_remote"] += 1
-            self.reply(identity, h, status, seq)
+        waiting = collections.deque()
+        room = True
+        for entry in self.pending:
+            deadline, identity, h, frames = entry
+            if room:
+                status, seq = queue._enqueue(frames, h.check, expired=now >= deadline)
+                if status is not None:
+                    if status == codec.P_ACCEPTED:
+                        self._counters["puts_remote"] += 1
+                    self.reply(identity, h, status, seq)
+                    continue
+                room = False  # the head waits, and so does everyone behind it...
+            if now >= deadline:  # ...except those who stopped waiting
+                self.reply(identity, h, codec.P_TIMEOUT)
+                continue
+            waiting.append(entry)
+        self.pending = waiting
 
     def close(self):
         """The queue closed: every waiting PUT is told so."""

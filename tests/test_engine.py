@@ -312,3 +312,110 @@ def test_queries_after_close_with_a_connected_group_from_any_thread(name, procs,
     assert not thread.is_alive()
     assert not failures, failures
     assert queue.close() == []  # idempotent
+
+
+def test_every_waiting_producer_put_gets_its_timeout_on_time(name):
+    """A PUT that waits forever at the head of the producers' line must not hold back the
+    timeout of a PUT behind it (it was answered only when the head left, and then enqueued
+    after its producer had given up)."""
+    import threading
+
+    from fastdeploy_sync import ClosedError, TaskProducer
+
+    with TaskQueue(name, 1, max_inflight=1) as queue:
+        queue.put_tasks("fills the queue", timeout=1)
+        forever = TaskProducer(name, timeout=2.0)
+        impatient = TaskProducer(name, timeout=2.0)
+        try:
+            outcome = []
+
+            def put_forever():
+                try:
+                    outcome.append(forever.put_tasks("head", timeout=None))
+                except Exception as exc:  # the queue closes under it at the end
+                    outcome.append(exc)
+
+            head = threading.Thread(target=put_forever, daemon=True)
+            head.start()
+            assert wait_until(lambda: len(queue._producers.pending) == 1)
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="not enqueued"):
+                impatient.put_tasks("behind", timeout=0.3)
+            assert time.monotonic() - start < 2.0  # its own bound, not the reply timeout
+            assert queue.stats()["last_seq"] == 1
+        finally:
+            queue.close(timeout=0)
+            head.join(timeout=10)
+            forever.close()
+            impatient.close()
+        assert not head.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
+
+
+class _ExitsWhenUnpickled:
+    """Pickles fine; unpickling it raises SystemExit (a batch whose decoding ends the
+    thread that decodes it)."""
+
+    def __reduce__(self):
+        import sys
+
+        return sys.exit, ("a batch ended the thread that unpickled it",)
+
+
+def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name):
+    """The engine decodes a retired group's unfinished batches for GroupLost on its I/O
+    thread; one that raises SystemExit there ended the thread silently (and every later
+    batch was never sent)."""
+    from fastdeploy_sync import Heartbeat, ProtocolError
+    from fastdeploy_sync.codec import DATA, decode_payload
+
+    from engine_peers import RawRank
+
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        first = RawRank(queue.endpoint, name, 1, 0).join()
+        seq = queue.put_tasks(_ExitsWhenUnpickled(), timeout=5)
+        first.expect(DATA)
+        first.close()  # gone without a word: the group is retired, the batch handed back
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [seq]
+        error = event.unfinished[0].tasks
+        assert isinstance(error, ProtocolError) and isinstance(error.__cause__, SystemExit)
+        second = RawRank(queue.endpoint, name, 1, 0).join()  # the I/O thread lives on
+        queue.put_tasks("next", timeout=5)
+        _, frames = second.expect(DATA)
+        assert decode_payload(frames) == "next"
+        second.close()
+        queue.close(timeout=0)
+
+
+def test_an_io_thread_failure_is_raised_to_put_tasks_callers(name, monkeypatch):
+    """Whatever ends the I/O thread (here SystemExit from its liveness tick) is raised,
+    chained, by put_tasks: a caller blocked for room is woken, none waits forever."""
+    import threading
+
+    from fastdeploy_sync import Heartbeat
+
+    with TaskQueue(name, 1, max_inflight=1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        queue.put_tasks("fills the queue", timeout=1)
+        outcome = []
+
+        def blocked_put():
+            try:
+                queue.put_tasks("waits for room", timeout=5)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=blocked_put)
+        waiter.start()
+
+        def die(now):
+            raise SystemExit("the liveness tick ended the I/O thread")
+
+        monkeypatch.setattr(queue._members, "tick", die)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], TaskSyncError), outcome
+        assert isinstance(outcome[0].__cause__, SystemExit)
+        with pytest.raises(TaskSyncError, match="I/O thread failed"):
+            queue.put_tasks("later", timeout=1)
+        queue.close(timeout=0)

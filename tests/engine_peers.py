@@ -1,0 +1,134 @@
+"""Peers of the engine spoken at the wire level (raw ZeroMQ sockets), for tests of the
+engine alone: a rank that says exactly what a test wants (HELLO, PING, ACK, BYE) and
+reports what it receives, an intruder, flooders. Real sockets, in this process or in a
+child (module-level functions, so that spawn can import them).
+"""
+
+import os
+import secrets
+import signal
+import time
+
+import zmq
+
+from fastdeploy_sync import codec
+
+
+class RawRank:
+    """One rank of a worker group, as bytes on a DEALER socket.
+
+    ``group``/``worker``: the ids it claims (fresh random ones by default). ``curve``:
+    ``(server_public, public, secret)`` for a tcp engine with keys. It binds to the engine
+    that WELCOMEs it (``engine``), as a TaskClient does."""
+
+    def __init__(self, endpoint, name, tp_size, rank, *, group=None, worker=None, ctx=None,
+                 curve=None):
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = curve
+        self.sock.connect(endpoint)
+        self.name, self.tp_size, self.rank = name, tp_size, rank
+        self.group = group or (secrets.randbits(63) | 1)
+        self.worker = worker or (secrets.randbits(63) | 1)
+        self.engine = 0
+        self.epoch = None
+
+    def _header(self, kind, seq=0, aux=0):
+        return codec.pack_header(kind, self.rank, self.tp_size, seq=seq, aux=aux,
+                                 engine=self.engine, group=self.group, worker=self.worker)
+
+    def hello(self, first_missing=1, taken=0):
+        self.sock.send_multipart([self._header(codec.HELLO, seq=first_missing, aux=taken),
+                                  self.name.encode()])
+
+    def ping(self):
+        self.sock.send(self._header(codec.PING))
+
+    def ack(self, seq):
+        self.sock.send(self._header(codec.ACK, seq=seq))
+
+    def bye(self, taken):
+        self.sock.send(self._header(codec.BYE, seq=taken))
+
+    def status(self):
+        self.sock.send(codec.pack_header(codec.STATUS))
+
+    def recv(self, timeout=5.0):
+        """The next message as ``(Header, [payload frames])``, or None after ``timeout``."""
+        if not self.sock.poll(timeout * 1000):
+            return None
+        frames = self.sock.recv_multipart()
+        header = codec.unpack_header(frames[0])
+        if header.kind == codec.WELCOME and self.engine == 0:
+            self.engine, self.epoch = header.engine, header.aux
+        return header, frames[1:]
+
+    def expect(self, kind, timeout=5.0, skip=(codec.PONG,)):
+        """Receive until a message of ``kind``; fail on anything else but ``skip``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise AssertionError(f"rank {self.rank}: no message of kind {kind} within "
+                                     f"{timeout} s")
+            header, frames = got
+            if header.kind == kind:
+                return header, frames
+            if header.kind not in skip:
+                raise AssertionError(f"rank {self.rank}: expected kind {kind}, got {header!r} "
+                                     f"{frames[:1]!r}")
+
+    def join(self, timeout=5.0):
+        """HELLO and wait for the WELCOME; returns self."""
+        self.hello()
+        self.expect(codec.WELCOME, timeout)
+        return self
+
+    def close(self):
+        self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def raw_rank_process(out, rank, endpoint, name, tp_size, group, seconds, ping_every=0.2,
+                     take=True):
+    """A child process: one rank that joins, pings every ``ping_every`` s, acknowledges
+    (``take``) every batch it receives, reports ("joined", rank, pid) and
+    ("received", rank, [seqs]) every time a batch arrives, until killed or ``seconds``
+    pass (then it reports ("done", rank, [seqs]))."""
+    peer = RawRank(endpoint, name, tp_size, rank, group=group)
+    peer.join(timeout=30)
+    out.put(("joined", rank, os.getpid()))
+    seqs = []
+    deadline = time.monotonic() + seconds
+    next_ping = time.monotonic()
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if now >= next_ping:
+            peer.ping()
+            next_ping = now + ping_every
+        got = peer.recv(min(ping_every, max(0.0, deadline - now)))
+        if got is None:
+            continue
+        header, _ = got
+        if header.kind == codec.DATA:
+            seqs.append(header.seq)
+            if take:
+                peer.ack(header.seq)
+            out.put(("received", rank, list(seqs)))
+        elif header.kind in (codec.ERROR, codec.CLOSE):
+            out.put(("ended", rank, (header.kind, header.aux, list(seqs))))
+            peer.close()
+            return
+    out.put(("done", rank, list(seqs)))
+    peer.close()
+
+
+def suicide(delay):
+    """Kill the calling process with SIGKILL after ``delay`` seconds (a peer that dies
+    mid-conversation, with no chance to say anything)."""
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -13,6 +13,7 @@ room or the producer's own wait runs out.
 
 import collections
 import json
+import logging
 import threading
 import time
 
@@ -66,11 +67,22 @@ class ProducerEndpoint:
                 queue._garbage(exc)
 
     def _on_put(self, identity, h, payload):
-        """A producer's batch: checked (its checksum and shape, so that no worker is ever
-        sent bytes it will refuse), then enqueued as ``put_tasks()`` would, or held until
-        there is room or the producer's wait (``aux`` ms) runs out."""
-        if len(payload) not in (1, 3) or codec.payload_checksum(payload) != h.check:
+        """A producer's batch: checked as every worker checks it before unpickling
+        (``codec.check_payload``: shape, bounds, checksum), so that no worker is sent
+        bytes it would refuse (it would fail, and its group be retired); then enqueued as
+        ``put_tasks()`` would, or held until there is room or the producer's wait (``aux``
+        ms) runs out. The body is not unpickled here: one that passes these checks and
+        still fails to unpickle fails on the workers, as an in-process batch would."""
+        try:
+            codec.check_payload(payload, h.check or None)
+            if not h.check:
+                raise ProtocolError("a PUT without a checksum")
+        except ProtocolError as exc:
             self._counters["puts_invalid"] += 1
+            self._queue._peer_log.log(("put_invalid",), logging.WARNING,
+                                      "TaskQueue %s: refused a producer's batch (%d so far): "
+                                      "%s", self._queue.name, self._counters["puts_invalid"],
+                                      exc)
             return self.reply(identity, h, codec.P_INVALID)
         frames = [frame.bytes for frame in payload]
         self.pending.append((time.monotonic() + h.aux / 1000, identity, h, frames))

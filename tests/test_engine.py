@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import struct
 import time
 
 import numpy as np
@@ -418,4 +419,41 @@ def test_an_io_thread_failure_is_raised_to_put_tasks_callers(name, monkeypatch):
         assert isinstance(outcome[0].__cause__, SystemExit)
         with pytest.raises(TaskSyncError, match="I/O thread failed"):
             queue.put_tasks("later", timeout=1)
+        queue.close(timeout=0)
+
+
+@pytest.mark.parametrize("payload", [
+    [os.urandom(200)],  # not a pickle at all
+    [b"\x80\x05K\x01.", b"x" * 8],  # two payload frames: neither form
+    [b"\x80\x05K\x01.", struct.pack("<qq", 4, 16), b"x" * 8],  # an array outside the data
+    [b"\x80\x05K\x01.", b"\x00" * 15, b"x" * 8],  # offsets that are not (start, length) pairs
+], ids=["random", "two-frames", "buffer-outside", "bad-offsets"])
+def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
+    """A PUT whose checksum matches its own bytes but which the workers' checks before
+    unpickling would refuse (so that every rank would fail and the group be retired) is
+    refused with P_INVALID before it is enqueued; the queue goes on."""
+    from fastdeploy_sync.codec import (PUT, PUT_REPLY, P_ACCEPTED, P_INVALID, encode_payload,
+                                       payload_checksum, unpack_header)
+
+    with TaskQueue(name, 1) as queue:
+        ctx = zmq.Context()
+        try:
+            raw = ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(queue.producer_endpoint)
+
+            def put(frames, request):
+                raw.send_multipart([pack_header(PUT, seq=request, aux=1000,
+                                                check=payload_checksum(frames)), *frames])
+                assert raw.poll(5000)
+                reply = unpack_header(raw.recv_multipart()[0])
+                assert (reply.kind, reply.seq) == (PUT_REPLY, request)
+                return reply.aux
+
+            assert put(payload, 1) == P_INVALID
+            assert queue.stats()["last_seq"] == 0 and queue.stats()["puts_invalid"] == 1
+            assert put(encode_payload(make_batch(3)), 2) == P_ACCEPTED
+            assert queue.stats()["last_seq"] == 1
+        finally:
+            ctx.destroy(linger=0)
         queue.close(timeout=0)

@@ -47,7 +47,7 @@ from . import codec, envs, payload_shm
 from .ack_board import AckBoard
 from .auth import ServerAuth
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
-from .liveness import CONNECTED, NEVER, Heartbeat, RankLink
+from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
 from .membership import GroupLost, LostBatch, Membership
 from .producer import ProducerEndpoint, TaskProducer
@@ -290,7 +290,7 @@ class TaskQueue:
         """Every rank's state in the current group: a dict per rank with ``state``
         (``connected``, ``disconnected`` or ``never connected``), ``since`` (wall-clock
         time of the last change), ``silent_s`` (seconds since it was last heard from),
-        ``worker`` (its worker id), ``reason`` (why it is disconnected) and ``consumed``.
+        ``worker`` (``liveness.id_tag`` of its worker id, which is a secret), ``reason`` (why it is disconnected) and ``consumed``.
         True within the heartbeat timeout. Never blocks on the workers; after ``close()``
         the last state (every rank that was connected: ``disconnected``, "the queue
         closed")."""
@@ -312,7 +312,8 @@ class TaskQueue:
     def stats(self) -> dict:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
         ``pings``, ``sent``, ``groups_retired``...), the last seq put, every rank's consumed
-        seq and state (see ``ranks()``), the group's incarnation. Cheap; for logs. Never
+        seq and state (see ``ranks()``), the group (``liveness.id_tag`` of its
+        incarnation: ids are secrets). Cheap; for logs. Never
         raises after ``close()``: the final figures."""
         with self._mutex:
             self._read_board()
@@ -320,7 +321,7 @@ class TaskQueue:
             out.update(last_seq=self._next_seq - 1, consumed=list(self._consumed),
                        retained=len(self._retained))
             group = self._group
-        out["group"] = f"{group.incarnation:016x}" if group else None
+        out["group"] = id_tag(group.incarnation) if group else None
         out["ranks"] = self.ranks()
         return out
 

@@ -41,13 +41,25 @@ Nothing here runs on the step's critical path: the threads that ping are blocked
 ``poll`` between pings, and the step calls only read an error slot they already read.
 """
 
+import hashlib
 import time
 
 import zmq
 
 from . import envs
 
-__all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED"]
+__all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED", "id_tag"]
+
+
+def id_tag(value: int) -> str:
+    """A short, non-reversible tag (8 hex digits) of a worker id or group incarnation, for
+    status, logs and events. The ids themselves are secrets: a message carrying a rank's
+    worker id speaks for that rank, so they never leave the engine (``STATUS`` replies
+    included) except towards the worker that owns them. The same id always gives the
+    same tag, so a worker can print its own tag to match the engine's view."""
+    digest = hashlib.blake2b(int(value).to_bytes(8, "little"), digest_size=4,
+                             person=b"fdsync-id-tag")
+    return digest.hexdigest()
 
 
 class Heartbeat:
@@ -149,5 +161,5 @@ class RankLink:
     def snapshot(self, now: float) -> dict:
         return {"rank": self.rank, "state": self.state, "since": self.since,
                 "silent_s": None if self.state == NEVER else round(now - self.last_heard, 3),
-                "worker": f"{self.worker:016x}" if self.worker else None,
+                "worker": id_tag(self.worker) if self.worker else None,
                 "reason": self.reason or None}

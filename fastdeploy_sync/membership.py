@@ -27,7 +27,7 @@ import time
 
 from . import codec
 from .errors import ProtocolError
-from .liveness import NEVER, RankLink
+from .liveness import NEVER, RankLink, id_tag
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 
@@ -57,7 +57,7 @@ class GroupLost:
     """Event: the engine retired a worker group (see the module docstring).
 
     ``incarnation`` (int), ``reason`` (str), ``at`` (wall-clock time), ``ranks`` (one dict
-    per rank: state, since, silent_s, worker, reason) and ``unfinished``: the
+    per rank: state, since, silent_s, worker (``liveness.id_tag``), reason) and ``unfinished``: the
     ``LostBatch`` es it had not finished on every rank, in put order. The engine's
     scheduler should re-queue (or fail) their requests: a new group starts from an empty
     model state and receives only batches put after this event."""
@@ -69,7 +69,7 @@ class GroupLost:
         self.ranks, self.unfinished = ranks, unfinished
 
     def __repr__(self):
-        return (f"GroupLost(incarnation={self.incarnation:#x}, reason={self.reason!r}, "
+        return (f"GroupLost(group={id_tag(self.incarnation)}, reason={self.reason!r}, "
                 f"unfinished={[b.seq for b in self.unfinished]})")
 
 
@@ -163,8 +163,8 @@ class Membership:
                                         "first, or use another name or dp_id")
                 self._parked.append((since, identity, h, name))
                 return
-            self.retire(group, f"replaced by a new worker group ({h.group:#x}) while none "
-                               f"of its ranks was reachable")
+            self.retire(group, f"replaced by a new worker group ({id_tag(h.group)}) while "
+                               f"none of its ranks was reachable")
             group = None
         if group is None:
             if h.seq != 1 or h.aux != 0:  # a fresh group holds nothing yet
@@ -194,8 +194,8 @@ class Membership:
         self._queue._send(link, [codec.pack_header(
             codec.WELCOME, rank, self.tp_size, aux=group.epoch, engine=self.instance,
             group=group.incarnation, worker=h.worker)])
-        log.info("TaskQueue %s: rank %d connected (worker %016x, group %016x), wants seq %d",
-                 self.name, rank, h.worker, group.incarnation, h.seq)
+        log.info("TaskQueue %s: rank %d connected (worker %s, group %s), wants seq %d",
+                 self.name, rank, id_tag(h.worker), id_tag(group.incarnation), h.seq)
 
     def _new_group(self, incarnation):
         self._epochs += 1
@@ -290,6 +290,6 @@ class Membership:
         event = GroupLost(group.incarnation, reason, time.time(),
                           [link.snapshot(now) for link in group.links],
                           [LostBatch(seq, tasks, taken_by) for seq, tasks, taken_by in lost])
-        log.warning("TaskQueue %s: retired worker group %016x: %s; %d batch(es) unfinished "
-                    "(group_events)", self.name, group.incarnation, reason, len(lost))
+        log.warning("TaskQueue %s: retired worker group %s: %s; %d batch(es) unfinished "
+                    "(group_events)", self.name, id_tag(group.incarnation), reason, len(lost))
         self._queue.group_events.put(event)

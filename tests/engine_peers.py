@@ -132,3 +132,66 @@ def suicide(delay):
     mid-conversation, with no chance to say anything)."""
     time.sleep(delay)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def curve_keys(keys_dir):
+    """``(server_public, public, secret)`` from a worker key directory."""
+    import zmq.auth
+
+    from fastdeploy_sync.auth import CLIENT_SECRET, SERVER_PUBLIC
+
+    server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, SERVER_PUBLIC))
+    public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, CLIENT_SECRET))
+    return server_public, public, secret
+
+
+def intruder_process(out, rank, endpoint, name, tp_size, keys_dir, listen_s):
+    """A process holding the worker key that tries to take ``rank``'s place in the live
+    group: it asks the engine for its status, claims the rank with every id the status
+    shows (read as hex numbers), and listens ``listen_s`` seconds. Reports
+    ("intruded", rank, {"status": the raw reply, "welcomed": bool, "data": batches
+    received, "errors": [error codes]}), then leaves."""
+    import json
+
+    ctx = zmq.Context()
+    try:
+        curve = curve_keys(keys_dir)
+        asker = RawRank(endpoint, name, tp_size, rank, ctx=ctx, curve=curve)
+        asker.status()
+        header, frames = asker.expect(codec.STATUS_REPLY, timeout=30)
+        raw_status = frames[0]
+        status = json.loads(raw_status)
+
+        def as_id(text):
+            try:
+                return int(text, 16)
+            except (TypeError, ValueError):
+                return None
+
+        group = as_id(status.get("group")) or 1
+        claims = [as_id(r.get("worker")) for r in status["ranks"]] + [None]
+        welcomed, data, errors = False, 0, []
+        for worker in claims:
+            claimant = RawRank(endpoint, name, tp_size, rank, group=group, worker=worker,
+                               ctx=ctx, curve=curve)
+            # claim to hold what the rank holds, as the rank itself would on a reconnect
+            consumed = status["ranks"][rank]["consumed"]
+            claimant.hello(first_missing=consumed + 1, taken=consumed)
+            deadline = time.monotonic() + listen_s
+            while time.monotonic() < deadline:
+                got = claimant.recv(max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    break
+                h, _ = got
+                if h.kind == codec.WELCOME:
+                    welcomed = True
+                elif h.kind == codec.DATA:
+                    data += 1
+                elif h.kind == codec.ERROR:
+                    errors.append(h.aux)
+                    break
+            claimant.close()
+        out.put(("intruded", rank, {"status": raw_status, "welcomed": welcomed, "data": data,
+                                    "errors": errors}))
+    finally:
+        ctx.destroy(linger=0)

@@ -272,3 +272,42 @@ def test_a_key_holder_cannot_take_a_live_ranks_place(name, keys, procs, results,
         assert f"{worker:016x}" not in status and f"{worker:x}" not in status
         assert f"{incarnation:016x}" not in status and f"{incarnation:x}" not in status
     collect(results, "raised", 2, timeout=30)  # EngineClosedError at close
+
+
+def test_a_key_removed_from_the_allowlist_is_refused_within_seconds(name, keys, tmp_path):
+    """Revoking a worker key is deleting its file from allowed_clients/: new connections
+    with it are refused within seconds, without restarting the engine (and a key copied in
+    is admitted the same way). Connections are new ones each time (query_status)."""
+    from fastdeploy_sync.auth import ALLOWLIST_DIR, CLIENT_PUBLIC
+    from fastdeploy_sync.engine import query_status
+
+    extra = create_keys(tmp_path / "extra")["dir"]
+    worker_dir = tmp_path / "extra-worker"
+    worker_dir.mkdir(mode=0o700)
+    shutil.copy(os.path.join(keys["engine"], SERVER_PUBLIC), worker_dir / SERVER_PUBLIC)
+    shutil.copy(os.path.join(extra, CLIENT_SECRET), worker_dir / CLIENT_SECRET)
+    os.chmod(worker_dir / CLIENT_SECRET, 0o600)
+    admitted = os.path.join(keys["engine"], ALLOWLIST_DIR, "extra.key")
+
+    def answered():
+        try:
+            query_status(endpoint, keys_dir=str(worker_dir), timeout=0.5)
+        except TimeoutError:
+            return False
+        return True
+
+    with TaskQueue(name, 1, endpoint=_tcp(), keys_dir=keys["engine"], heartbeat=HB) as queue:
+        endpoint = queue.endpoint
+        assert not answered()  # not on the allowlist
+        shutil.copy(os.path.join(extra, CLIENT_PUBLIC), admitted)
+        start = time.monotonic()
+        assert wait_until(answered, timeout=15), "a key copied into the allowlist was not admitted"
+        print(f"admitted after {time.monotonic() - start:.2f} s")
+        os.unlink(admitted)
+        start = time.monotonic()
+        assert wait_until(lambda: not answered(), timeout=15), \
+            "a key removed from the allowlist was still admitted"
+        print(f"refused after {time.monotonic() - start:.2f} s")
+        for _ in range(3):
+            assert not answered()
+        query_status(endpoint, keys_dir=keys["worker"], timeout=5)  # the others still work

@@ -42,6 +42,7 @@ import time
 import weakref
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import codec, envs, payload_shm
 from .ack_board import AckBoard
@@ -63,9 +64,23 @@ log = logging.getLogger(__name__)
 # A put_tasks() blocked on the bound re-reads the ack board at this pace (doubling).
 _BOARD_POLL_MIN_S = 50e-6
 _BOARD_POLL_MAX_S = 1e-3
-# Workers only send small messages (HELLO, ACK, PING): anything larger is not ours, and
-# ZeroMQ drops the connection instead of allocating it.
-_MAX_INBOUND_BYTES = 64 * 1024
+# Workers only send small messages (HELLO, ACK, PING, BYE: a header and a name): anything
+# larger is not ours, and ZeroMQ drops the connection instead of allocating it.
+_MAX_INBOUND_BYTES = 4096
+# Messages libzmq queues per connection towards the I/O thread; a peer that sends faster
+# than the I/O thread reads is slowed down by its own socket (TCP/unix flow control), so
+# what it can make the engine hold is at most this many times _MAX_INBOUND_BYTES.
+_INBOUND_HWM = 1000
+# Messages queued per connection towards a peer that does not read them (its replies to a
+# flood): a send beyond it fails at once and is dropped (a rank's batch is sent again on a
+# later pass). Raised to 4 x max_inflight for queues with a larger window.
+_OUTBOUND_HWM = 1000
+# Messages the I/O thread takes from one socket per pass before it runs the liveness tick
+# and sends batches: no socket is drained unboundedly first.
+_RECEIVE_BUDGET = 256
+# A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
+# flood of STATUS requests must not cost a JSON encoding each).
+_STATUS_CACHE_S = 0.2
 # How long close() lets CLOSE messages leave before dropping them (a gone worker must not
 # make close() hang).
 _CLOSE_LINGER_MS = 1000
@@ -150,6 +165,8 @@ class TaskQueue:
         # vanishing; every send goes through _send(), which handles it.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
+        self._sock.setsockopt(zmq.RCVHWM, _INBOUND_HWM)
+        self._sock.setsockopt(zmq.SNDHWM, max(_OUTBOUND_HWM, 4 * max_inflight))
         self.heartbeat.configure_socket(self._sock)
         if self._auth is not None:
             self._auth.apply(self._sock)
@@ -180,20 +197,26 @@ class TaskQueue:
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A connection of the workers' socket that drops makes the I/O thread probe the
+        # ranks at once instead of at the next tick.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # The producer endpoint: node-local, for engine processes other than this one
-        # (TaskProducer). Its own socket, so that the workers' socket keeps its 64 KiB
+        # (TaskProducer). Its own socket, so that the workers' socket keeps its small
         # bound; same-user only, like every node-local endpoint.
         self.producer_endpoint = default_endpoint(name, dp_id, "put")
         self._put_path = ipc_path(self.producer_endpoint)
         self._put_sock = new_socket(self._ctx, zmq.ROUTER)
         self._put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._put_sock.setsockopt(zmq.MAXMSGSIZE, self._max_batch_bytes + 4096)
+        ProducerEndpoint.configure_socket(self._put_sock)
         try:
             claim_ipc_path(self._put_path)
             self._put_sock.bind(self.producer_endpoint)
             secure_socket_file(self._put_path)
         except BaseException:
             self._put_sock.close(linger=0)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             if self._board is not None:
                 self._board.close()
@@ -211,6 +234,7 @@ class TaskQueue:
         self._members = Membership(self)
         self._peer_log = RateLimitedLog(log)
         self._current = None  # the frame being handled (its peer address, for logs)
+        self._status_cache = (float("-inf"), b"")  # (when, the STATUS reply's JSON)
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
@@ -337,15 +361,24 @@ class TaskQueue:
         return out
 
     def close(self, timeout: float = 5.0) -> list:
-        """Close the queue: drain, tell the workers, stop. Idempotent; returns the seqs that
-        were put but not consumed by every rank (``[]`` after a clean drain).
+        """Close the queue: drain, tell the workers, stop. Returns the seqs that were put
+        but not consumed by every rank (``[]`` after a clean drain). Any thread may call
+        it; a second call returns ``[]`` at once.
 
-        First waits, up to ``timeout`` seconds and only while some rank of the group is
-        connected, until every rank has taken every batch put; new ``put_tasks()`` calls
-        raise ``ClosedError`` from the start. Then sends every connected rank what it still
-        lacks and a CLOSE message (workers raise ``EngineClosedError`` once they have taken
+        ``put_tasks()`` raises ``ClosedError`` from the start. Then it waits, up to
+        ``timeout`` seconds, until every batch put has been taken by every rank of a
+        group: a group that is connected is waited for, and so is one that has not come
+        yet (workers may start after the engine, or after close() was called); it stops
+        waiting early when the group being served has no rank connected any more (its
+        workers closed or died). Then it sends every connected rank what it still lacks
+        and a CLOSE message (workers raise ``EngineClosedError`` once they have taken
         everything they were sent), and stops the I/O thread (up to ~5 s) and the socket
         (up to 1 s for the CLOSE messages to leave). What was not consumed is logged.
+
+        Batches no worker received by then are returned here and never delivered:
+        workers that start after close() returned find no engine (their connect timeout
+        applies). Batches of a group retired earlier were handed back in its
+        ``GroupLost`` event and are not listed again.
         """
         deadline = time.monotonic() + max(0.0, timeout)
         backoff = _BOARD_POLL_MIN_S
@@ -356,8 +389,10 @@ class TaskQueue:
             self._not_full.notify_all()
             while self._error is None:
                 self._read_board()
-                if min(self._consumed) >= self._next_seq - 1 or not self._group_connected():
-                    break
+                if min(self._consumed) >= self._next_seq - 1:
+                    break  # drained
+                if self._group is not None and not self._group_connected():
+                    break  # the group being served has gone: nobody to deliver to
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -374,8 +409,7 @@ class TaskQueue:
         if self._thread.is_alive():
             log.error("TaskQueue %s: I/O thread did not stop within 5 s", self.name)
             return unconsumed  # leave the socket to the thread rather than close it under its feet
-        self._sock.close()  # the I/O thread set a short linger for the CLOSE messages
-        self._put_sock.close()
+        self._close_sockets()
         if self._auth is not None:
             self._auth.close()
         self._ctx.term()
@@ -396,8 +430,9 @@ class TaskQueue:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # leaving on an exception: close without waiting for the workers to drain
+        self.close(timeout=0 if exc_type is not None else 5.0)
 
     # -- helpers (under _mutex) ------------------------------------------------------------
 
@@ -526,14 +561,17 @@ class TaskQueue:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._put_sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
-        tick_s = self.heartbeat.interval / 2
-        next_tick = time.monotonic() + tick_s
+        interval = self.heartbeat.interval
+        next_tick = time.monotonic() + interval
         try:
             while True:
-                # blocks with the GIL released; wakes for the liveness tick at the latest,
-                # and every millisecond while a producer waits for room (the ack board
-                # notifies nobody)
+                # Blocks with the GIL released until a message, a wake-up or the next tick
+                # (returns at once while a socket still holds messages), and wakes every
+                # millisecond while a producer waits for room (the ack board notifies
+                # nobody). One pass does a bounded amount of work: receive (at most
+                # _RECEIVE_BUDGET messages per socket) -> dispatch -> tick -> send.
                 wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
                 if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
@@ -543,17 +581,20 @@ class TaskQueue:
                 if self._stop:
                     self._finish_close()
                     return
+                if self._monitor in events and self._connection_dropped():
+                    self._members.connections_changed(time.monotonic())
                 if self._sock in events:
-                    self._receive_all()
+                    self._receive()
                 if self._put_sock in events:
-                    self._producers.receive()
+                    self._producers.receive(_RECEIVE_BUDGET)
                 if self._producers.pending:
                     self._producers.serve()
                 now = time.monotonic()
                 if now >= next_tick:
-                    # the next tick: in tick_s, or when a rank's silence would reach the
-                    # timeout, whichever comes first (so silence is reported on time)
-                    next_tick = min(now + tick_s, self._members.tick(now))
+                    self._members.tick(now)
+                    next_tick = now + interval
+                # sooner if a rank's state would retire its group before then
+                next_tick = min(next_tick, self._members.deadline())
                 self._send_new()
         except BaseException as exc:  # never silent: every caller learns it
             log.exception("TaskQueue %s: I/O thread failed; the queue is unusable (every "
@@ -563,8 +604,16 @@ class TaskQueue:
                 self._not_full.notify_all()
             # Nobody serves the sockets any more: drop every connection, so that workers
             # and producers learn the engine is gone instead of waiting on it.
-            self._sock.close(linger=0)
-            self._put_sock.close(linger=0)
+            self._close_sockets(linger=0)
+
+    def _close_sockets(self, linger=None):
+        """Close the monitor and both sockets (idempotent). ``linger=None``: what the I/O
+        thread set (a short linger for the CLOSE messages)."""
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=linger)
+        self._put_sock.close(linger=linger)
 
     def _finish_close(self):
         self._producers.close()
@@ -582,15 +631,25 @@ class TaskQueue:
         self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
 
     def _send(self, link_or_identity, frames) -> bool:
-        """Send to a peer; False (and the rank marked unreachable) if its socket is gone.
-        The only place the I/O thread sends: a peer that went away can never kill it."""
+        """Send to a peer without ever blocking; False if it was not sent. The only place
+        the I/O thread sends to workers: a peer that went away or stopped reading can
+        never kill or stall it.
+
+        A peer whose connection is gone (``EHOSTUNREACH``): a rank's link is marked
+        disconnected (membership decides what that means). A peer that has not read its
+        last ``SNDHWM`` messages (``EAGAIN``: a stopped process, or a flood's sender that
+        never reads its replies): dropped and counted; a rank's batches are sent again on
+        a later pass, its connection is judged by ZMTP heartbeats."""
         link = link_or_identity if isinstance(link_or_identity, RankLink) else None
         identity = link.identity if link is not None else link_or_identity
         if identity is None:
             return False
         try:
-            self._sock.send_multipart([identity, *frames], copy=False)
+            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
+        except zmq.Again:
+            self._counters["sends_dropped_full"] += 1
+            return False
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 self._counters["send_errors"] += 1
@@ -599,13 +658,15 @@ class TaskQueue:
             self._counters["unreachable"] += 1
             if link is not None and link.identity is not None:
                 # INFO: a rank closing first is the normal shutdown order; a rank that
-                # stays away is reported (WARNING) when its silence retires the group
-                log.info("TaskQueue %s: rank %d's socket went away", self.name, link.rank)
-                link.disconnect("its socket closed")
+                # stays away is reported (WARNING) when its group is retired
+                log.info("TaskQueue %s: rank %d's connection went away", self.name, link.rank)
+                link.disconnect("its connection closed")
             return False
 
-    def _receive_all(self):
-        while True:
+    def _receive(self):
+        """At most ``_RECEIVE_BUDGET`` messages from the workers' socket (ZeroMQ serves
+        its connections in turn, so a flooding peer gets its share, not the pass)."""
+        for _ in range(_RECEIVE_BUDGET):
             try:
                 msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -615,6 +676,27 @@ class TaskQueue:
                 self._dispatch([frame.bytes for frame in msg])
             except ProtocolError as exc:
                 self._garbage(exc)
+
+    def _connection_dropped(self) -> bool:
+        """Read what the socket monitor reported (bounded); True if a connection of the
+        workers' socket went away."""
+        dropped = False
+        for _ in range(_RECEIVE_BUDGET):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
+
+    def _status_reply(self) -> bytes:
+        """``status()`` as JSON, rebuilt at most every ``_STATUS_CACHE_S`` (I/O thread)."""
+        now = time.monotonic()
+        when, raw = self._status_cache
+        if now - when >= _STATUS_CACHE_S:
+            raw = json.dumps(self.status()).encode()
+            self._status_cache = (now, raw)
+        return raw
 
     def _peer(self) -> str:
         """The address the current message came from (tcp: its IP; ipc: "local"). Logs are
@@ -642,10 +724,10 @@ class TaskQueue:
             raise ProtocolError(f"rank {header.rank} out of range")
         if header.kind == codec.STATUS:
             # Only peers that passed authentication get here (CURVE on tcp, the private
-            # directory on ipc): the same people who could run a worker.
+            # directory on ipc): the same people who could run a worker. No ids in it.
             self._counters["status_requests"] += 1
             self._send(identity, [codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
-                                  json.dumps(self.status()).encode()])
+                                  self._status_reply()])
         else:
             self._members.handle(identity, header, frames[2:])
 
@@ -757,7 +839,8 @@ class TaskQueue:
                                            engine=self.instance, group=group.incarnation,
                                            worker=link.worker, check=check)
                 if not self._send(link, [header, *frames]):
-                    break
+                    break  # gone, or not reading: the rest waits for a later pass
+                link.sent = seq
                 self._counters["sent"] += 1
             else:
                 link.sent = last

@@ -1,17 +1,31 @@
 """Worker-group membership: which worker processes serve the queue, and when a group ends.
 
 The ranks that serve a ``TaskQueue`` form one *group*, named by an incarnation id the ranks
-agree on (``tp_group``); each rank's process has its own worker id. The engine serves one
+agree on (``tp_group``); each rank's process has its own worker id. Both ids are secrets
+(a message carrying them speaks for the rank): they never leave the engine except towards
+the worker that owns them; status and logs show ``liveness.id_tag``. The engine serves one
 group at a time:
-  * a rank's place belongs to the worker that first took it; another worker asking for
-    it while the holder is heard from is refused (``E_PLACE_TAKEN``);
-  * when a rank of the group goes silent for the heartbeat timeout, or a new process
-    takes a rank whose holder died, the group is *retired*: its live ranks are told
-    (they raise ``GroupLostError``), every batch the group did not finish is handed back
-    to the engine's code as a ``GroupLost`` event (``TaskQueue.group_events``), and the
-    queue waits for a new group, which receives only what is put from then on;
-  * a new group (a new incarnation) that asks while the old one is still heard from is
-    held back until the old one is gone, and refused if it stays alive.
+  * a rank's place belongs to the worker that first took it. The same worker may come
+    back on a new connection (a HELLO with its worker id) and is replayed what it lacks;
+    another worker asking for it while the holder's connection is up is refused
+    (``E_PLACE_TAKEN``);
+  * the group is *retired* when one of its ranks is gone or left: its connection went
+    away and nothing was heard from it for the heartbeat timeout (died, or unreachable),
+    it stayed connected but sent nothing for ``stall_timeout`` (hung), it closed its
+    client (``BYE``), or a new worker process took its place after its connection went
+    (it restarted). Its live ranks are told (they raise ``GroupLostError``), every batch
+    the group did not finish is handed back to the engine's code as a ``GroupLost``
+    event (``TaskQueue.group_events``), and the queue waits for a new group, which
+    receives only what is put from then on. Application silence alone (a rank whose
+    main thread holds the GIL, a big batch in transit) never retires a group before
+    ``stall_timeout`` (see ``liveness``);
+  * a new group (a new incarnation) that asks while a rank of the old one is still
+    connected is held back until the old one is gone, and refused if it stays (after the
+    heartbeat timeout plus one interval). At most ``2 * tp_size`` HELLOs are held back.
+
+What a peer can make this module do is bounded: a refusal is answered at most once a
+second per connection, a rank is probed at most every ``_PROBE_MIN_S`` for HELLOs that
+claim its place, and the lists it keeps have fixed bounds.
 
 Division of labour with ``engine``: the queue keeps what its lock guards (the group being
 served, ``_group``/``_previous``; the batches in flight and what each rank consumed) and
@@ -27,7 +41,7 @@ import time
 
 from . import codec
 from .errors import ProtocolError
-from .liveness import NEVER, RankLink, id_tag
+from .liveness import RankLink, id_tag
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 
@@ -35,6 +49,14 @@ log = logging.getLogger(__name__)
 
 # Incarnations of retired groups remembered, to refuse their stragglers precisely.
 _RETIRED_MEMORY = 64
+# A refusal is answered at most this often per connection (routing id), and so many
+# connections are remembered: a peer that keeps asking cannot make the engine keep
+# answering (each answer is a send, queued for a peer that may never read it).
+_ANSWER_MIN_S = 1.0
+_ANSWERED_MEMORY = 4096
+# A rank is probed at most this often because someone claims its place or a connection
+# dropped: a flood of claims must not become a flood of PONGs to the rank.
+_PROBE_MIN_S = 0.05
 
 
 class LostBatch:
@@ -92,8 +114,13 @@ class Membership:
         self.instance, self.heartbeat = queue.instance, queue.heartbeat
         self._counters = queue._counters
         self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
-        self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
+        # HELLOs of a new group waiting for the old one to go, the latest per (group, rank):
+        # (group, rank) -> (since, identity, header, name)
+        self._parked = collections.OrderedDict()
+        self._max_parked = 2 * self.tp_size
         self._retired = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
+        self._answered = collections.OrderedDict()  # identity -> when a refusal was sent
+        self._probed_all_at = 0.0
 
     @property
     def group(self):
@@ -101,22 +128,93 @@ class Membership:
         return self._queue._group
 
     def handle(self, identity, header, frames):
-        """A rank's HELLO, ACK or PING (``frames``: what followed the header). Raises
+        """A rank's HELLO, ACK, PING or BYE (``frames``: what followed the header). Raises
         ``ProtocolError`` for a message that is not one of them."""
-        if header.kind == codec.HELLO:
+        now = time.monotonic()
+        kind = header.kind
+        if kind == codec.PING:
+            self._ping(identity, header, now)
+        elif kind == codec.ACK:
+            self._ack(header, now)
+        elif kind == codec.HELLO:
             self._counters["hellos"] += 1
             name = frames[0] if len(frames) == 1 else b""
-            self._hello(identity, header, name, time.monotonic())
-        elif header.kind == codec.ACK:
-            self._ack(header)
-        elif header.kind == codec.PING:
-            self._ping(identity, header)
+            self._hello(identity, header, name, now)
+        elif kind == codec.BYE:
+            self._bye(header, now)
         else:
-            raise ProtocolError(f"a worker sent message kind {header.kind}")
+            raise ProtocolError(f"a worker sent message kind {kind}")
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def tick(self, now) -> None:
+        """Every heartbeat interval: probe every connected rank (an unasked PONG: proof of
+        life for the rank, and a send that fails for a connection that went away), retire
+        the group if a rank is gone or hung, admit held-back HELLOs."""
+        group = self.group
+        if group is not None:
+            self._probe(group, now)
+            for link in group.links:
+                if now >= link.retire_at(self.heartbeat):
+                    self.retire(group, self._why_gone(link, now))
+                    break
+        if self._parked:
+            parked, self._parked = self._parked, collections.OrderedDict()
+            for since, identity, h, name in parked.values():
+                self._hello(identity, h, name, now, parked_since=since)
+
+    def deadline(self) -> float:
+        """When (monotonic) a rank's state would retire the group unless something is
+        heard first: the I/O thread runs ``tick`` then at the latest. ``inf`` if never."""
+        group = self.group
+        if group is None:
+            return float("inf")
+        return min(link.retire_at(self.heartbeat) for link in group.links)
+
+    def connections_changed(self, now) -> None:
+        """A connection of the workers' socket went away (socket monitor): probe now
+        rather than at the next tick (at most every ``_PROBE_MIN_S``)."""
+        group = self.group
+        if group is not None and now - self._probed_all_at >= _PROBE_MIN_S:
+            self._probe(group, now)
+
+    def _why_gone(self, link, now) -> str:
+        silent = link.silent_for(now)
+        if link.identity is None:
+            how = link.reason or "its connection closed"
+            return (f"rank {link.rank} is gone: {how} and it did not come back; nothing "
+                    f"heard from it for {silent:.1f} s (died, killed or unreachable)")
+        return (f"rank {link.rank} is hung: its connection stayed up but it sent nothing for "
+                f"{silent:.1f} s (stall timeout {self.heartbeat.stall_timeout:g} s, "
+                f"FD_SYNC_STALL_TIMEOUT)")
+
+    def _probe(self, group, now):
+        """Send a PONG to every rank thought reachable: proof of life for the rank, and
+        a socket that went away fails the send at once (ROUTER_MANDATORY)."""
+        self._probed_all_at = now
+        for link in group.links:
+            if link.identity is not None:
+                self._send_pong(link, now)
+
+    def _reachable(self, link, now) -> bool:
+        """Whether ``link``'s connection is up, probed if that was not done in the last
+        ``_PROBE_MIN_S`` (so a flood of HELLOs cannot make the engine flood the rank)."""
+        if link.identity is not None and now - link.probed_at >= _PROBE_MIN_S:
+            self._send_pong(link, now)
+        return link.identity is not None
+
+    def _send_pong(self, link, now):
+        link.probed_at = now
+        self._queue._send(link, [codec.pack_header(
+            codec.PONG, link.rank, engine=self.instance, group=self.group.incarnation,
+            worker=link.worker)])
+
+    # -- what ranks say ----------------------------------------------------------------------
 
     def _reject(self, identity, header, code, reason, detail=None):
         """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
-        or watermark), the log gets ``detail`` too, at most once per peer and interval."""
+        or watermark), at most once a second per connection; the log gets ``detail``
+        too, at most once per peer address and interval."""
         queue = self._queue
         self._counters["rejected"] += 1
         peer = queue._peer()
@@ -124,6 +222,15 @@ class Membership:
                             "TaskQueue %s: rejected a worker from %s claiming rank %d (%d "
                             "rejected so far): %s", self.name, peer, header.rank,
                             self._counters["rejected"], detail or reason)
+        now = time.monotonic()
+        last = self._answered.get(identity)
+        if last is not None and now - last < _ANSWER_MIN_S:
+            self._counters["refusals_unanswered"] += 1  # a peer that keeps asking
+            return
+        self._answered[identity] = now
+        self._answered.move_to_end(identity)
+        while len(self._answered) > _ANSWERED_MEMORY:
+            self._answered.popitem(last=False)
         queue._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
                                                  engine=self.instance, group=header.group,
                                                  worker=header.worker), reason.encode()])
@@ -144,27 +251,28 @@ class Membership:
             return self._reject(identity, h, codec.E_STALE_ENGINE,
                                 "the engine this worker was bound to is gone (the engine "
                                 "restarted): restart the worker group",
-                                f"it is bound to engine {h.engine:#x}, this is {self.instance:#x}")
+                                f"it is bound to engine {id_tag(h.engine)}, this is "
+                                f"{id_tag(self.instance)}")
         if not h.group or not h.worker:
             raise ProtocolError("HELLO without group or worker id")
         if h.group in self._retired:
             return self._reject(identity, h, codec.E_GROUP_LOST,
-                                "this worker group was retired earlier (a rank went silent or "
-                                "restarted): restart the whole group")
+                                "this worker group was retired earlier (a rank went away, "
+                                "hung, left or restarted): restart the whole group")
         group = self.group
         if group is not None and group.incarnation != h.group:
-            self._probe(group)
-            if any(link.alive(now, self.heartbeat.timeout) and link.identity is not None
-                   for link in group.links):
+            if any(self._reachable(link, now) for link in group.links):
                 since = parked_since if parked_since is not None else now
-                if now - since > self.heartbeat.timeout + self.heartbeat.interval:
+                key = (h.group, rank)
+                if now - since > self.heartbeat.timeout + self.heartbeat.interval or (
+                        key not in self._parked and len(self._parked) >= self._max_parked):
                     return self._reject(identity, h, codec.E_GROUP_BUSY,
                                         "another live worker group serves this queue: stop it "
                                         "first, or use another name or dp_id")
-                self._parked.append((since, identity, h, name))
+                self._parked[key] = (since, identity, h, name)
                 return
             self.retire(group, f"replaced by a new worker group ({id_tag(h.group)}) while "
-                               f"none of its ranks was reachable")
+                               f"none of its ranks was connected")
             group = None
         if group is None:
             if h.seq != 1 or h.aux != 0:  # a fresh group holds nothing yet
@@ -174,8 +282,7 @@ class Membership:
             group = self._new_group(h.group)
         link = group.links[rank]
         if link.worker and link.worker != h.worker:
-            self._probe(group)
-            if link.alive(now, self.heartbeat.timeout) and link.identity is not None:
+            if self._reachable(link, now):
                 return self._reject(identity, h, codec.E_PLACE_TAKEN,
                                     f"rank {rank} is held by a live worker: two processes "
                                     f"cannot serve one rank; check tp_rank on each worker")
@@ -217,14 +324,14 @@ class Membership:
             return None
         return group.links[h.rank]
 
-    def _ack(self, h):
+    def _ack(self, h, now):
         link = self._link_of(h)
         if link is None:
             return
-        link.heard(time.monotonic())
+        link.heard(now)
         self._queue._acknowledge(h.rank, h.seq)
 
-    def _ping(self, identity, h):
+    def _ping(self, identity, h, now):
         self._counters["pings"] += 1
         link = self._link_of(h, unbound_ok=True)
         if link is None:
@@ -236,48 +343,36 @@ class Membership:
             else:
                 return  # not welcomed yet: its HELLO is being handled or parked
             return self._reject(identity, h, code, why)
-        link.heard(time.monotonic())
+        link.heard(now)
         self._queue._send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
                                                        group=h.group, worker=h.worker)])
 
-    def _probe(self, group):
-        """Send a PONG to every rank thought reachable: a socket that went away fails the
-        send at once (ROUTER_MANDATORY), which is quicker than waiting for silence."""
-        for link in group.links:
-            if link.identity is not None:
-                self._queue._send(link, [codec.pack_header(
-                    codec.PONG, link.rank, engine=self.instance, group=group.incarnation,
-                    worker=link.worker)])
+    def _bye(self, h, now):
+        """The rank closed its client on purpose: apply what it says it took, then retire
+        the group at once (its peers cannot go on without it)."""
+        link = self._link_of(h, unbound_ok=True)
+        if link is None:
+            return
+        link.heard(now)
+        self._counters["byes"] += 1
+        try:
+            if h.seq > 0:
+                self._queue._acknowledge(h.rank, h.seq)
+        except ProtocolError as exc:  # a seq never sent: ignore it, the rank still left
+            self._queue._garbage(exc)
+        link.disconnect("it closed its client (BYE)", now)
+        self.retire(self.group, f"rank {h.rank} closed its client (BYE)", left=True)
 
-    def tick(self, now) -> float:
-        """Liveness: mark silent ranks, retire a group that lost one, admit parked HELLOs.
-        Returns when the first rank still heard from would become silent."""
-        group = self.group
-        if group is not None:
-            timeout = self.heartbeat.timeout
-            for link in group.links:
-                if link.state != NEVER and link.silent_for(now) > timeout:
-                    silent = link.silent_for(now)
-                    link.disconnect(f"silent for {silent:.1f} s")
-                    self.retire(group, f"rank {link.rank} was silent for {silent:.1f} s "
-                                       f"(died, hung or unreachable)")
-                    break
-        if self._parked:
-            parked, self._parked = self._parked, []
-            for since, identity, h, name in parked:
-                self._hello(identity, h, name, now, parked_since=since)
-        group = self.group
-        if group is None:
-            return float("inf")
-        return min((link.last_heard + self.heartbeat.timeout + 0.001 for link in group.links
-                    if link.state != NEVER), default=float("inf"))
+    # -- retirement --------------------------------------------------------------------------
 
-    def retire(self, group, reason):
-        """Stop serving ``group``: tell its reachable ranks, hand back what it did not
-        finish as a ``GroupLost`` event, and reset the queue for the next group."""
+    def retire(self, group, reason, left=False):
+        """Stop serving ``group``: hand back what it did not finish as a ``GroupLost``
+        event, tell its reachable ranks, and reset the queue for the next group. ``left``:
+        a rank closed on purpose (logged at INFO when nothing was left unfinished)."""
         lost = self._queue._retire_batches(group)
         self._retired.append(group.incarnation)
         self._counters["groups_retired"] += 1
+        now = time.monotonic()
         for link in group.links:
             if link.identity is not None:
                 self._queue._send(link, [codec.pack_header(
@@ -285,11 +380,11 @@ class Membership:
                     group=group.incarnation, worker=link.worker),
                     f"the engine retired this worker group: {reason}; restart the whole "
                     f"group".encode()])
-                link.disconnect("group retired")
-        now = time.monotonic()
+                link.disconnect("group retired", now)
         event = GroupLost(group.incarnation, reason, time.time(),
                           [link.snapshot(now) for link in group.links],
                           [LostBatch(seq, tasks, taken_by) for seq, tasks, taken_by in lost])
-        log.warning("TaskQueue %s: retired worker group %s: %s; %d batch(es) unfinished "
-                    "(group_events)", self.name, id_tag(group.incarnation), reason, len(lost))
+        level = logging.INFO if left and not lost else logging.WARNING
+        log.log(level, "TaskQueue %s: retired worker group %s: %s; %d batch(es) unfinished "
+                "(group_events)", self.name, id_tag(group.incarnation), reason, len(lost))
         self._queue.group_events.put(event)

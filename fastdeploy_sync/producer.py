@@ -27,21 +27,50 @@ from .transport import (ENGINE_FDS, check_ipc_endpoint, default_endpoint, ensure
 __all__ = ["TaskProducer", "ProducerEndpoint"]
 
 
+# Producers' PUTs waiting for room: at most so many, holding at most so many bytes (one PUT
+# of any size may always wait); beyond, a PUT is answered P_BUSY at once and its bytes
+# are freed. A TaskProducer has one PUT out at a time: the bounds only meet a flood.
+_MAX_PENDING_PUTS = 64
+_MAX_PENDING_BYTES = 16 << 20
+# Per connection, messages libzmq queues towards the I/O thread (a TaskProducer has one
+# request and at most one liveness query out at a time; a peer sending faster is slowed
+# by its own socket) and replies it queues towards a peer that does not read them.
+_INBOUND_HWM = 2
+_OUTBOUND_HWM = 64
+# Waiting producers are checked this often (a send that fails for one that went away):
+# the PUT of a producer that was killed is dropped instead of enqueued later.
+_PROBE_S = 0.1
+
+
 class ProducerEndpoint:
     """The queue's side of the producer endpoint (I/O thread only, except construction).
 
-    Binds ``queue.producer_endpoint``; answers QUERY and STATUS; checks each PUT and
-    enqueues it through the queue's ``_enqueue`` when there is room."""
+    Answers QUERY and STATUS; checks each PUT and enqueues it through the queue's
+    ``_enqueue`` when there is room. What producers can make it hold is bounded: at most
+    ``_MAX_PENDING_PUTS`` waiting PUTs and ``_MAX_PENDING_BYTES`` of them (one PUT of any
+    size may always wait; beyond, ``P_BUSY``), at most ``_INBOUND_HWM`` messages per
+    connection queued in libzmq, at most ``_OUTBOUND_HWM`` replies queued for a peer that
+    does not read them (beyond, replies are dropped). A waiting PUT whose producer went
+    away is dropped, never enqueued."""
 
     def __init__(self, queue, sock):
         self._queue = queue
         self.sock = sock
         self._counters = queue._counters
-        self.pending = collections.deque()  # (deadline, identity, header, frames)
+        self.pending = collections.deque()  # (deadline, identity, header, frames, size)
+        self._pending_bytes = 0
+        self._probed_at = 0.0
 
-    def receive(self):
+    @staticmethod
+    def configure_socket(sock):
+        """The bounds above, on the queue's producer socket (before bind)."""
+        sock.setsockopt(zmq.RCVHWM, _INBOUND_HWM)
+        sock.setsockopt(zmq.SNDHWM, _OUTBOUND_HWM)
+
+    def receive(self, budget):
+        """At most ``budget`` messages from the producers' socket."""
         queue = self._queue
-        while True:
+        for _ in range(budget):
             try:
                 msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -58,9 +87,10 @@ class ProducerEndpoint:
                         codec.QUERY_REPLY, seq=h.seq, aux=queue._in_flight(),
                         engine=queue.instance)])
                 elif h.kind == codec.STATUS:
+                    self._counters["status_requests"] += 1
                     self._send(identity, [
                         codec.pack_header(codec.STATUS_REPLY, engine=queue.instance),
-                        json.dumps(queue.status()).encode()])
+                        queue._status_reply()])
                 else:
                     raise ProtocolError(f"message kind {h.kind} on the producer endpoint")
             except ProtocolError as exc:
@@ -84,47 +114,80 @@ class ProducerEndpoint:
                                       "%s", self._queue.name, self._counters["puts_invalid"],
                                       exc)
             return self.reply(identity, h, codec.P_INVALID)
+        size = sum(len(frame) for frame in payload)
+        if self.pending and (len(self.pending) >= _MAX_PENDING_PUTS
+                             or self._pending_bytes + size > _MAX_PENDING_BYTES):
+            self._counters["puts_busy"] += 1
+            return self.reply(identity, h, codec.P_BUSY)
         frames = [frame.bytes for frame in payload]
-        self.pending.append((time.monotonic() + h.aux / 1000, identity, h, frames))
+        self.pending.append((time.monotonic() + h.aux / 1000, identity, h, frames, size))
+        self._pending_bytes += size
         self.serve()
 
     def serve(self):
         """Enqueue waiting producer batches, in arrival order, while there is room; answer
-        every one whose producer's wait has run out, wherever it waits in the line."""
+        every one whose producer's wait has run out, wherever it waits in the line; drop
+        those whose producer went away (checked every ``_PROBE_S`` and before enqueueing)."""
         now = time.monotonic()
         queue = self._queue
+        probe_all = now - self._probed_at >= _PROBE_S
+        if probe_all:
+            self._probed_at = now
         waiting = collections.deque()
         room = True
         for entry in self.pending:
-            deadline, identity, h, frames = entry
+            deadline, identity, h, frames, size = entry
+            if (probe_all or room) and not self._producer_alive(identity):
+                self._counters["puts_dropped_gone"] += 1
+                self._pending_bytes -= size
+                continue
             if room:
                 status, seq = queue._enqueue(frames, h.check, expired=now >= deadline)
                 if status is not None:
                     if status == codec.P_ACCEPTED:
                         self._counters["puts_remote"] += 1
+                    self._pending_bytes -= size
                     self.reply(identity, h, status, seq)
                     continue
                 room = False  # the head waits, and so does everyone behind it...
             if now >= deadline:  # ...except those who stopped waiting
+                self._pending_bytes -= size
                 self.reply(identity, h, codec.P_TIMEOUT)
                 continue
             waiting.append(entry)
         self.pending = waiting
 
+    def _producer_alive(self, identity) -> bool:
+        """False if the connection ``identity`` came on is gone (a send to it fails:
+        ROUTER_MANDATORY). The send is a QUERY_REPLY with request id 0, which a
+        TaskProducer reads as a sign of life and otherwise ignores."""
+        try:
+            self.sock.send_multipart([identity, codec.pack_header(
+                codec.QUERY_REPLY, seq=0, engine=self._queue.instance)], zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # not reading its replies, but there
+        except zmq.ZMQError:
+            return False
+        return True
+
     def close(self):
         """The queue closed: every waiting PUT is told so."""
         while self.pending:
-            _, identity, h, _ = self.pending.popleft()
+            _, identity, h, _, _ = self.pending.popleft()
             self.reply(identity, h, codec.P_CLOSED)
+        self._pending_bytes = 0
 
     def reply(self, identity, h, status, seq=0):
         self._send(identity, [codec.pack_header(
             codec.PUT_REPLY, seq=h.seq, aux=status, engine=self._queue.instance, group=seq)])
 
     def _send(self, identity, frames):
-        """Answer a producer or status asker; one that went away is simply gone."""
+        """Answer a producer or status asker without blocking; one that went away is
+        simply gone, one that does not read its replies loses them."""
         try:
-            self.sock.send_multipart([identity, *frames], copy=False)
+            self.sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._counters["sends_dropped_full"] += 1
         except zmq.ZMQError:
             self._counters["unreachable"] += 1
 
@@ -177,17 +240,31 @@ class TaskProducer:
         sent), ``TimeoutError`` when there was no room within ``timeout`` (the queue says
         so; the batch was not enqueued), ``ClosedError`` when the queue closed, and
         ``TaskSyncError`` when no queue answers at all (none running, or it died) within
-        ``timeout`` plus a few seconds: then whether the batch was enqueued is unknown."""
+        ``timeout`` plus a few seconds: then whether the batch was enqueued is unknown.
+        When the queue holds too many other producers' batches waiting for room
+        (``P_BUSY``, only under a flood) it sends the batch again after a short pause
+        (5 ms doubling to 200 ms) within the same ``timeout``."""
         frames = codec.encode_payload(tasks)
         check = codec.payload_checksum(frames)
-        # the queue holds the batch until room or this wait ends, then always answers
-        wait_ms = 2**62 if timeout is None else max(0, int(timeout * 1000))
-        with self._lock:
-            request = self._next_request()
-            self._sock.send_multipart([codec.pack_header(codec.PUT, seq=request, aux=wait_ms,
-                                                         check=check), *frames], copy=False)
-            h = self._reply(request, codec.PUT_REPLY, None if timeout is None
-                            else timeout + self._timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            # the queue holds the batch until room or this wait ends, then always answers
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait_ms = 2**62 if remaining is None else int(remaining * 1000)
+            with self._lock:
+                request = self._next_request()
+                self._sock.send_multipart([codec.pack_header(
+                    codec.PUT, seq=request, aux=wait_ms, check=check), *frames], copy=False)
+                h = self._reply(request, codec.PUT_REPLY, None if remaining is None
+                                else remaining + self._timeout)
+            if h.aux != codec.P_BUSY:
+                break
+            if deadline is not None and time.monotonic() + pause > deadline:
+                raise TimeoutError(f"TaskProducer {self.name!r}: the queue was busy with "
+                                   f"other producers' batches for {timeout} s; not enqueued")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
         if h.aux == codec.P_ACCEPTED:
             return h.group
         if h.aux == codec.P_TIMEOUT:

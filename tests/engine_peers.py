@@ -195,3 +195,43 @@ def intruder_process(out, rank, endpoint, name, tp_size, keys_dir, listen_s):
                                     "errors": errors}))
     finally:
         ctx.destroy(linger=0)
+
+
+def hold_gil(seconds):
+    """Hold the GIL for about ``seconds`` (at least, on a loaded machine): one C call that
+    never returns to the interpreter loop, so no other thread of the process runs Python
+    meanwhile (a long numpy or compile step, a weight load)."""
+    start = time.perf_counter()
+    sum(range(1_000_000))
+    unit = max(time.perf_counter() - start, 1e-4)
+    sum(range(int(1_000_000 * seconds / unit)))
+
+
+def gil_holding_rank(out, rank, name, tp, n, hold_s, hold_after, heartbeat):
+    """A TaskClient rank (async) that steps until it took ``n`` batches; once it took
+    ``hold_after``, its main thread holds the GIL for ``hold_s`` seconds (reported as
+    ("holding", rank, None) before and ("held", rank, seconds) after). Reports
+    ("taken", rank, [batches]) or ("raised", rank, repr)."""
+    from fastdeploy_sync import Heartbeat, TaskClient
+
+    got = []
+    try:
+        with TaskClient(name, tp, rank, async_prefetch=True,
+                        heartbeat=Heartbeat(*heartbeat)) as client:
+            out.put(("ready", rank, os.getpid()))
+            deadline = time.monotonic() + 60 + hold_s
+            held = False
+            while len(got) < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank}: took {len(got)}/{n}")
+                got.extend(client.sync_step(timeout=30 + hold_s))
+                if hold_s and not held and len(got) >= hold_after:
+                    held = True
+                    out.put(("holding", rank, None))
+                    start = time.monotonic()
+                    hold_gil(hold_s)
+                    out.put(("held", rank, time.monotonic() - start))
+                time.sleep(0.001)
+            out.put(("taken", rank, got))
+    except Exception as exc:
+        out.put(("raised", rank, f"{exc!r} (cause {exc.__cause__!r}); took {got}"))

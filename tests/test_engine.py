@@ -445,8 +445,11 @@ def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
             def put(frames, request):
                 raw.send_multipart([pack_header(PUT, seq=request, aux=1000,
                                                 check=payload_checksum(frames)), *frames])
-                assert raw.poll(5000)
-                reply = unpack_header(raw.recv_multipart()[0])
+                while True:  # skipping the endpoint's liveness checks (request id 0)
+                    assert raw.poll(5000)
+                    reply = unpack_header(raw.recv_multipart()[0])
+                    if reply.seq:
+                        break
                 assert (reply.kind, reply.seq) == (PUT_REPLY, request)
                 return reply.aux
 
@@ -456,4 +459,49 @@ def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
             assert queue.stats()["last_seq"] == 1
         finally:
             ctx.destroy(linger=0)
+        queue.close(timeout=0)
+
+
+def test_close_before_any_worker_connected_waits_for_a_group_to_come_and_drain(
+        name, procs, results):
+    """close(timeout) called before any worker connected: it used to return every seq
+    at once, and workers started a moment later waited forever. Now it waits up to
+    timeout for a group to come, lets it take everything, and returns []; the workers
+    then see the queue closed."""
+    from workers import step_until_error_rank
+
+    queue = TaskQueue(name, 2)
+    try:
+        for i in range(3):
+            queue.put_tasks(i, timeout=5)
+        for rank in range(2):  # they connect while close() waits
+            procs(step_until_error_rank, results, rank, name, 2, True)
+        assert queue.close(timeout=60) == []
+    finally:
+        queue.close(timeout=0)
+    raised = collect(results, "raised", 2, timeout=30)
+    for rank in range(2):
+        assert raised[rank]["cause"] == "EngineClosedError", raised[rank]
+        assert raised[rank]["taken"] == [0, 1, 2]
+
+
+def test_close_returns_at_once_when_the_served_group_has_gone(name):
+    """The group being served has no rank connected any more (its workers closed their
+    sockets): close() does not wait for them, it returns what they did not take."""
+    from fastdeploy_sync import Heartbeat
+    from fastdeploy_sync.codec import DATA
+
+    from engine_peers import RawRank
+
+    queue = TaskQueue(name, 1, heartbeat=Heartbeat(1.0, 30.0))
+    try:
+        rank = RawRank(queue.endpoint, name, 1, 0).join()
+        queue.put_tasks("never taken", timeout=5)
+        rank.expect(DATA)
+        rank.close()
+        assert wait_until(lambda: queue.ranks()[0]["state"] == "disconnected", timeout=10)
+        start = time.monotonic()
+        assert queue.close(timeout=20) == [1]
+        assert time.monotonic() - start < 2.0
+    finally:
         queue.close(timeout=0)

@@ -48,6 +48,7 @@ from . import codec, envs, payload_shm
 from .ack_board import AckBoard
 from .auth import ServerAuth
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
+from .flood_guard import FloodGuard
 from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
 from .membership import GroupLost, LostBatch, Membership
@@ -67,10 +68,10 @@ _BOARD_POLL_MAX_S = 1e-3
 # Workers only send small messages (HELLO, ACK, PING, BYE: a header and a name): anything
 # larger is not ours, and ZeroMQ drops the connection instead of allocating it.
 _MAX_INBOUND_BYTES = 4096
-# Messages libzmq queues per connection towards the I/O thread; a peer that sends faster
-# than the I/O thread reads is slowed down by its own socket (TCP/unix flow control), so
-# what it can make the engine hold is at most this many times _MAX_INBOUND_BYTES.
-_INBOUND_HWM = 1000
+# A connection of the workers' socket that sends more than this many unwelcome messages
+# (garbage, stale, refused, status requests) within a second is cut (flood_guard: the
+# socket cannot have a receive high-water mark). A rank of the group sends none.
+_UNWELCOME_PER_S = 200
 # Messages queued per connection towards a peer that does not read them (its replies to a
 # flood): a send beyond it fails at once and is dropped (a rank's batch is sent again on a
 # later pass). Raised to 4 x max_inflight for queues with a larger window.
@@ -165,9 +166,8 @@ class TaskQueue:
         # vanishing; every send goes through _send(), which handles it.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
-        self._sock.setsockopt(zmq.RCVHWM, _INBOUND_HWM)
         self._sock.setsockopt(zmq.SNDHWM, max(_OUTBOUND_HWM, 4 * max_inflight))
-        self.heartbeat.configure_socket(self._sock)
+        self.heartbeat.configure_engine_socket(self._sock)
         if self._auth is not None:
             self._auth.apply(self._sock)
         self._ipc_path = ipc_path(endpoint)
@@ -200,6 +200,7 @@ class TaskQueue:
         # A connection of the workers' socket that drops makes the I/O thread probe the
         # ranks at once instead of at the next tick.
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._guard = FloodGuard(self._sock, limit=_UNWELCOME_PER_S)
         # The producer endpoint: node-local, for engine processes other than this one
         # (TaskProducer). Its own socket, so that the workers' socket keeps its small
         # bound; same-user only, like every node-local endpoint.
@@ -673,9 +674,12 @@ class TaskQueue:
                 return
             self._current = msg[0]  # for _peer(): where the message came from
             try:
-                self._dispatch([frame.bytes for frame in msg])
+                welcome = self._dispatch([frame.bytes for frame in msg])
             except ProtocolError as exc:
                 self._garbage(exc)
+                welcome = False
+            if not welcome and self._guard.unwelcome(msg[0], time.monotonic()):
+                self._counters["connections_cut"] += 1
 
     def _connection_dropped(self) -> bool:
         """Read what the socket monitor reported (bounded); True if a connection of the
@@ -714,9 +718,11 @@ class TaskQueue:
                            "TaskQueue %s: dropped an undecodable message from %s (%d so far): "
                            "%s", self.name, peer, self._counters["garbage_frames"], exc)
 
-    def _dispatch(self, frames):
+    def _dispatch(self, frames) -> bool:
         """One message from the workers' socket: STATUS is answered here, the rest is
-        membership's (HELLO, ACK, PING)."""
+        membership's (HELLO, ACK, PING, BYE). True if it came from a rank of the group (or
+        admitted one); False for what the flood guard counts (status requests, stale or
+        refused messages)."""
         if len(frames) < 2:
             raise ProtocolError(f"{len(frames)} frame(s), expected identity + header")
         identity, header = frames[0], codec.unpack_header(frames[1])
@@ -728,8 +734,8 @@ class TaskQueue:
             self._counters["status_requests"] += 1
             self._send(identity, [codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
                                   self._status_reply()])
-        else:
-            self._members.handle(identity, header, frames[2:])
+            return False
+        return self._members.handle(identity, header, frames[2:])
 
     # -- the ledger: what membership and the producer endpoint change (I/O thread) ---------
 

@@ -8,15 +8,16 @@ tell those apart from death. So the two questions are answered by different mean
 
   * **Dead or frozen** (killed, crashed, SIGSTOPped, machine or network gone): the
     connection. A process that dies closes its sockets at once; a frozen one stops
-    answering ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``, ``configure_socket``), which
-    libzmq's own I/O thread sends and answers without the GIL, and libzmq drops its
-    connection after ``timeout``. The application sees the connection go: the engine's
-    sends to a rank whose connection is gone fail (ROUTER_MANDATORY, ``EHOSTUNREACH``; the
-    engine probes every connected rank every interval and whenever a connection drops), a
-    worker's socket monitor reports the disconnect. A peer whose connection is gone and
-    not re-established (a HELLO from the *same* worker id) while nothing is heard from it
-    for ``timeout`` seconds is gone: the engine retires the rank's group (at the earliest
-    one ``interval`` after it saw the connection go, so that a reconnect queued behind a
+    answering the ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``) that libzmq's own I/O
+    thread sends and answers without the GIL, and libzmq drops its connection after
+    ``timeout``; a host that vanished is found the same way (and by TCP keepalive). The
+    application sees the connection go: the engine's sends to a rank whose connection
+    is gone fail (ROUTER_MANDATORY, ``EHOSTUNREACH``; the engine probes every connected
+    rank every interval and whenever a connection drops), a worker's socket monitor
+    reports the disconnect. A peer whose connection is gone and not re-established (a
+    HELLO from the *same* worker id) while nothing is heard from it for ``timeout``
+    seconds is gone: the engine retires the rank's group (at the earliest one
+    ``interval`` after it saw the connection go, so that a reconnect queued behind a
     stall of the engine's own I/O thread is read first), a worker raises
     ``EngineGoneError``.
   * **Alive but hung** (connection up, no application message): application ``PING``/
@@ -34,17 +35,21 @@ What counts as life for ZMTP: libzmq (4.3.5) cancels a heartbeat timeout only wh
 *frame* has been decoded completely; bytes of a frame still in transit do not count.
 Measured: a DEALER with ``HEARTBEAT_TIMEOUT`` 0.3 s never receives a 600 MiB frame that
 takes 1.5 s to cross loopback: its own PINGs re-arm the timeout during the transfer, the
-connection is dropped mid-frame, and again after every reconnect. (A ``HEARTBEAT_TTL``
-asked by the sender does the same to a single big frame; a DATA message starts with its
-small header frame, which cancels a TTL armed before it.) Hence:
-  * the engine's socket for its workers sets ``HEARTBEAT_IVL`` and ``HEARTBEAT_TIMEOUT``:
-    its PINGs leave after whatever message it is sending, and the workers' answers travel
-    on the direction that carries only small messages, so a big batch does not trip it
+connection is dropped mid-frame, and again after every reconnect. A TTL asked by the
+sender does the same to a single big frame. Hence:
+  * the engine's socket runs the heartbeats (``configure_engine_socket``): its PINGs
+    leave after whatever message it is sending, and the workers' answers travel on the
+    direction that carries only small messages, so a big batch does not trip it
     (``tests/test_liveness.py``: a 48 MiB batch crossing in ~6 s under a 2 s timeout);
-  * nobody sets ``HEARTBEAT_TTL`` (each side judges with its own timeout);
-  * a socket that *receives* batches must not have a ZMTP timeout shorter than its
-    largest batch's transfer: a worker learns that a frozen engine is gone on a
-    connection that carries no batches, or by application silence past ``stall_timeout``.
+    it asks the workers for no TTL;
+  * a worker's socket that *receives* batches must not have a ZMTP timeout shorter than
+    its largest batch's transfer (``configure_socket(sock, receives_batches=True)``: it
+    still sends PINGs, but never drops the connection for silence); a worker learns that
+    a frozen engine is gone on a connection that carries no batches, or by application
+    silence past ``stall_timeout``;
+  * a worker's TTL is not relied on: libzmq arms it only when a PING arrives and any
+    later frame cancels it, so a worker frozen right after sending a message is never
+    dropped by it (measured: a SIGSTOPped rank stayed connected for 30 s).
 
 The protocol:
   * every worker sends ``PING`` every ``interval`` seconds from a thread that is otherwise
@@ -67,6 +72,9 @@ import zmq
 from . import envs
 
 __all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED", "id_tag"]
+
+# "Never" for a ZMTP heartbeat timeout (libzmq takes an int of milliseconds: ~24 days).
+_NEVER_MS = 2**31 - 1
 
 
 def id_tag(value: int) -> str:
@@ -107,20 +115,37 @@ class Heartbeat:
         """True when a connected peer silent for ``silent_s`` seconds counts as hung."""
         return bool(self.stall_timeout) and silent_s > self.stall_timeout
 
-    def configure_socket(self, sock: zmq.Socket) -> None:
-        """ZMTP heartbeats on ``sock``: libzmq (its I/O thread, no GIL) pings the peer every
-        ``interval`` and drops the connection when nothing complete arrives for
+    def configure_socket(self, sock: zmq.Socket, receives_batches: bool = False) -> None:
+        """ZMTP heartbeats on a worker's socket: libzmq (its I/O thread, no GIL) sends a
+        PING every ``interval``, each asking the engine's side to drop the connection if
+        nothing follows within ``timeout`` (``HEARTBEAT_TTL``: a frozen worker loses its
+        connection), and drops the connection itself when nothing complete arrives for
         ``timeout``; a handshake that does not complete within ``timeout`` is dropped too.
-        No ``HEARTBEAT_TTL``: it would make the peer drop a connection on which a big
-        message takes longer than ``timeout`` to arrive.
 
-        Only for a socket whose *receive* direction carries small messages (the engine's
-        socket for its workers; a worker's connection that receives no batches): a
-        message still in transit is not life to libzmq (see the module docstring)."""
+        ``receives_batches=True``: for a socket whose receive direction carries batches.
+        It never drops the connection for silence (a batch still in transit is not life to
+        libzmq, see the module docstring) but still sends its PINGs and asks the TTL."""
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT,
+                        _NEVER_MS if receives_batches else int(self.timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.timeout * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout * 1000))
+
+    def configure_engine_socket(self, sock: zmq.Socket) -> None:
+        """The engine's socket for its workers: ZMTP heartbeats of its own (a PING every
+        ``interval``; a connection on which nothing complete arrives for ``timeout`` is
+        dropped: a frozen or vanished worker), no TTL asked of the workers, a handshake
+        bound of ``timeout``, and TCP keepalive (after ``timeout`` idle seconds, every
+        ``interval``, 3 probes) below it all. The socket must have no receive high-water
+        mark (see ``flood_guard``: libzmq aborts with both)."""
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.interval * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, 0)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout * 1000))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(self.timeout)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(self.interval)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
     def __repr__(self):
         return (f"Heartbeat(interval={self.interval}, timeout={self.timeout}, "

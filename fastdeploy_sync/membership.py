@@ -127,23 +127,23 @@ class Membership:
         """The group being served (None before the first and after a retirement)."""
         return self._queue._group
 
-    def handle(self, identity, header, frames):
-        """A rank's HELLO, ACK, PING or BYE (``frames``: what followed the header). Raises
-        ``ProtocolError`` for a message that is not one of them."""
+    def handle(self, identity, header, frames) -> bool:
+        """A rank's HELLO, ACK, PING or BYE (``frames``: what followed the header). True if
+        it came from a rank of the group or admitted one; False if it was stale, held back
+        or refused. Raises ``ProtocolError`` for a message that is not one of them."""
         now = time.monotonic()
         kind = header.kind
         if kind == codec.PING:
-            self._ping(identity, header, now)
-        elif kind == codec.ACK:
-            self._ack(header, now)
-        elif kind == codec.HELLO:
+            return self._ping(identity, header, now)
+        if kind == codec.ACK:
+            return self._ack(header, now)
+        if kind == codec.HELLO:
             self._counters["hellos"] += 1
             name = frames[0] if len(frames) == 1 else b""
-            self._hello(identity, header, name, now)
-        elif kind == codec.BYE:
-            self._bye(header, now)
-        else:
-            raise ProtocolError(f"a worker sent message kind {kind}")
+            return bool(self._hello(identity, header, name, now))
+        if kind == codec.BYE:
+            return self._bye(header, now)
+        raise ProtocolError(f"a worker sent message kind {kind}")
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -303,6 +303,7 @@ class Membership:
             group=group.incarnation, worker=h.worker)])
         log.info("TaskQueue %s: rank %d connected (worker %s, group %s), wants seq %d",
                  self.name, rank, id_tag(h.worker), id_tag(group.incarnation), h.seq)
+        return True
 
     def _new_group(self, incarnation):
         self._epochs += 1
@@ -324,12 +325,13 @@ class Membership:
             return None
         return group.links[h.rank]
 
-    def _ack(self, h, now):
+    def _ack(self, h, now) -> bool:
         link = self._link_of(h)
         if link is None:
-            return
+            return False
         link.heard(now)
         self._queue._acknowledge(h.rank, h.seq)
+        return True
 
     def _ping(self, identity, h, now):
         self._counters["pings"] += 1
@@ -341,18 +343,20 @@ class Membership:
             elif h.group in self._retired:
                 code, why = codec.E_GROUP_LOST, "this worker group was retired"
             else:
-                return  # not welcomed yet: its HELLO is being handled or parked
-            return self._reject(identity, h, code, why)
+                return False  # not welcomed yet: its HELLO is being handled or parked
+            self._reject(identity, h, code, why)
+            return False
         link.heard(now)
         self._queue._send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
                                                        group=h.group, worker=h.worker)])
+        return True
 
     def _bye(self, h, now):
         """The rank closed its client on purpose: apply what it says it took, then retire
         the group at once (its peers cannot go on without it)."""
         link = self._link_of(h, unbound_ok=True)
         if link is None:
-            return
+            return False
         link.heard(now)
         self._counters["byes"] += 1
         try:
@@ -362,6 +366,7 @@ class Membership:
             self._queue._garbage(exc)
         link.disconnect("it closed its client (BYE)", now)
         self.retire(self.group, f"rank {h.rank} closed its client (BYE)", left=True)
+        return True
 
     # -- retirement --------------------------------------------------------------------------
 

@@ -374,7 +374,7 @@ class Membership:
         """Stop serving ``group``: hand back what it did not finish as a ``GroupLost``
         event, tell its reachable ranks, and reset the queue for the next group. ``left``:
         a rank closed on purpose (logged at INFO when nothing was left unfinished)."""
-        lost = self._queue._retire_batches(group)
+        lost = self._queue._retire_batches(group, reason)
         self._retired.append(group.incarnation)
         self._counters["groups_retired"] += 1
         now = time.monotonic()

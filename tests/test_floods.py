@@ -9,7 +9,6 @@ import os
 import signal
 import time
 
-import pytest
 
 from fastdeploy_sync import TaskQueue
 from fastdeploy_sync.auth import create_keys

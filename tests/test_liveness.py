@@ -375,19 +375,20 @@ def test_bye_retires_the_group_at_once_and_close_returns_at_once(name):
 
 def test_a_stopped_rank_is_found_gone_by_the_zmtp_heartbeats(name, procs, results, doomed):
     """SIGSTOP: the process cannot answer anything, its connection stays open; the
-    engine's ZMTP heartbeats drop it and the group is retired."""
+    engine's ZMTP heartbeats drop it and the group is retired. (Rank 1 is stopped: rank
+    0 owns the group's shared memory and removes it when it stops.)"""
     queue = TaskQueue(name, 2, heartbeat=HB)
     try:
-        stopped = procs(step_until_error_rank, doomed, 0, name, 2, True, report_after=1)
-        procs(step_until_error_rank, results, 1, name, 2, True, report_after=1)
+        procs(step_until_error_rank, results, 0, name, 2, True, report_after=1)
+        stopped = procs(step_until_error_rank, doomed, 1, name, 2, True, report_after=1)
         queue.put_tasks(0, timeout=30)
-        collect(doomed, "took_n", 1)
         collect(results, "took_n", 1)
+        collect(doomed, "took_n", 1)
         os.kill(stopped.pid, signal.SIGSTOP)
         try:
             event = queue.group_events.get(timeout=30)
-            assert "rank 0 is gone" in event.reason, event.reason
-            raised = collect(results, "raised", 1, timeout=30)[1]
+            assert "rank 1 is gone" in event.reason, event.reason
+            raised = collect(results, "raised", 1, timeout=30)[0]
             assert raised["cause"] in ("GroupLostError", "BarrierTimeoutError"), raised
         finally:
             os.kill(stopped.pid, signal.SIGKILL)

@@ -31,11 +31,11 @@ __all__ = ["TaskProducer", "ProducerEndpoint"]
 # of any size may always wait); beyond, a PUT is answered P_BUSY at once and its bytes
 # are freed. A TaskProducer has one PUT out at a time: the bounds only meet a flood.
 _MAX_PENDING_PUTS = 64
-_MAX_PENDING_BYTES = 16 << 20
+_MAX_PENDING_BYTES = 8 << 20
 # Per connection, messages libzmq queues towards the I/O thread (a TaskProducer has one
 # request and at most one liveness query out at a time; a peer sending faster is slowed
 # by its own socket) and replies it queues towards a peer that does not read them.
-_INBOUND_HWM = 2
+_INBOUND_HWM = 1
 _OUTBOUND_HWM = 64
 # Waiting producers are checked this often (a send that fails for one that went away):
 # the PUT of a producer that was killed is dropped instead of enqueued later.

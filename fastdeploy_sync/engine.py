@@ -80,6 +80,8 @@ _OUTBOUND_HWM = 1000
 # Messages the I/O thread takes from one socket per pass before it runs the liveness tick
 # and sends batches: no socket is drained unboundedly first.
 _RECEIVE_BUDGET = 256
+# How long after the socket monitor reports a dropped connection the ranks are probed.
+_PROBE_AFTER_DROP_S = 0.02
 # A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
 # flood of STATUS requests must not cost a JSON encoding each).
 _STATUS_CACHE_S = 0.2
@@ -524,6 +526,7 @@ class TaskQueue:
         poller.register(self._wake.r, zmq.POLLIN)
         interval = self.heartbeat.interval
         next_tick = time.monotonic() + interval
+        probe_at = float("inf")  # a connection dropped: probe the ranks then
         try:
             while True:
                 # Blocks with the GIL released until a message, a wake-up or the next tick
@@ -531,7 +534,7 @@ class TaskQueue:
                 # millisecond while a producer waits for room (the ack board notifies
                 # nobody). One pass does a bounded amount of work: receive (at most
                 # _RECEIVE_BUDGET messages per socket) -> dispatch -> tick -> send.
-                wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                wait_ms = max(0.0, min(next_tick, probe_at) - time.monotonic()) * 1000
                 if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
                 events = dict(poller.poll(wait_ms))
@@ -541,6 +544,11 @@ class TaskQueue:
                     self._finish_close()
                     return
                 if self._monitor in events and self._connection_dropped():
+                    # libzmq reports the drop before the socket has let go of the
+                    # connection's pipe (a send to it still succeeds): probe a moment later
+                    probe_at = min(probe_at, time.monotonic() + _PROBE_AFTER_DROP_S)
+                if time.monotonic() >= probe_at:
+                    probe_at = float("inf")
                     self._members.connections_changed(time.monotonic())
                 if self._sock in events:
                     self._receive()

@@ -2,7 +2,7 @@
 """Floods from inside the trust boundary against a live worker group: the group's rate
 under each flood, as a fraction of its rate without it, and the engine's peak memory.
 
-    python scripts/flood.py [--seconds 8] [--rate 100 | --saturate] [--floods producer,tcp,killed]
+    python scripts/flood.py [--seconds 8] [--rate 100 | --saturate] [--floods producer,tcp,killed,hog]
 
 Each flood gets its own engine (this process), two TP ranks (TaskClient processes, async
 prefetch) and a baseline phase of the same length without the flood, then the flood:
@@ -11,6 +11,8 @@ prefetch) and a baseline phase of the same length without the flood, then the fl
   tcp       a process holding the worker key sends stale PINGs and HELLOs of ever new
             groups over CURVE as fast as it can, never reading a reply (the group: tcp
             with CURVE keys)
+  hog       the control: a process that only spins a core (what any busy process on the
+            same cores costs the group; the floods' own CPU use is part of their cost)
   killed    waves of producers each send 16 PUTs of 2 MiB into a full queue without
             waiting for the replies and are SIGKILLed (6 per wave; 384 PUTs in all; the
             group: ipc; with --saturate the queue stays full and their PUTs wait)
@@ -55,6 +57,17 @@ def rank_loop(name, tp, rank, endpoint, keys_dir, stop):
                     time.sleep(0.001)
             except TaskSyncError:
                 return
+
+
+def cpu_hog(out, rank, seconds):
+    """The control: a process that spins a core for ``seconds`` and touches nothing of
+    the library (what any busy process on the same cores does to the group)."""
+    out.put(("flooded_started", rank, os.getpid()))
+    deadline = time.monotonic() + seconds
+    spins = 0
+    while time.monotonic() < deadline:
+        spins += 1
+    out.put(("hogged", rank, spins))
 
 
 def put_and_die_on(event, out, rank, endpoint, count, mib):
@@ -140,6 +153,11 @@ def run(flood, args):
                                   args=(out, 0, group.queue.producer_endpoint, args.seconds))
                 p.start()
                 procs.append(p)
+        elif flood == "hog":
+            def start():
+                p = SPAWN.Process(target=cpu_hog, daemon=True, args=(out, 0, args.seconds))
+                p.start()
+                procs.append(p)
         elif flood == "tcp":
             def start():
                 p = SPAWN.Process(target=worker_key_flooder, daemon=True,
@@ -205,7 +223,7 @@ def main():
                     help="the engine puts as fast as it can (the queue stays full: the "
                          "group's throughput, which a flood's CPU use on the same cores "
                          "lowers too)")
-    ap.add_argument("--floods", default="producer,tcp,killed")
+    ap.add_argument("--floods", default="producer,tcp,killed,hog")
     args = ap.parse_args()
     pace = "as fast as it can" if args.saturate else f"at {args.rate:g}/s"
     print(f"floods against a TP=2 group; {args.seconds:g} s per phase; engine puts 64 x 512 "

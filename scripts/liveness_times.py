@@ -10,13 +10,15 @@ Scenarios (TP=2, node-local ipc, async and sync mode where it matters), each rep
   engine close()      -> every rank raises EngineClosedError        (target: <= 100 ms)
   rank SIGKILL        -> the engine reports the rank disconnected, then retires its group
                          (bound: about the heartbeat timeout)
-  rank SIGSTOP        -> the engine retires the group (ZMTP heartbeats: about the timeout)
+  rank SIGSTOP        -> the engine retires the group (ZMTP heartbeats: the timeout, plus up
+                         to one interval for libzmq and one for the reconnect grace)
   ranks close()       -> with a batch in flight, TaskQueue.close(timeout=5) returns
                          (target: at once, not after the heartbeat timeout)
   whole group SIGKILL -> a new group takes its first batch          (target: <= 5 s after the new
                          group starts; the engine re-puts what the GroupLost event hands back)
   engine GIL hold     -> the engine's main thread holds the GIL for 3 heartbeat timeouts:
-                         the group is not retired and takes the next batch
+                         the engine does not retire the group; what the ranks do depends on
+                         how the workers judge the engine's silence (printed)
   rank GIL hold       -> rank 1's main thread holds the GIL for --gil-hold seconds (60: a
                          long compile or weight load): not retired, takes the next batch
                          (run once, whatever --repeat says)
@@ -42,17 +44,19 @@ from fastdeploy_sync import (Heartbeat, PrefetchError, TaskClient, TaskQueue,  #
 SPAWN = mp.get_context("spawn")
 
 
-def rank_loop(out, name, tp, rank, async_prefetch, hb, hold_after=0, hold_s=0.0, stop=None):
+def rank_loop(out, name, tp, rank, async_prefetch, hb, hold_after=0, hold_s=0.0, stop=None,
+              barrier_s=30.0):
     """Step until a step call raises; report (rank, cause type, monotonic time). Reports
     ("took", rank, t) at the first batch and ("took_more", rank, t) at each later one.
     ``hold_s``: once it took ``hold_after`` batches, the main thread holds the GIL that
-    long (reported as ("held", rank, (start, end)))."""
+    long (reported as ("held", rank, (start, end))). ``barrier_s``: the barrier's timeout
+    (a peer holding the GIL keeps the others waiting in it)."""
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, heartbeat=Heartbeat(*hb)) as c:
         out.put(("ready", rank, None))
         taken = 0
         while stop is None or not stop.is_set():  # set: close the client (it leaves cleanly)
             try:
-                tasks = c.sync_step(timeout=30 + hold_s)
+                tasks = c.sync_step(timeout=barrier_s)
             except TaskSyncError as exc:
                 cause = exc.__cause__ if isinstance(exc, PrefetchError) and exc.__cause__ else exc
                 out.put(("raised", rank, (type(cause).__name__, time.monotonic())))
@@ -198,7 +202,8 @@ def ranks_close(hb):
 
 def engine_gil_hold(hb):
     """The engine's main thread holds the GIL for 3 heartbeat timeouts; then a batch is
-    put: seconds from the end of the hold until both ranks took it (or 'retired')."""
+    put: seconds from the end of the hold until each rank took it (or raised: negative
+    when it raised during the hold), and whether the engine retired the group."""
     name = "lt" + uuid.uuid4().hex[:8]
     q = SPAWN.Queue()
     with TaskQueue(name, 2, heartbeat=Heartbeat(*hb)) as queue:
@@ -213,8 +218,8 @@ def engine_gil_hold(hb):
             pass
         outcome = first_of(q, ("took_more", "raised"), 2)
         verdict = "engine retired the group" if not queue.group_events.empty() else "not retired"
-        result = [(f"{verdict}; rank {r} {'took the next' if kind == 'took_more' else 'raised ' + payload[0]}",
-                   (payload if kind == "took_more" else payload[1]) - t0)
+        result = [(f"rank {r} {'took the next' if kind == 'took_more' else 'raised ' + payload[0]}"
+                   f" ({verdict})", (payload if kind == "took_more" else payload[1]) - t0)
                   for r, (kind, payload) in sorted(outcome.items())]
         queue.close(timeout=5)
         reap(ranks)
@@ -246,7 +251,8 @@ def rank_gil_hold(hb, seconds):
     q = SPAWN.Queue()
     with TaskQueue(name, 2, heartbeat=Heartbeat(*hb)) as queue:
         ranks = [SPAWN.Process(target=rank_loop, daemon=True,
-                               args=(q, name, 2, r, True, hb, 1, seconds if r == 1 else 0.0))
+                               args=(q, name, 2, r, True, hb, 1, seconds if r == 1 else 0.0,
+                                     None, 3 * seconds + 60))
                  for r in range(2)]
         for p in ranks:
             p.start()
@@ -259,8 +265,8 @@ def rank_gil_hold(hb, seconds):
         verdict = "engine retired the group" if not queue.group_events.empty() else "not retired"
         queue.close(timeout=5)
         reap(ranks)
-    return [(f"held {end - start:.0f} s, {verdict}; rank {r} "
-             f"{'took the next' if kind == 'took_more' else 'raised ' + payload[0]}",
+    return [(f"rank {r} {'took the next' if kind == 'took_more' else 'raised ' + payload[0]}"
+             f" (held {end - start:.0f} s, {verdict})",
              (payload if kind == "took_more" else payload[1]) - end)
             for r, (kind, payload) in sorted(outcome.items())]
 
@@ -298,6 +304,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gil-hold", type=float, default=60.0,
                     help="seconds rank 1's main thread holds the GIL (0: skip)")
+    ap.add_argument("--only", default="", help="run the scenarios whose label contains this")
     args = ap.parse_args()
     hb = (args.interval, args.timeout)
     print(f"heartbeat interval {args.interval:g} s, timeout {args.timeout:g} s; TP=2, ipc; "
@@ -317,11 +324,13 @@ def main():
     if args.gil_hold:
         scenarios.append(("rank 1 holds the GIL", lambda: rank_gil_hold(hb, args.gil_hold)))
     for label, run in scenarios:
+        if args.only not in label:
+            continue
         times = {}  # what was measured (the first word of each result) -> seconds
         for i in range(1 if "holds the GIL" in label and "rank" in label else args.repeat):
             result = run()
             for what, t in result:
-                times.setdefault(what.split(";")[0].split(" ")[0], []).append(t)
+                times.setdefault(what.split(" (")[0], []).append(t)
             print(f"  {label:<26} run {i + 1}: " +
                   ", ".join(f"{what} {t * 1000:.0f} ms" for what, t in result), flush=True)
         print(f"  {label:<26} " + "; ".join(

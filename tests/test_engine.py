@@ -505,3 +505,46 @@ def test_close_returns_at_once_when_the_served_group_has_gone(name):
         assert time.monotonic() - start < 2.0
     finally:
         queue.close(timeout=0)
+
+
+def test_a_producer_told_busy_sends_again_within_its_timeout(name, procs, results):
+    """When other producers' PUTs already fill the waiting room (P_BUSY), TaskProducer
+    sends its batch again until it is taken in, within its own timeout; the waiting PUTs
+    of a producer that went away are dropped, never enqueued."""
+    import threading
+
+    import numpy as np
+
+    from fastdeploy_sync import TaskProducer
+    from fastdeploy_sync.codec import PUT, encode_payload, payload_checksum
+
+    with TaskQueue(name, 1, max_inflight=1) as queue:
+        queue.put_tasks("first", timeout=5)  # full
+        ctx = zmq.Context()
+        hog = ctx.socket(zmq.DEALER)
+        hog.setsockopt(zmq.LINGER, 0)
+        hog.connect(queue.producer_endpoint)
+        frames = encode_payload(np.zeros(3 << 17, dtype=np.int64))  # 3 MiB each
+        for request in range(1, 5):  # 12 MiB: more than the waiting room holds
+            hog.send_multipart([pack_header(PUT, seq=request, aux=60_000,
+                                            check=payload_checksum(frames)), *frames])
+        assert wait_until(lambda: queue.stats().get("puts_busy", 0) >= 1)
+        outcome = []
+        with TaskProducer(name, timeout=2.0) as producer:
+            def put():
+                try:
+                    outcome.append(producer.put_tasks("patient", timeout=30))
+                except Exception as exc:
+                    outcome.append(exc)
+
+            putter = threading.Thread(target=put)
+            putter.start()
+            time.sleep(0.5)
+            assert not outcome and queue.stats()["puts_busy"] >= 2  # told busy, sent again
+            ctx.destroy(linger=0)  # the hog goes away: its waiting PUTs are dropped
+            assert wait_until(lambda: queue.stats().get("puts_dropped_gone", 0) >= 2)
+            procs(take_n_rank, results, 0, name, 1, 2)
+            putter.join(timeout=30)
+        assert outcome == [2], outcome
+        assert [t for t in collect(results, "taken", 1)[0]] == ["first", "patient"]
+        assert queue.stats().get("puts_remote", 0) == 1

@@ -21,13 +21,18 @@ group's numbering; ``put_tasks()`` returns the queue's own, global number.
 Node-local producers in other processes put through the queue's producer endpoint
 (``producer``: ``TaskProducer``).
 
-The I/O thread reads: receive (workers' socket, producers' socket) -> dispatch (to
-``membership`` or the producer endpoint) -> tick (liveness) -> send (new batches).
+The I/O thread's pass reads: receive (at most ``_RECEIVE_BUDGET`` messages from the
+workers' socket, then from the producers'; ``flood_guard`` cuts a connection that sends
+too much that is unwelcome) -> dispatch (to ``membership`` or the producer endpoint) ->
+tick (liveness: probes, retirements, every heartbeat interval or at the next deadline) ->
+send (new batches; sends never block). What a peer can make it do or hold is bounded
+(see ``docs/security.md``).
 
 Lock invariant: ``_mutex`` guards ``_next_seq``, ``_retained``, ``_consumed``, ``_base``,
-``_group`` and ``_error``; ``_not_full`` is a condition on it, notified whenever the
-slowest rank's acknowledgement advances, a group is retired or the queue closes. Only the
-I/O thread touches the socket.
+``_group``, ``_previous``, ``_board`` (detached at close), ``_finished``, ``_error`` and
+the metrics (``_put_times``, ``_delivery``, ``_retirements``); ``_not_full`` is a
+condition on it, notified whenever the slowest rank's acknowledgement advances, a group is
+retired or the queue closes. Only the I/O thread touches the sockets.
 """
 
 import bisect

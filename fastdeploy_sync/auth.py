@@ -38,6 +38,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 
 import zmq
 import zmq.auth
@@ -201,6 +202,52 @@ def _resolve(endpoint: str, keys, insecure, side: str):
         f"To fix: {_HOWTO}. To run without (trusted network only): FD_SYNC_INSECURE_TCP=1")
 
 
+class _Allowlist:
+    """The engine's allowlist as a ZAP credentials provider (``configure_curve_callback``):
+    the directory is read again at most every ``RELOAD_S`` seconds, on the handshake that
+    needs it, so a key file removed from it (a revoked worker key) is refused on new
+    connections within about that time, and one copied in is admitted, without restarting
+    the engine. Connections already made stay up (ZAP runs once per handshake): restart
+    the worker group to drop them. An allowlist that cannot be read, or is empty, admits
+    nobody (fail closed) and says so in the log.
+
+    Runs on the authenticator's thread only. Rereading at most once a second also bounds
+    the file reads a flood of handshakes can cause."""
+
+    RELOAD_S = 1.0
+
+    def __init__(self, directory: str, keys):
+        self.directory = directory
+        self._keys = frozenset(keys)
+        self._loaded = time.monotonic()
+
+    def callback(self, domain, z85_key: bytes) -> bool:
+        now = time.monotonic()
+        if now - self._loaded >= self.RELOAD_S:
+            self._reload(now)
+        return z85_key in self._keys
+
+    def _reload(self, now):
+        self._loaded = now
+        try:
+            keys = frozenset(zmq.auth.load_certificates(self.directory))
+        except (OSError, ValueError) as exc:
+            if self._keys:
+                log.error("the client allowlist %s cannot be read (%s): every new worker "
+                          "connection is refused until it can", self.directory, exc)
+            self._keys = frozenset()
+            return
+        if keys != self._keys:
+            log.warning("the client allowlist %s changed: %d key(s) admitted (%d added, %d "
+                        "removed); new connections follow it, connections already made stay",
+                        self.directory, len(keys), len(keys - self._keys),
+                        len(self._keys - keys))
+            if not keys:
+                log.error("the client allowlist %s is empty: every new worker connection is "
+                          "refused", self.directory)
+        self._keys = keys
+
+
 class ServerAuth:
     """The engine side of CURVE: a ZAP authenticator thread on the engine's context that
     admits only the allowlisted client keys, and the engine's key pair for its socket."""
@@ -222,6 +269,10 @@ class ServerAuth:
         directory is configured (the message says how to create one), a file cannot be read,
         a secret file is accessible by group/other, or the allowlist is missing or empty.
         Returns promptly (starting the thread waits for it to be ready, milliseconds).
+
+        The allowlist is followed while the engine runs: a key file removed from
+        ``allowed_clients/`` is refused on new connections within about a second, one
+        copied in is admitted (see ``_Allowlist``).
         """
         directory = _resolve(endpoint, keys_dir, insecure, "TaskQueue")
         if directory is None:
@@ -240,9 +291,10 @@ class ServerAuth:
         authenticator = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
         authenticator.start()
         try:
-            # pyzmq looks the allowlist up by the socket's ZAP domain; "*" is only the
+            # pyzmq looks the provider up by the socket's ZAP domain; "*" is only the
             # fallback for sockets with no domain, not a wildcard, so name ours exactly.
-            authenticator.configure_curve(domain=ZAP_DOMAIN, location=allowlist)
+            authenticator.configure_curve_callback(
+                domain=ZAP_DOMAIN, credentials_provider=_Allowlist(allowlist, allowed))
         except BaseException:
             authenticator.stop()
             raise

@@ -76,6 +76,7 @@ __all__ = [
     "encode_parts",
     "EncodedPayload",
     "decode_payload",
+    "check_payload",
 ]
 
 MAGIC = b"FDSY"
@@ -116,6 +117,7 @@ P_ACCEPTED = 0
 P_TIMEOUT = 1  # no room within the producer's wait: the batch was not enqueued
 P_CLOSED = 2  # the queue is closed: not enqueued
 P_INVALID = 3  # the payload failed its checksum or structure check: not enqueued
+P_BUSY = 4  # too many producers' batches wait for room already: not enqueued, retry later
 
 # ERROR codes (Header.aux of an ERROR message): what the worker raises.
 E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError
@@ -424,8 +426,26 @@ def _checksum(views) -> int:
 def decode_payload(frames, checksum=None) -> object:
     """Rebuild the object from ``[body]`` or ``[body, offsets, data]``; buffers zero-copy.
 
-    ``frames`` may be ``zmq.Frame`` objects or bytes-like objects. Nothing blocks. In this
-    order, and each before anything is unpickled or allocated for the batch:
+    ``frames`` may be ``zmq.Frame`` objects or bytes-like objects. Nothing blocks. First
+    every check of ``check_payload()``, before anything is unpickled or allocated for the
+    batch; then the body is unpickled.
+
+    Arrays that travelled out of band come back as read-only views of the data frame (the
+    view keeps the frame alive); ``arr.copy()`` before writing.
+
+    Raises ``ProtocolError`` for any failed check, naming what was expected and what
+    arrived, and (chained) for any exception raised while unpickling.
+    """
+    body, buffers = _checked(frames, checksum)
+    try:
+        return pickle.loads(body, buffers=buffers)
+    except Exception as exc:
+        raise ProtocolError(f"task batch does not decode: {exc!r}") from exc
+
+
+def check_payload(frames, checksum=None) -> None:
+    """Every check ``decode_payload()`` makes before it unpickles, without unpickling
+    (the engine runs it on a producer's batch before enqueueing it). In this order:
 
     1. structure: 1 or 3 frames; a body of at most ``MAX_BODY_BYTES`` that starts and ends
        like a protocol-5 pickle; an offsets frame of 16-byte (start, length) pairs, at most
@@ -435,12 +455,14 @@ def decode_payload(frames, checksum=None) -> object:
        to None yourself, and only if unchecked batches are acceptable;
     3. every (start, length) pair non-negative and inside the data frame.
 
-    Arrays that travelled out of band come back as read-only views of the data frame (the
-    view keeps the frame alive); ``arr.copy()`` before writing.
-
-    Raises ``ProtocolError`` for any failed check, naming what was expected and what
-    arrived, and (chained) for any exception raised while unpickling.
+    Raises ``ProtocolError`` for the first failed check. A body that passes may still
+    fail to unpickle (only unpickling can tell). Never blocks; copies nothing.
     """
+    _checked(frames, checksum)
+
+
+def _checked(frames, checksum):
+    """(body view, out-of-band buffers) once every check of ``check_payload`` passed."""
     count = len(frames)
     if count not in (1, 3):
         raise ProtocolError(f"DATA message with {count} payload frames, expected 1 or 3")
@@ -472,10 +494,7 @@ def decode_payload(frames, checksum=None) -> object:
                 f"({', '.join(str(view.nbytes) for view in views)} bytes): the batch was "
                 f"corrupted between the engine's encode and this decode")
     buffers = _out_of_band_buffers(views[1], views[2]) if count == 3 else ()
-    try:
-        return pickle.loads(body, buffers=buffers)
-    except Exception as exc:
-        raise ProtocolError(f"task batch does not decode: {exc!r}") from exc
+    return body, buffers
 
 
 def _out_of_band_buffers(offsets, data) -> list:

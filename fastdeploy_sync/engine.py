@@ -12,26 +12,27 @@ worker one store instead of a send (see ``ack_board``). The board is read whenev
 engine needs a count or room; a ``put_tasks()`` blocked on the bound re-reads it with a
 short sleeping backoff (50 µs doubling to 1 ms).
 
-Worker groups and their lives. The ranks that serve the queue form one *group*, named by
-an incarnation id the ranks agree on (``tp_group``); each rank's process has its own
-worker id. The engine serves one group at a time:
-  * a rank's place belongs to the worker that first took it; another worker asking for
-    it while the holder is heard from is refused (``E_PLACE_TAKEN``);
-  * when a rank of the group goes silent for the heartbeat timeout, or a new process
-    takes a rank whose holder died, the group is *retired*: its live ranks are told
-    (they raise ``GroupLostError``), every batch the group did not finish is handed back
-    to the engine's code as a ``GroupLost`` event (``group_events``), and the queue waits
-    for a new group, which receives only what is put from then on;
-  * a new group (a new incarnation) that asks while the old one is still heard from is
-    held back until the old one is gone, and refused if it stays alive.
-Sequence numbers on the wire are relative to the group (every group starts at 1), so a
-new group never sees the previous group's numbering; ``put_tasks()`` returns the queue's
-own, global number.
+Worker groups: the ranks that serve the queue form one group, and the engine serves one
+group at a time; who belongs to it, and when a group is retired (its unfinished batches
+handed back as ``GroupLost`` events), is ``membership``'s. Sequence numbers on the wire are
+relative to the group (every group starts at 1), so a new group never sees the previous
+group's numbering; ``put_tasks()`` returns the queue's own, global number.
+
+Node-local producers in other processes put through the queue's producer endpoint
+(``producer``: ``TaskProducer``).
+
+The I/O thread's pass reads: receive (at most ``_RECEIVE_BUDGET`` messages from the
+workers' socket, then from the producers'; ``flood_guard`` cuts a connection that sends
+too much that is unwelcome) -> dispatch (to ``membership`` or the producer endpoint) ->
+tick (liveness: probes, retirements, every heartbeat interval or at the next deadline) ->
+send (new batches; sends never block). What a peer can make it do or hold is bounded
+(see ``docs/security.md``).
 
 Lock invariant: ``_mutex`` guards ``_next_seq``, ``_retained``, ``_consumed``, ``_base``,
-``_group`` and ``_error``; ``_not_full`` is a condition on it, notified whenever the
-slowest rank's acknowledgement advances, a group is retired or the queue closes. Only the
-I/O thread touches the socket.
+``_group``, ``_previous``, ``_board`` (detached at close), ``_finished``, ``_error`` and
+the metrics (``_put_times``, ``_delivery``, ``_retirements``); ``_not_full`` is a
+condition on it, notified whenever the slowest rank's acknowledgement advances, a group is
+retired or the queue closes. Only the I/O thread touches the sockets.
 """
 
 import bisect
@@ -46,14 +47,18 @@ import time
 import weakref
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import codec, envs
 from .ack_board import AckBoard
 from .auth import ServerAuth
 from .batch_encoder import BatchEncoder
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
-from .liveness import CONNECTED, NEVER, Heartbeat, RankLink
+from .flood_guard import FloodGuard
+from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
+from .membership import GroupLost, LostBatch, Membership
+from .producer import ProducerEndpoint, TaskProducer
 from .shm import unlink_segment
 from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
                         ensure_free_fds, ipc_path, new_socket, secure_socket_file,
@@ -66,67 +71,39 @@ log = logging.getLogger(__name__)
 # A put_tasks() blocked on the bound re-reads the ack board at this pace (doubling).
 _BOARD_POLL_MIN_S = 50e-6
 _BOARD_POLL_MAX_S = 1e-3
-# Workers only send small messages (HELLO, ACK, PING): anything larger is not ours, and
-# ZeroMQ drops the connection instead of allocating it.
-_MAX_INBOUND_BYTES = 64 * 1024
+# Workers only send small messages (HELLO, ACK, PING, BYE: a header and a name): anything
+# larger is not ours, and ZeroMQ drops the connection instead of allocating it.
+_MAX_INBOUND_BYTES = 4096
+# A connection of the workers' socket that sends more than this many unwelcome messages
+# (garbage, stale, refused, status requests) within a second is cut (flood_guard: the
+# socket cannot have a receive high-water mark). A rank of the group sends none.
+_UNWELCOME_PER_S = 200
+# Messages queued per connection towards a peer that does not read them (its replies to a
+# flood): a send beyond it fails at once and is dropped (a rank's batch is sent again on a
+# later pass). Raised to 4 x max_inflight for queues with a larger window.
+_OUTBOUND_HWM = 1000
+# Messages the I/O thread takes from one socket per pass before it runs the liveness tick
+# and sends batches: no socket is drained unboundedly first.
+_RECEIVE_BUDGET = 256
+# How long after the socket monitor reports a dropped connection the ranks are probed.
+_PROBE_AFTER_DROP_S = 0.02
+# A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
+# flood of STATUS requests must not cost a JSON encoding each).
+_STATUS_CACHE_S = 0.2
 # How long close() lets CLOSE messages leave before dropping them (a gone worker must not
 # make close() hang).
 _CLOSE_LINGER_MS = 1000
-# Incarnations of retired groups remembered, to refuse their stragglers precisely.
-_RETIRED_MEMORY = 64
-
 
 # Delivery latency (put -> consumed by every rank) histogram, upper bounds in seconds (the
 # last bucket is +Inf). Fixed, so that observing is one bisect and an add; read by stats().
 DELIVERY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0)
-# Why a group was retired, by kind: the first keyword of _retire's reason found (metrics).
-RETIREMENT_KINDS = (("silent", "silent"), ("restarted", "rank_restarted"),
-                    ("replaced", "replaced"), ("left", "left"))
-
-
-class LostBatch:
-    """A batch a retired group did not finish: ``seq`` (as ``put_tasks()`` returned it),
-    ``tasks`` (the object put, decoded again from the retained bytes: numpy arrays in it
-    are read-only) and ``taken_by`` (the ranks known to have taken it; empty if none did)."""
-
-    __slots__ = ("seq", "tasks", "taken_by")
-
-    def __init__(self, seq, tasks, taken_by):
-        self.seq, self.tasks, self.taken_by = seq, tasks, taken_by
-
-    def __repr__(self):
-        return f"LostBatch(seq={self.seq}, taken_by={self.taken_by})"
-
-
-class GroupLost:
-    """Event: the engine retired a worker group (see the module docstring).
-
-    ``incarnation`` (int), ``reason`` (str), ``at`` (wall-clock time), ``ranks`` (one dict
-    per rank: state, since, silent_s, worker, reason) and ``unfinished``: the
-    ``LostBatch`` es it had not finished on every rank, in put order. The engine's
-    scheduler should re-queue (or fail) their requests: a new group starts from an empty
-    model state and receives only batches put after this event."""
-
-    __slots__ = ("incarnation", "reason", "at", "ranks", "unfinished")
-
-    def __init__(self, incarnation, reason, at, ranks, unfinished):
-        self.incarnation, self.reason, self.at = incarnation, reason, at
-        self.ranks, self.unfinished = ranks, unfinished
-
-    def __repr__(self):
-        return (f"GroupLost(incarnation={self.incarnation:#x}, reason={self.reason!r}, "
-                f"unfinished={[b.seq for b in self.unfinished]})")
-
-
-class _Group:
-    """The worker group the queue currently serves (I/O thread writes, others read)."""
-
-    __slots__ = ("incarnation", "epoch", "links")
-
-    def __init__(self, incarnation, epoch, tp_size):
-        self.incarnation, self.epoch = incarnation, epoch
-        self.links = [RankLink(r) for r in range(tp_size)]
+# Why a group was retired, by kind: the first keyword of the retirement's reason found
+# (membership words its reasons; metrics labels them). "gone": a rank's connection went
+# and it did not come back (died, killed, frozen, unreachable); "hung": connected but
+# silent past the stall timeout; "left": a rank closed its client (BYE).
+RETIREMENT_KINDS = (("is gone", "gone"), ("is hung", "hung"), ("restarted", "rank_restarted"),
+                    ("replaced", "replaced"), ("BYE", "left"))
 
 
 class TaskQueue:
@@ -182,6 +159,7 @@ class TaskQueue:
         # engine of the same endpoint (a restart) is recognised on both sides.
         self.instance = secrets.randbits(63) | 1
         self._closed = False  # put_tasks() refused from now on
+        self._finished = False  # close() has returned: num_tasks() refused too
         self._stop = False  # close() has drained: the I/O thread says CLOSE and exits
         self._counters = collections.Counter()
         self.group_events = queue.SimpleQueue()
@@ -204,7 +182,8 @@ class TaskQueue:
         # vanishing; every send goes through _send(), which handles it.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_BYTES)
-        self.heartbeat.configure_socket(self._sock)
+        self._sock.setsockopt(zmq.SNDHWM, max(_OUTBOUND_HWM, 4 * max_inflight))
+        self.heartbeat.configure_engine_socket(self._sock)
         if self._auth is not None:
             self._auth.apply(self._sock)
         self._ipc_path = ipc_path(endpoint)
@@ -236,20 +215,27 @@ class TaskQueue:
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A connection of the workers' socket that drops makes the I/O thread probe the
+        # ranks at once instead of at the next tick.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._guard = FloodGuard(self._sock, limit=_UNWELCOME_PER_S)
         # The producer endpoint: node-local, for engine processes other than this one
-        # (TaskProducer). Its own socket, so that the workers' socket keeps its 64 KiB
+        # (TaskProducer). Its own socket, so that the workers' socket keeps its small
         # bound; same-user only, like every node-local endpoint.
         self.producer_endpoint = default_endpoint(name, dp_id, "put")
         self._put_path = ipc_path(self.producer_endpoint)
         self._put_sock = new_socket(self._ctx, zmq.ROUTER)
         self._put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._put_sock.setsockopt(zmq.MAXMSGSIZE, self._max_batch_bytes + 4096)
+        ProducerEndpoint.configure_socket(self._put_sock)
         try:
             claim_ipc_path(self._put_path)
             self._put_sock.bind(self.producer_endpoint)
             secure_socket_file(self._put_path)
         except BaseException:
             self._put_sock.close(linger=0)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             if self._board is not None:
                 self._board.close()
@@ -258,17 +244,16 @@ class TaskQueue:
             self._ctx.term()
             unlink_quietly(self._ipc_path)
             raise
-        self._pending_puts = collections.deque()  # (deadline, identity, header, frames); I/O thread
+        self._producers = ProducerEndpoint(self, self._put_sock)
         # Process exit without close(): still remove the names others would trip on.
         self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
                                            self._board.name if self._board else None,
                                            self._put_path)
         # I/O thread only:
-        self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
-        self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
-        self._retired = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
+        self._members = Membership(self)
         self._peer_log = RateLimitedLog(log)
         self._current = None  # the frame being handled (its peer address, for logs)
+        self._status_cache = (float("-inf"), b"")  # (when, the STATUS reply's JSON)
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
@@ -329,21 +314,29 @@ class TaskQueue:
         return seq
 
     def num_tasks(self) -> int:
-        """Batches put but not yet consumed by every rank. Never blocks on the workers."""
+        """Batches put but not yet consumed by every rank. Never blocks on the workers.
+        Answers while ``close()`` drains; raises ``ClosedError`` once it has returned (its
+        return value lists what was not consumed)."""
         with self._mutex:
+            if self._finished:
+                raise ClosedError(f"TaskQueue {self.name} is closed (close() returned what "
+                                  f"was not consumed)")
             self._read_board()
             return self._next_seq - 1 - min(self._consumed)
 
     def exist_tasks(self) -> bool:
-        """True while some batch is not yet consumed by every rank."""
+        """True while some batch is not yet consumed by every rank; ``ClosedError`` as
+        ``num_tasks()``."""
         return self.num_tasks() > 0
 
     def ranks(self) -> list:
         """Every rank's state in the current group: a dict per rank with ``state``
         (``connected``, ``disconnected`` or ``never connected``), ``since`` (wall-clock
         time of the last change), ``silent_s`` (seconds since it was last heard from),
-        ``worker`` (its worker id), ``reason`` (why it is disconnected) and ``consumed``.
-        True within the heartbeat timeout. Never blocks on the workers."""
+        ``worker`` (``liveness.id_tag`` of its worker id, which is a secret), ``reason`` (why it is disconnected) and ``consumed``.
+        True within the heartbeat timeout. Never blocks on the workers; after ``close()``
+        the last state (every rank that was connected: ``disconnected``, "the queue
+        closed")."""
         now = time.monotonic()
         with self._mutex:
             self._read_board()
@@ -361,12 +354,14 @@ class TaskQueue:
 
     def stats(self) -> dict:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
-        ``pings``, ``sent``, ``groups_retired``...), the last seq put, every rank's consumed
-        seq and state (see ``ranks()``), the group's incarnation; ``retirements``: retired
-        groups by kind (``silent``, ``rank_restarted``, ``replaced``, ``left``, ``other``);
+        ``pings``, ``sent``, ``groups_retired``, ``connections_cut``...), the last seq put,
+        every rank's consumed seq and state (see ``ranks()``), the group (``liveness.id_tag``
+        of its incarnation: ids are secrets); ``retirements``: retired groups by kind
+        (``gone``, ``hung``, ``left``, ``rank_restarted``, ``replaced``, ``other``);
         ``delivery_s``: the put -> consumed-by-every-rank latency histogram ``{"bounds":
         upper bounds in s, "counts": per bucket (the last is +Inf), "sum": s, "count": n}``.
-        Cheap; for logs and metrics (``fastdeploy_sync.metrics``)."""
+        Cheap; for logs and metrics (``fastdeploy_sync.metrics``). Never raises after
+        ``close()``: the final figures."""
         with self._mutex:
             self._read_board()
             out = dict(self._counters)
@@ -376,7 +371,7 @@ class TaskQueue:
                                    "counts": self._delivery[:-1], "sum": self._delivery[-1],
                                    "count": sum(self._delivery[:-1])})
             group = self._group
-        out["group"] = f"{group.incarnation:016x}" if group else None
+        out["group"] = id_tag(group.incarnation) if group else None
         out["ranks"] = self.ranks()
         out.update(self._encoder.stats())  # shm_*: which path large batches took
         return out
@@ -384,23 +379,33 @@ class TaskQueue:
     def status(self) -> dict:
         """Everything ``fastdeploy-sync status`` shows: the queue's name, dp_id, tp_size,
         endpoint, engine instance and ``stats()`` (per-rank state and watermarks included).
-        JSON-serialisable. Never blocks on the workers."""
+        ``closed`` is True from the start of ``close()``. JSON-serialisable. Never blocks
+        on the workers; never raises after ``close()``."""
         out = {"name": self.name, "dp_id": self.dp_id, "tp_size": self.tp_size,
                "endpoint": self.endpoint, "engine": f"{self.instance:016x}",
-               "max_inflight": self.max_inflight, "pid": os.getpid()}
+               "max_inflight": self.max_inflight, "pid": os.getpid(), "closed": self._closed}
         out.update(self.stats())
         return out
 
     def close(self, timeout: float = 5.0) -> list:
-        """Close the queue: drain, tell the workers, stop. Idempotent; returns the seqs that
-        were put but not consumed by every rank (``[]`` after a clean drain).
+        """Close the queue: drain, tell the workers, stop. Returns the seqs that were put
+        but not consumed by every rank (``[]`` after a clean drain). Any thread may call
+        it; a second call returns ``[]`` at once.
 
-        First waits, up to ``timeout`` seconds and only while some rank of the group is
-        connected, until every rank has taken every batch put; new ``put_tasks()`` calls
-        raise ``ClosedError`` from the start. Then sends every connected rank what it still
-        lacks and a CLOSE message (workers raise ``EngineClosedError`` once they have taken
+        ``put_tasks()`` raises ``ClosedError`` from the start. Then it waits, up to
+        ``timeout`` seconds, until every batch put has been taken by every rank of a
+        group: a group that is connected is waited for, and so is one that has not come
+        yet (workers may start after the engine, or after close() was called); it stops
+        waiting early when the group being served has no rank connected any more (its
+        workers closed or died). Then it sends every connected rank what it still lacks
+        and a CLOSE message (workers raise ``EngineClosedError`` once they have taken
         everything they were sent), and stops the I/O thread (up to ~5 s) and the socket
         (up to 1 s for the CLOSE messages to leave). What was not consumed is logged.
+
+        Batches no worker received by then are returned here and never delivered:
+        workers that start after close() returned find no engine (their connect timeout
+        applies). Batches of a group retired earlier were handed back in its
+        ``GroupLost`` event and are not listed again.
         """
         deadline = time.monotonic() + max(0.0, timeout)
         backoff = _BOARD_POLL_MIN_S
@@ -411,8 +416,10 @@ class TaskQueue:
             self._not_full.notify_all()
             while self._error is None:
                 self._read_board()
-                if min(self._consumed) >= self._next_seq - 1 or not self._group_connected():
-                    break
+                if min(self._consumed) >= self._next_seq - 1:
+                    break  # drained
+                if self._group is not None and not self._group_connected():
+                    break  # the group being served has gone: nobody to deliver to
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -429,14 +436,17 @@ class TaskQueue:
         if self._thread.is_alive():
             log.error("TaskQueue %s: I/O thread did not stop within 5 s", self.name)
             return unconsumed  # leave the socket to the thread rather than close it under its feet
-        self._sock.close()  # the I/O thread set a short linger for the CLOSE messages
-        self._put_sock.close()
+        self._close_sockets()
         if self._auth is not None:
             self._auth.close()
         self._ctx.term()
         self._wake.close()
-        if self._board is not None:
-            self._board.close()
+        with self._mutex:  # queries from other threads read the board under the lock
+            self._read_board()  # its last word, for stats() and ranks() from now on
+            board, self._board = self._board, None
+            self._finished = True
+        if board is not None:
+            board.close()
         self._encoder.close()  # the I/O thread has stopped: nothing sends them now
         unlink_quietly(self._ipc_path)
         unlink_quietly(self._put_path)
@@ -446,8 +456,9 @@ class TaskQueue:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # leaving on an exception: close without waiting for the workers to drain
+        self.close(timeout=0 if exc_type is not None else 5.0)
 
     # -- helpers (under _mutex) ------------------------------------------------------------
 
@@ -516,16 +527,20 @@ class TaskQueue:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._put_sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
-        tick_s = self.heartbeat.interval / 2
-        next_tick = time.monotonic() + tick_s
+        interval = self.heartbeat.interval
+        next_tick = time.monotonic() + interval
+        probe_at = float("inf")  # a connection dropped: probe the ranks then
         try:
             while True:
-                # blocks with the GIL released; wakes for the liveness tick at the latest,
-                # and every millisecond while a producer waits for room (the ack board
-                # notifies nobody)
-                wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
-                if self._pending_puts:
+                # Blocks with the GIL released until a message, a wake-up or the next tick
+                # (returns at once while a socket still holds messages), and wakes every
+                # millisecond while a producer waits for room (the ack board notifies
+                # nobody). One pass does a bounded amount of work: receive (at most
+                # _RECEIVE_BUDGET messages per socket) -> dispatch -> tick -> send.
+                wait_ms = max(0.0, min(next_tick, probe_at) - time.monotonic()) * 1000
+                if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
                 events = dict(poller.poll(wait_ms))
                 if self._wake.r in events:
@@ -533,28 +548,47 @@ class TaskQueue:
                 if self._stop:
                     self._finish_close()
                     return
+                if self._monitor in events and self._connection_dropped():
+                    # libzmq reports the drop before the socket has let go of the
+                    # connection's pipe (a send to it still succeeds): probe a moment later
+                    probe_at = min(probe_at, time.monotonic() + _PROBE_AFTER_DROP_S)
+                if time.monotonic() >= probe_at:
+                    probe_at = float("inf")
+                    self._members.connections_changed(time.monotonic())
                 if self._sock in events:
-                    self._receive_all()
+                    self._receive()
                 if self._put_sock in events:
-                    self._receive_puts()
-                if self._pending_puts:
-                    self._serve_pending_puts()
+                    self._producers.receive(_RECEIVE_BUDGET)
+                if self._producers.pending:
+                    self._producers.serve()
                 now = time.monotonic()
                 if now >= next_tick:
-                    # the next tick: in tick_s, or when a rank's silence would reach the
-                    # timeout, whichever comes first (so silence is reported on time)
-                    next_tick = min(now + tick_s, self._tick(now))
+                    self._members.tick(now)
+                    next_tick = now + interval
+                # sooner if a rank's state would retire its group before then
+                next_tick = min(next_tick, self._members.deadline())
                 self._send_new()
-        except Exception as exc:
-            log.exception("TaskQueue %s: I/O thread failed", self.name)
+        except BaseException as exc:  # never silent: every caller learns it
+            log.exception("TaskQueue %s: I/O thread failed; the queue is unusable (every "
+                          "call raises TaskSyncError): close it and start a new one", self.name)
             with self._not_full:
                 self._error = exc
                 self._not_full.notify_all()
+            # Nobody serves the sockets any more: drop every connection, so that workers
+            # and producers learn the engine is gone instead of waiting on it.
+            self._close_sockets(linger=0)
+
+    def _close_sockets(self, linger=None):
+        """Close the monitor and both sockets (idempotent). ``linger=None``: what the I/O
+        thread set (a short linger for the CLOSE messages)."""
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=linger)
+        self._put_sock.close(linger=linger)
 
     def _finish_close(self):
-        while self._pending_puts:
-            _, identity, h, _ = self._pending_puts.popleft()
-            self._put_reply(identity, h, codec.P_CLOSED)
+        self._producers.close()
         self._put_sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
         self._send_new()
         group = self._group
@@ -565,18 +599,29 @@ class TaskQueue:
                     self._send(link, [codec.pack_header(
                         codec.CLOSE, link.rank, self.tp_size, seq=last, engine=self.instance,
                         group=group.incarnation, worker=link.worker)])
+                link.disconnect("the queue closed")
         self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
 
     def _send(self, link_or_identity, frames) -> bool:
-        """Send to a peer; False (and the rank marked unreachable) if its socket is gone.
-        The only place the I/O thread sends: a peer that went away can never kill it."""
+        """Send to a peer without ever blocking; False if it was not sent. The only place
+        the I/O thread sends to workers: a peer that went away or stopped reading can
+        never kill or stall it.
+
+        A peer whose connection is gone (``EHOSTUNREACH``): a rank's link is marked
+        disconnected (membership decides what that means). A peer that has not read its
+        last ``SNDHWM`` messages (``EAGAIN``: a stopped process, or a flood's sender that
+        never reads its replies): dropped and counted; a rank's batches are sent again on
+        a later pass, its connection is judged by ZMTP heartbeats."""
         link = link_or_identity if isinstance(link_or_identity, RankLink) else None
         identity = link.identity if link is not None else link_or_identity
         if identity is None:
             return False
         try:
-            self._sock.send_multipart([identity, *frames], copy=False)
+            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
+        except zmq.Again:
+            self._counters["sends_dropped_full"] += 1
+            return False
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 self._counters["send_errors"] += 1
@@ -585,22 +630,48 @@ class TaskQueue:
             self._counters["unreachable"] += 1
             if link is not None and link.identity is not None:
                 # INFO: a rank closing first is the normal shutdown order; a rank that
-                # stays away is reported (WARNING) when its silence retires the group
-                log.info("TaskQueue %s: rank %d's socket went away", self.name, link.rank)
-                link.disconnect("its socket closed")
+                # stays away is reported (WARNING) when its group is retired
+                log.info("TaskQueue %s: rank %d's connection went away", self.name, link.rank)
+                link.disconnect("its connection closed")
             return False
 
-    def _receive_all(self):
-        while True:
+    def _receive(self):
+        """At most ``_RECEIVE_BUDGET`` messages from the workers' socket (ZeroMQ serves
+        its connections in turn, so a flooding peer gets its share, not the pass)."""
+        for _ in range(_RECEIVE_BUDGET):
             try:
                 msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._current = msg[0]  # for _peer(): where the message came from
             try:
-                self._handle([frame.bytes for frame in msg])
+                welcome = self._dispatch([frame.bytes for frame in msg])
             except ProtocolError as exc:
                 self._garbage(exc)
+                welcome = False
+            if not welcome and self._guard.unwelcome(msg[0], time.monotonic()):
+                self._counters["connections_cut"] += 1
+
+    def _connection_dropped(self) -> bool:
+        """Read what the socket monitor reported (bounded); True if a connection of the
+        workers' socket went away."""
+        dropped = False
+        for _ in range(_RECEIVE_BUDGET):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
+
+    def _status_reply(self) -> bytes:
+        """``status()`` as JSON, rebuilt at most every ``_STATUS_CACHE_S`` (I/O thread)."""
+        now = time.monotonic()
+        when, raw = self._status_cache
+        if now - when >= _STATUS_CACHE_S:
+            raw = json.dumps(self.status()).encode()
+            self._status_cache = (now, raw)
+        return raw
 
     def _peer(self) -> str:
         """The address the current message came from (tcp: its IP; ipc: "local"). Logs are
@@ -618,283 +689,64 @@ class TaskQueue:
                            "TaskQueue %s: dropped an undecodable message from %s (%d so far): "
                            "%s", self.name, peer, self._counters["garbage_frames"], exc)
 
-    def _handle(self, frames):
+    def _dispatch(self, frames) -> bool:
+        """One message from the workers' socket: STATUS is answered here, the rest is
+        membership's (HELLO, ACK, PING, BYE). True if it came from a rank of the group (or
+        admitted one); False for what the flood guard counts (status requests, stale or
+        refused messages)."""
         if len(frames) < 2:
             raise ProtocolError(f"{len(frames)} frame(s), expected identity + header")
         identity, header = frames[0], codec.unpack_header(frames[1])
         if not 0 <= header.rank < self.tp_size:
             raise ProtocolError(f"rank {header.rank} out of range")
-        if header.kind == codec.HELLO:
-            self._counters["hellos"] += 1
-            name = frames[2] if len(frames) == 3 else b""
-            self._hello(identity, header, name, time.monotonic())
-        elif header.kind == codec.ACK:
-            self._ack(header)
-        elif header.kind == codec.PING:
-            self._ping(identity, header)
-        elif header.kind == codec.STATUS:
+        if header.kind == codec.STATUS:
             # Only peers that passed authentication get here (CURVE on tcp, the private
-            # directory on ipc): the same people who could run a worker.
+            # directory on ipc): the same people who could run a worker. No ids in it.
             self._counters["status_requests"] += 1
             self._send(identity, [codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
-                                  json.dumps(self.status()).encode()])
-        else:
-            raise ProtocolError(f"a worker sent message kind {header.kind}")
+                                  self._status_reply()])
+            return False
+        return self._members.handle(identity, header, frames[2:])
 
-    def _reject(self, identity, header, code, reason, detail=None):
-        """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
-        or watermark), the log gets ``detail`` too, at most once per peer and interval."""
-        self._counters["rejected"] += 1
-        peer = self._peer()
-        self._peer_log.log(("reject", peer, code), logging.WARNING,
-                           "TaskQueue %s: rejected a worker from %s claiming rank %d (%d "
-                           "rejected so far): %s", self.name, peer, header.rank,
-                           self._counters["rejected"], detail or reason)
-        self._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
-                                                engine=self.instance, group=header.group,
-                                                worker=header.worker), reason.encode()])
+    # -- the ledger: what membership and the producer endpoint change (I/O thread) ---------
 
-    # -- producer endpoint (TaskProducer; node-local, same user) -----------------------------
+    def _start_group(self, group):
+        """Serve ``group`` from now on (its first batch is the next one put)."""
+        with self._mutex:
+            self._group = group
 
-    def _receive_puts(self):
-        while True:
-            try:
-                msg = self._put_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._current = msg[0]
-            try:
-                if len(msg) < 2:
-                    raise ProtocolError(f"{len(msg)} frame(s) on the producer endpoint")
-                identity, h = msg[0].bytes, codec.unpack_header(msg[1].buffer)
-                if h.kind == codec.PUT:
-                    self._on_put(identity, h, msg[2:])
-                elif h.kind == codec.QUERY:
-                    with self._mutex:
-                        self._read_board()
-                        in_flight = self._next_seq - 1 - min(self._consumed)
-                    self._send_to(self._put_sock, identity, [codec.pack_header(
-                        codec.QUERY_REPLY, seq=h.seq, aux=in_flight, engine=self.instance)])
-                elif h.kind == codec.STATUS:
-                    self._send_to(self._put_sock, identity, [
-                        codec.pack_header(codec.STATUS_REPLY, engine=self.instance),
-                        json.dumps(self.status()).encode()])
-                else:
-                    raise ProtocolError(f"message kind {h.kind} on the producer endpoint")
-            except ProtocolError as exc:
-                self._garbage(exc)
-
-    def _on_put(self, identity, h, payload):
-        """A producer's batch: checked (its checksum and shape, so that no worker is ever
-        sent bytes it will refuse), then enqueued as ``put_tasks()`` would, or held until
-        there is room or the producer's wait (``aux`` ms) runs out."""
-        if len(payload) not in (1, 3) or codec.payload_checksum(payload) != h.check:
-            self._counters["puts_invalid"] += 1
-            return self._put_reply(identity, h, codec.P_INVALID)
-        frames = [frame.bytes for frame in payload]
-        self._pending_puts.append((time.monotonic() + h.aux / 1000, identity, h, frames))
-        self._serve_pending_puts()
-
-    def _serve_pending_puts(self):
-        """Enqueue waiting producer batches, in arrival order, while there is room; answer
-        those whose producer stopped waiting. I/O thread only."""
-        now = time.monotonic()
-        while self._pending_puts:
-            deadline, identity, h, frames = self._pending_puts[0]
-            with self._not_full:
-                if self._closed:
-                    seq, status = 0, codec.P_CLOSED
-                else:
-                    self._read_board()
-                    if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
-                        seq, status = self._next_seq, codec.P_ACCEPTED
-                        self._next_seq += 1
-                        self._retained[seq] = (frames, h.check)
-                        self._put_times[seq] = now
-                    elif now >= deadline:
-                        seq, status = 0, codec.P_TIMEOUT
-                    else:
-                        return  # no room yet: the head waits, and so does everyone behind it
-            self._pending_puts.popleft()
-            if status == codec.P_ACCEPTED:
-                self._counters["puts_remote"] += 1
-            self._put_reply(identity, h, status, seq)
-
-    def _put_reply(self, identity, h, status, seq=0):
-        self._send_to(self._put_sock, identity, [codec.pack_header(
-            codec.PUT_REPLY, seq=h.seq, aux=status, engine=self.instance, group=seq)])
-
-    def _send_to(self, sock, identity, frames):
-        """Answer a producer or status asker; one that went away is simply gone."""
-        try:
-            sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError:
-            self._counters["unreachable"] += 1
-
-    def _hello(self, identity, h, name, now, parked_since=None):
-        rank = h.rank
-        if name != self.name.encode():
-            return self._reject(identity, h, codec.E_REJECTED,
-                                "this endpoint does not serve the queue name this worker asked "
-                                "for: check the name and dp_id on the engine and the workers",
-                                f"it asked for {bytes(name[:64])!r}")
-        if h.tp_size != self.tp_size:
-            return self._reject(identity, h, codec.E_REJECTED,
-                                f"tp_size={h.tp_size} does not match the engine's: start the "
-                                f"engine and every rank with the same tp_size",
-                                f"it has tp_size={h.tp_size}, the queue {self.tp_size}")
-        if h.engine and h.engine != self.instance:
-            return self._reject(identity, h, codec.E_STALE_ENGINE,
-                                "the engine this worker was bound to is gone (the engine "
-                                "restarted): restart the worker group",
-                                f"it is bound to engine {h.engine:#x}, this is {self.instance:#x}")
-        if not h.group or not h.worker:
-            raise ProtocolError("HELLO without group or worker id")
-        if h.group in self._retired:
-            return self._reject(identity, h, codec.E_GROUP_LOST,
-                                "this worker group was retired earlier (a rank went silent or "
-                                "restarted): restart the whole group")
-        group = self._group
-        if group is not None and group.incarnation != h.group:
-            self._probe(group)
-            if any(link.alive(now, self.heartbeat.timeout) and link.identity is not None
-                   for link in group.links):
-                since = parked_since if parked_since is not None else now
-                if now - since > self.heartbeat.timeout + self.heartbeat.interval:
-                    return self._reject(identity, h, codec.E_GROUP_BUSY,
-                                        "another live worker group serves this queue: stop it "
-                                        "first, or use another name or dp_id")
-                self._parked.append((since, identity, h, name))
-                return
-            self._retire(group, f"replaced by a new worker group ({h.group:#x}) while none "
-                                f"of its ranks was reachable")
-            group = None
-        if group is None:
-            if h.seq != 1 or h.aux != 0:  # a fresh group holds nothing yet
-                return self._reject(identity, h, codec.E_GROUP_LOST,
-                                    "this worker holds batches of a worker group the engine no "
-                                    "longer serves: restart the whole group")
-            group = self._new_group(h.group)
-        link = group.links[rank]
-        if link.worker and link.worker != h.worker:
-            self._probe(group)
-            if link.alive(now, self.heartbeat.timeout) and link.identity is not None:
-                return self._reject(identity, h, codec.E_PLACE_TAKEN,
-                                    f"rank {rank} is held by a live worker: two processes "
-                                    f"cannot serve one rank; check tp_rank on each worker")
-            self._reject(identity, h, codec.E_GROUP_LOST,
-                         f"rank {rank} restarted inside a live worker group: its peers' "
-                         f"model state is gone too, restart the whole group")
-            return self._retire(group, f"rank {rank} restarted (a new worker process took its "
-                                       f"place)")
+    def _admit(self, rank, first_missing, taken):
+        """A rank (re)joins saying it lacks (group-relative) seq ``first_missing`` and has
+        taken up to ``taken``: None if that fits what it consumed (its implicit ack is
+        applied), else what does not fit."""
         with self._not_full:
             self._read_board()
             consumed = self._consumed[rank] - self._base
-            taken = min(h.aux, self._next_seq - 1 - self._base)
-            if h.seq - 1 < consumed:
-                problem = (f"rank {rank} asks for seq {h.seq} but had consumed up to "
-                           f"{consumed}")
-            else:
-                problem = None
-                if self._base + taken > self._consumed[rank]:  # HELLO's implicit ack
-                    self._consume(rank, self._base + taken)
-        if problem:
-            return self._reject(identity, h, codec.E_REJECTED,
-                                "this worker's history does not match the engine's: restart "
-                                "the worker group", problem)
-        link.connect(identity, h.worker, now)
-        link.sent = self._base + h.seq - 1
-        self._send(link, [codec.pack_header(codec.WELCOME, rank, self.tp_size, aux=group.epoch,
-                                            engine=self.instance, group=group.incarnation,
-                                            worker=h.worker)])
-        log.info("TaskQueue %s: rank %d connected (worker %016x, group %016x), wants seq %d",
-                 self.name, rank, h.worker, group.incarnation, h.seq)
+            taken = min(taken, self._next_seq - 1 - self._base)
+            if first_missing - 1 < consumed:
+                return (f"rank {rank} asks for seq {first_missing} but had consumed up to "
+                        f"{consumed}")
+            if self._base + taken > self._consumed[rank]:  # HELLO's implicit ack
+                self._consume(rank, self._base + taken)
+        return None
 
-    def _new_group(self, incarnation):
-        self._epochs += 1
-        group = _Group(incarnation, self._epochs, self.tp_size)
-        with self._mutex:
-            self._group = group
-        self._counters["groups"] += 1
-        return group
-
-    def _link_of(self, h, unbound_ok=False):
-        """The link ``h`` speaks for, or None (counted as stale) if it belongs to another
-        engine, another group or another worker of that rank. ``unbound_ok``: a worker
-        that has not read its WELCOME yet (engine id 0) counts too (a sync-mode heartbeat
-        thread pings before the event loop's first step reads the WELCOME)."""
-        group = self._group
-        engine_ok = h.engine == self.instance or (unbound_ok and h.engine == 0)
-        if (not engine_ok or group is None or h.group != group.incarnation
-                or group.links[h.rank].worker != h.worker):
-            self._counters["stale"] += 1
-            return None
-        return group.links[h.rank]
-
-    def _ack(self, h):
-        link = self._link_of(h)
-        if link is None:
-            return
-        link.heard(time.monotonic())
+    def _acknowledge(self, rank, seq):
+        """Rank ``rank`` took every batch up to (group-relative) ``seq``. ``ProtocolError``
+        for a seq never sent to its group."""
         with self._not_full:
-            seq = self._base + h.seq
+            seq += self._base
             if seq > self._next_seq - 1:
-                raise ProtocolError(f"rank {h.rank} acknowledged seq {h.seq}, only "
+                raise ProtocolError(f"rank {rank} acknowledged seq {seq - self._base}, only "
                                     f"{self._next_seq - 1 - self._base} were sent to its group")
             self._counters["acks"] += 1
-            if seq > self._consumed[h.rank]:  # else stale or duplicate: acks are cumulative
-                self._consume(h.rank, seq)
+            if seq > self._consumed[rank]:  # else stale or duplicate: acks are cumulative
+                self._consume(rank, seq)
 
-    def _ping(self, identity, h):
-        self._counters["pings"] += 1
-        link = self._link_of(h, unbound_ok=True)
-        if link is None:
-            # tell a straggler why nobody answers it, so it fails with the right error
-            if h.engine and h.engine != self.instance:
-                code, why = codec.E_STALE_ENGINE, "the engine this worker was bound to is gone"
-            elif h.group in self._retired:
-                code, why = codec.E_GROUP_LOST, "this worker group was retired"
-            else:
-                return  # not welcomed yet: its HELLO is being handled or parked
-            return self._reject(identity, h, code, why)
-        link.heard(time.monotonic())
-        self._send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
-                                                group=h.group, worker=h.worker)])
-
-    def _probe(self, group):
-        """Send a PONG to every rank thought reachable: a socket that went away fails the
-        send at once (ROUTER_MANDATORY), which is quicker than waiting for silence."""
-        for link in group.links:
-            if link.identity is not None:
-                self._send(link, [codec.pack_header(codec.PONG, link.rank, engine=self.instance,
-                                                    group=group.incarnation, worker=link.worker)])
-
-    def _tick(self, now) -> float:
-        """Liveness: mark silent ranks, retire a group that lost one, admit parked HELLOs.
-        Returns when the first rank still heard from would become silent."""
-        group = self._group
-        if group is not None:
-            timeout = self.heartbeat.timeout
-            for link in group.links:
-                if link.state != NEVER and link.silent_for(now) > timeout:
-                    silent = link.silent_for(now)
-                    link.disconnect(f"silent for {silent:.1f} s")
-                    self._retire(group, f"rank {link.rank} was silent for {silent:.1f} s "
-                                        f"(died, hung or unreachable)")
-                    break
-        if self._parked:
-            parked, self._parked = self._parked, []
-            for since, identity, h, name in parked:
-                self._hello(identity, h, name, now, parked_since=since)
-        group = self._group
-        if group is None:
-            return float("inf")
-        return min((link.last_heard + self.heartbeat.timeout + 0.001 for link in group.links
-                    if link.state != NEVER), default=float("inf"))
-
-    def _retire(self, group, reason):
-        """Stop serving ``group``: tell its reachable ranks, hand back what it did not
-        finish as a ``GroupLost`` event, and reset the queue for the next group."""
+    def _retire_batches(self, group, reason) -> list:
+        """Stop serving ``group`` (retired for ``reason``): reset the window for the next
+        group and return what ``group`` did not finish, as ``(seq, tasks, taken_by)`` in
+        put order (``tasks``: a ``ProtocolError``, cause chained, for bytes that do not
+        decode)."""
         with self._not_full:
             self._read_board()
             low = min(self._consumed)
@@ -910,33 +762,44 @@ class TaskQueue:
             self._consumed = [self._base] * self.tp_size
             self._group, self._previous = None, group
             self._not_full.notify_all()
-        self._retired.append(group.incarnation)
-        self._counters["groups_retired"] += 1
-        for link in group.links:
-            if link.identity is not None:
-                self._send(link, [codec.pack_header(
-                    codec.ERROR, link.rank, aux=codec.E_GROUP_LOST, engine=self.instance,
-                    group=group.incarnation, worker=link.worker),
-                    f"the engine retired this worker group: {reason}; restart the whole "
-                    f"group".encode()])
-                link.disconnect("group retired")
         lost = []
         try:
             for seq, frames, taken_by in unfinished:
                 try:
                     tasks = self._encoder.decode_retained(frames, dropped.get(seq))
-                except ProtocolError as exc:  # cannot happen for our own bytes; never lose the seq
-                    tasks = exc
-                lost.append(LostBatch(seq, tasks, taken_by))
+                except BaseException as exc:
+                    # A producer's bytes (or an object whose unpickling raises, even
+                    # SystemExit) must not end the I/O thread; never lose the seq either.
+                    tasks = ProtocolError(f"batch {seq} does not decode: {exc!r}")
+                    tasks.__cause__ = exc
+                lost.append((seq, tasks, taken_by))
         finally:
             # Nothing retained any more: free its shared memory (see BatchEncoder.forget).
             self._encoder.forget(dropped)
-        now = time.monotonic()
-        event = GroupLost(group.incarnation, reason, time.time(),
-                          [link.snapshot(now) for link in group.links], lost)
-        log.warning("TaskQueue %s: retired worker group %016x: %s; %d batch(es) unfinished "
-                    "(group_events)", self.name, group.incarnation, reason, len(lost))
-        self.group_events.put(event)
+        return lost
+
+    def _in_flight(self) -> int:
+        with self._mutex:
+            self._read_board()
+            return self._next_seq - 1 - min(self._consumed)
+
+    def _enqueue(self, frames, check, expired=False):
+        """Enqueue a producer's encoded batch if there is room: ``(P_ACCEPTED, seq)``;
+        ``(P_CLOSED, 0)`` once the queue closed; ``(P_TIMEOUT, 0)`` when full and
+        ``expired``; ``(None, 0)`` when full and the producer still waits."""
+        with self._not_full:
+            if self._closed:
+                return codec.P_CLOSED, 0
+            self._read_board()
+            if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
+                seq = self._next_seq
+                self._next_seq += 1
+                self._retained[seq] = (frames, check)
+                self._put_times[seq] = time.monotonic()
+                return codec.P_ACCEPTED, seq
+            if expired:
+                return codec.P_TIMEOUT, 0
+            return None, 0
 
     def _send_new(self):
         """Send each connected rank every retained batch it has not been sent yet."""
@@ -955,7 +818,8 @@ class TaskQueue:
                                            engine=self.instance, group=group.incarnation,
                                            worker=link.worker, check=check)
                 if not self._send(link, [header, *frames]):
-                    break
+                    break  # gone, or not reading: the rest waits for a later pass
+                link.sent = seq
                 self._counters["sent"] += 1
             else:
                 link.sent = last
@@ -996,159 +860,6 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         return json.loads(frames[1])
     finally:
         ctx.destroy(linger=0)
-
-
-class TaskProducer:
-    """Put into a ``TaskQueue`` that another process of this node owns.
-
-    ``TaskProducer(name, *, dp_id=0)`` connects to the queue's node-local producer endpoint
-    (``TaskQueue.producer_endpoint``; a private 0700 directory, so the same user only),
-    whether the queue's workers are reached over ipc or tcp. For engines split over
-    several processes (FastDeploy's per-DP-rank engine processes) that put into a queue
-    one of them owns. The batches take the queue's path from there: same sequence
-    numbers, bound, checksum, delivery and liveness. Batches go over the socket (never the
-    shared-memory payload path).
-
-    The constructor asks the queue once, waiting up to ``timeout`` seconds (also the
-    bound on every later query's answer): ``ConnectionError`` when no queue of that name
-    and dp_id answers on this node.
-
-    Thread-safe (one request at a time). Use as a context manager, or call ``close()``.
-    """
-
-    def __init__(self, name: str, *, dp_id: int = 0, timeout: float = 5.0):
-        from .transport import check_ipc_endpoint
-
-        validate_name(name, dp_id)
-        self.name, self.dp_id = name, dp_id
-        self.endpoint = default_endpoint(name, dp_id, "put")
-        check_ipc_endpoint(ipc_path(self.endpoint))
-        self._timeout = timeout  # for a reply to a query or to a put once decided
-        self._lock = threading.Lock()
-        self._request = 0
-        ensure_free_fds(ENGINE_FDS, f"TaskProducer {name!r} dp_id={dp_id}")
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = new_socket(self._ctx, zmq.DEALER)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # replies are headers
-        self._sock.connect(self.endpoint)
-        self._closed = False
-        try:
-            self.num_tasks()
-        except TaskSyncError as exc:
-            self.close()
-            raise ConnectionError(f"TaskProducer: no TaskQueue {name!r} dp_id={dp_id} answered "
-                                  f"at {self.endpoint} within {timeout:g} s; is its engine "
-                                  f"running on this node, as this user?") from exc
-
-    def put_tasks(self, tasks, timeout: float = None) -> int:
-        """As ``TaskQueue.put_tasks``: serialize, then wait for room, up to ``timeout``
-        seconds (None = forever); return the queue's sequence number for the batch.
-
-        Raises ``TypeError``/``ValueError`` for a batch that does not encode (nothing is
-        sent), ``TimeoutError`` when there was no room within ``timeout`` (the queue says
-        so; the batch was not enqueued), ``ClosedError`` when the queue closed, and
-        ``TaskSyncError`` when no queue answers at all (none running, or it died) within
-        ``timeout`` plus a few seconds: then whether the batch was enqueued is unknown."""
-        frames = codec.encode_payload(tasks)
-        check = codec.payload_checksum(frames)
-        # the queue holds the batch until room or this wait ends, then always answers
-        wait_ms = 2**62 if timeout is None else max(0, int(timeout * 1000))
-        with self._lock:
-            request = self._next_request()
-            self._sock.send_multipart([codec.pack_header(codec.PUT, seq=request, aux=wait_ms,
-                                                         check=check), *frames], copy=False)
-            h = self._reply(request, codec.PUT_REPLY, None if timeout is None
-                            else timeout + self._timeout)
-        if h.aux == codec.P_ACCEPTED:
-            return h.group
-        if h.aux == codec.P_TIMEOUT:
-            raise TimeoutError(f"TaskProducer {self.name!r}: no room in the queue within "
-                               f"{timeout} s (max_inflight batches not yet consumed by every "
-                               f"rank: see fastdeploy-sync status {self.name}); not enqueued")
-        if h.aux == codec.P_CLOSED:
-            raise ClosedError(f"TaskProducer {self.name!r}: the queue is closed; not enqueued")
-        raise ProtocolError(f"TaskProducer {self.name!r}: the queue refused the batch "
-                            f"(status {h.aux}); not enqueued")
-
-    def num_tasks(self) -> int:
-        """Batches put but not yet consumed by every rank (one round trip, ~100 µs)."""
-        with self._lock:
-            request = self._next_request()
-            self._sock.send(codec.pack_header(codec.QUERY, seq=request))
-            return self._reply(request, codec.QUERY_REPLY, self._timeout).aux
-
-    def exist_tasks(self) -> bool:
-        """True while some batch is not yet consumed by every rank."""
-        return self.num_tasks() > 0
-
-    def ranks(self) -> list:
-        """The queue's ``TaskQueue.ranks()``, through ``status()``."""
-        return self.status()["ranks"]
-
-    def status(self) -> dict:
-        """The queue's ``TaskQueue.status()`` (per-rank states included)."""
-        with self._lock:
-            self._sock.send(codec.pack_header(codec.STATUS))
-            deadline = time.monotonic() + self._timeout
-            while True:
-                frames = self._recv(deadline)
-                h = codec.unpack_header(frames[0])
-                if h.kind == codec.STATUS_REPLY and len(frames) == 2:
-                    return json.loads(frames[1])
-
-    def close(self) -> None:
-        """Close the socket. Idempotent; never blocks."""
-        if not self._closed:
-            self._closed = True
-            self._ctx.destroy(linger=0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _next_request(self) -> int:
-        if self._closed:
-            raise ClosedError(f"TaskProducer {self.name!r} is closed")
-        self._request += 1
-        return self._request
-
-    def _recv(self, deadline):
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and (remaining <= 0 or not self._sock.poll(remaining * 1000)):
-            raise TaskSyncError(f"TaskProducer {self.name!r}: no TaskQueue answered at "
-                                f"{self.endpoint} (none running, or it died); a batch being "
-                                f"put may or may not have been enqueued")
-        return self._sock.recv_multipart()
-
-    def _reply(self, request, kind, timeout):
-        """The reply of ``kind`` to ``request``, skipping stale replies of earlier requests
-        whose caller gave up. ``timeout=None`` (a put with no bound) still notices a queue
-        that is gone: while nothing comes, it asks the queue (QUERY, request id 0) every
-        ``self._timeout`` seconds and gives up when that is not answered either."""
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            while True:
-                h = codec.unpack_header(self._recv(deadline)[0])
-                if h.kind == kind and h.seq == request:
-                    return h
-        heard = time.monotonic()
-        asked = False
-        while True:
-            if self._sock.poll(self._timeout * 1000):
-                h = codec.unpack_header(self._sock.recv_multipart()[0])
-                heard, asked = time.monotonic(), False
-                if h.kind == kind and h.seq == request:
-                    return h
-            elif not asked:
-                self._sock.send(codec.pack_header(codec.QUERY, seq=0))  # still there?
-                asked = True
-            else:
-                raise TaskSyncError(
-                    f"TaskProducer {self.name!r}: the TaskQueue at {self.endpoint} stopped "
-                    f"answering ({time.monotonic() - heard:.1f} s); the batch may or may not "
-                    f"have been enqueued")
 
 
 def _remove_names(ipc_file, board_name, put_file=None):

@@ -6,48 +6,86 @@ compile, a weight load), a big batch may occupy a socket for seconds, and the en
 hold the GIL while it pickles a huge batch. Nothing that needs a Python thread to run can
 tell those apart from death. So the two questions are answered by different means:
 
-  * **Dead or frozen** (killed, crashed, SIGSTOPped, machine or network gone): ZMTP
-    heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``, ``configure_socket``). libzmq's own
-    I/O thread sends and answers them, without the GIL, and any traffic on the connection
-    counts as life, so a 600 MiB message in transit is life too. A process that dies closes
-    its sockets at once; a frozen one stops answering and libzmq drops its connection after
-    ``timeout``. The application sees the connection go: the engine's sends to a rank whose
-    connection is gone fail (ROUTER_MANDATORY, ``EHOSTUNREACH``; the engine probes every
-    rank every tick), a worker's socket monitor reports the disconnect. A peer whose
-    connection is gone and not re-established (a fresh handshake with the *same* peer
-    instance) within ``timeout`` seconds is gone: the engine retires the rank's group, a
-    worker raises ``EngineGoneError``.
+  * **Dead or frozen** (killed, crashed, SIGSTOPped, machine or network gone): the
+    connection. A process that dies closes its sockets at once; a frozen one stops
+    answering the ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``) that libzmq's own I/O
+    thread sends and answers without the GIL, and libzmq drops its connection after
+    ``timeout``; a host that vanished is found the same way (and by TCP keepalive). The
+    application sees the connection go: the engine's sends to a rank whose connection
+    is gone fail (ROUTER_MANDATORY, ``EHOSTUNREACH``; the engine probes every connected
+    rank every interval and whenever a connection drops), a worker's socket monitor
+    reports the disconnect. A peer whose connection is gone and not re-established (a
+    HELLO from the *same* worker id) while nothing is heard from it for ``timeout``
+    seconds is gone: the engine retires the rank's group (at the earliest one
+    ``interval`` after it saw the connection go, so that a reconnect queued behind a
+    stall of the engine's own I/O thread is read first), a worker raises
+    ``EngineGoneError``.
   * **Alive but hung** (connection up, no application message): application ``PING``/
     ``PONG`` messages carry the ids (engine instance, group incarnation, worker id) that say
     *which* rank or engine is behind a connection. Their silence is reported (``status``:
     ``silent_s``) but only declares a peer hung after ``stall_timeout`` seconds
     (``FD_SYNC_STALL_TIMEOUT``, default 300 s, ``0`` = never): far above any GIL hold a
-    healthy process makes, far below forever.
+    healthy process makes, far below forever. Application silence alone, however long
+    below that, never retires a group.
   * **Left on purpose**: a worker's ``TaskClient.close()`` sends ``BYE``; the engine knows
     at once and retires the group (its peers learn it as for a death) instead of waiting
     for any timeout. ``TaskQueue.close()`` sends ``CLOSE`` (``EngineClosedError``).
+
+What counts as life for ZMTP: libzmq (4.3.5) cancels a heartbeat timeout only when a
+*frame* has been decoded completely; bytes of a frame still in transit do not count.
+Measured: a DEALER with ``HEARTBEAT_TIMEOUT`` 0.3 s never receives a 600 MiB frame that
+takes 1.5 s to cross loopback: its own PINGs re-arm the timeout during the transfer, the
+connection is dropped mid-frame, and again after every reconnect. A TTL asked by the
+sender does the same to a single big frame. Hence:
+  * the engine's socket runs the heartbeats (``configure_engine_socket``): its PINGs
+    leave after whatever message it is sending, and the workers' answers travel on the
+    direction that carries only small messages, so a big batch does not trip it
+    (``tests/test_liveness.py``: a 48 MiB batch crossing in ~6 s under a 2 s timeout);
+    it asks the workers for no TTL;
+  * a worker's socket that *receives* batches must not have a ZMTP timeout shorter than
+    its largest batch's transfer (``configure_socket(sock, receives_batches=True)``: it
+    still sends PINGs, but never drops the connection for silence); a worker learns that
+    a frozen engine is gone on a connection that carries no batches, or by application
+    silence past ``stall_timeout``;
+  * a worker's TTL is not relied on: libzmq arms it only when a PING arrives and any
+    later frame cancels it, so a worker frozen right after sending a message is never
+    dropped by it (measured: a SIGSTOPped rank stayed connected for 30 s).
 
 The protocol:
   * every worker sends ``PING`` every ``interval`` seconds from a thread that is otherwise
     blocked (the prefetch thread in async mode, a heartbeat thread in sync mode); the
     engine answers each with ``PONG`` and also sends every connected rank a ``PONG`` each
-    interval unasked, so that a worker that could not ping for a while finds proof of life
-    waiting when it runs again.
-  * ZMTP heartbeats and the handshake bound (``HANDSHAKE_IVL``) are ``timeout``: a
-    connection to a frozen peer, or one that accepts but never completes the handshake, is
-    dropped within it.
+    interval unasked (the probe above), so that a worker that could not ping for a while
+    finds proof of life waiting when it runs again.
+  * ``HANDSHAKE_IVL`` is ``timeout``: a connection that accepts but never completes the
+    handshake is dropped within it.
 
 Nothing here runs on the step's critical path: the threads that ping are blocked in
 ``poll`` between pings, and the step calls only read an error slot they already read.
 """
 
+import hashlib
 import time
 
 import zmq
 
 from . import envs
 
-__all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED"]
+__all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED", "id_tag"]
+
+# "Never" for a ZMTP heartbeat timeout (libzmq takes an int of milliseconds: ~24 days).
+_NEVER_MS = 2**31 - 1
+
+
+def id_tag(value: int) -> str:
+    """A short, non-reversible tag (8 hex digits) of a worker id or group incarnation, for
+    status, logs and events. The ids themselves are secrets: a message carrying a rank's
+    worker id speaks for that rank, so they never leave the engine (``STATUS`` replies
+    included) except towards the worker that owns them. The same id always gives the
+    same tag, so a worker can print its own tag to match the engine's view."""
+    digest = hashlib.blake2b(int(value).to_bytes(8, "little"), digest_size=4,
+                             person=b"fdsync-id-tag")
+    return digest.hexdigest()
 
 
 class Heartbeat:
@@ -77,14 +115,37 @@ class Heartbeat:
         """True when a connected peer silent for ``silent_s`` seconds counts as hung."""
         return bool(self.stall_timeout) and silent_s > self.stall_timeout
 
-    def configure_socket(self, sock: zmq.Socket) -> None:
-        """ZMTP heartbeats on ``sock``: libzmq (its I/O thread, no GIL) drops a connection
-        whose peer answers nothing for ``timeout``, and one whose handshake does not
-        complete within it."""
+    def configure_socket(self, sock: zmq.Socket, receives_batches: bool = False) -> None:
+        """ZMTP heartbeats on a worker's socket: libzmq (its I/O thread, no GIL) sends a
+        PING every ``interval``, each asking the engine's side to drop the connection if
+        nothing follows within ``timeout`` (``HEARTBEAT_TTL``: a frozen worker loses its
+        connection), and drops the connection itself when nothing complete arrives for
+        ``timeout``; a handshake that does not complete within ``timeout`` is dropped too.
+
+        ``receives_batches=True``: for a socket whose receive direction carries batches.
+        It never drops the connection for silence (a batch still in transit is not life to
+        libzmq, see the module docstring) but still sends its PINGs and asks the TTL."""
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.interval * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT,
+                        _NEVER_MS if receives_batches else int(self.timeout * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.timeout * 1000))
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout * 1000))
+
+    def configure_engine_socket(self, sock: zmq.Socket) -> None:
+        """The engine's socket for its workers: ZMTP heartbeats of its own (a PING every
+        ``interval``; a connection on which nothing complete arrives for ``timeout`` is
+        dropped: a frozen or vanished worker), no TTL asked of the workers, a handshake
+        bound of ``timeout``, and TCP keepalive (after ``timeout`` idle seconds, every
+        ``interval``, 3 probes) below it all. The socket must have no receive high-water
+        mark (see ``flood_guard``: libzmq aborts with both)."""
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 0)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.timeout * 1000))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(self.timeout)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(self.interval)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
     def __repr__(self):
         return (f"Heartbeat(interval={self.interval}, timeout={self.timeout}, "
@@ -100,44 +161,60 @@ class RankLink:
     """What the engine knows of one rank of its current worker group (I/O thread only,
     except ``describe``/``snapshot``, which read plain attributes).
 
-    ``state`` is ``NEVER`` until the rank's HELLO is accepted, ``CONNECTED`` while it is
-    heard from, ``DISCONNECTED`` once its socket went away or it was silent for the
-    heartbeat timeout (``since`` and ``reason`` say when and why).
+    ``state`` is ``NEVER`` until the rank's HELLO is accepted, ``CONNECTED`` while its
+    connection is up, ``DISCONNECTED`` once the connection went away (``since`` and
+    ``reason`` say when and why; ``gone_at`` is when the engine saw it, monotonic). A
+    rank that reconnects (HELLO from the same worker) is ``CONNECTED`` again.
     """
 
-    __slots__ = ("rank", "state", "worker", "identity", "since", "last_heard", "sent", "reason")
+    __slots__ = ("rank", "state", "worker", "identity", "since", "last_heard", "sent",
+                 "reason", "gone_at", "probed_at")
 
     def __init__(self, rank: int):
         self.rank = rank
         self.state = NEVER
-        self.worker = 0  # the worker instance id that holds this rank
+        self.worker = 0  # the worker instance id that holds this rank (a secret: id_tag)
         self.identity = None  # its data socket's ZeroMQ routing id, None when unreachable
         self.since = None  # wall-clock time of the last state change
         self.last_heard = 0.0  # monotonic time of the last message from this worker
         self.sent = 0  # highest (global) seq sent to this rank's data socket
         self.reason = ""
+        self.gone_at = None  # monotonic time the engine saw the connection go
+        self.probed_at = 0.0  # monotonic time of the last probe (a send that fails if gone)
 
     def connect(self, identity: bytes, worker: int, now: float) -> None:
         if self.state != CONNECTED or self.worker != worker:
             self.since = time.time()
         self.state, self.worker, self.identity, self.last_heard = CONNECTED, worker, identity, now
-        self.reason = ""
+        self.reason, self.gone_at = "", None
 
     def heard(self, now: float) -> None:
         self.last_heard = now
 
-    def disconnect(self, reason: str) -> None:
+    def disconnect(self, reason: str, now: float = None) -> None:
+        """The connection went away (or the rank is no longer served)."""
         if self.state == CONNECTED:
             self.state, self.since, self.reason = DISCONNECTED, time.time(), reason
-        self.identity = None
+        if self.identity is not None:
+            self.identity = None
+            self.gone_at = time.monotonic() if now is None else now
 
     def silent_for(self, now: float) -> float:
         return now - self.last_heard
 
-    def alive(self, now: float, timeout: float) -> bool:
-        """Heard from within ``timeout`` (a rank whose socket dropped may still reconnect
-        within that time, so this is not the same as ``state == CONNECTED``)."""
-        return self.state != NEVER and now - self.last_heard <= timeout
+    def retire_at(self, heartbeat: "Heartbeat") -> float:
+        """When (monotonic) this rank's state retires its group unless something is heard
+        first: connection gone and nothing heard for ``timeout`` (at the earliest one
+        ``interval`` after the engine saw it go); connection up and nothing heard for
+        ``stall_timeout`` (never when that is 0). ``inf`` for a rank never connected."""
+        if self.state == NEVER:
+            return float("inf")
+        if self.identity is None:
+            return max(self.last_heard + heartbeat.timeout,
+                       (self.gone_at or 0.0) + heartbeat.interval)
+        if heartbeat.stall_timeout:
+            return self.last_heard + heartbeat.stall_timeout
+        return float("inf")
 
     def describe(self) -> str:
         if self.state == NEVER:
@@ -149,5 +226,5 @@ class RankLink:
     def snapshot(self, now: float) -> dict:
         return {"rank": self.rank, "state": self.state, "since": self.since,
                 "silent_s": None if self.state == NEVER else round(now - self.last_heard, 3),
-                "worker": f"{self.worker:016x}" if self.worker else None,
+                "worker": id_tag(self.worker) if self.worker else None,
                 "reason": self.reason or None}

@@ -26,8 +26,10 @@ Metrics (labels ``queue`` and ``dp_id`` on every one; ``rank`` on per-rank ones)
                                                        disconnected, never connected), else 0
     fdsync_rank_silent_seconds{rank}        gauge      since the engine last heard from the rank
     fdsync_groups_total                     counter    worker groups admitted
-    fdsync_groups_retired_total{reason}     counter    retired groups by reason (silent: heartbeat
-                                                       timeout; rank_restarted; replaced; left; other)
+    fdsync_groups_retired_total{reason}     counter    retired groups by reason (gone: a rank's
+                                                       connection went and did not come back;
+                                                       hung: stall timeout; left: BYE;
+                                                       rank_restarted; replaced; other)
     fdsync_rejected_peers_total             counter    HELLOs and messages refused
     fdsync_garbage_frames_total             counter    messages that did not parse
     fdsync_stale_messages_total             counter    messages of another engine, group or worker

@@ -62,7 +62,10 @@ def test_status_asks_the_engine_whatever_the_coordinator(name, procs, results, m
         out = _status(name, "--endpoint", queue.endpoint)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "no node-local group segment" in out.stdout
-    assert [(r[0], r[1], r[2]) for r in _engine_rows(out.stdout)] == [("0", "connected", "2")]
+    # the rank's process exits once it took its batches: the engine may already know
+    rows = _engine_rows(out.stdout)
+    assert [(r[0], r[2]) for r in rows] == [("0", "2")]
+    assert rows[0][1] in ("connected", "disconnected"), rows
 
 
 def test_status_of_no_group(name):

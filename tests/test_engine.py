@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import struct
 import time
 
 import numpy as np
@@ -265,3 +266,285 @@ def test_a_producer_in_another_process_puts_through_the_queue(name, procs, resul
                 producer.put_tasks(3, timeout=0.2)
     finally:
         queue.close(timeout=0)
+
+
+def test_queries_after_close_with_a_connected_group_from_any_thread(name, procs, results):
+    """close() with a group still connected: afterwards put_tasks/num_tasks/exist_tasks
+    raise ClosedError, and ranks/stats/status describe the final state, from any thread
+    (they raised TypeError once the ack board was unmapped)."""
+    import threading
+
+    from fastdeploy_sync import ClosedError
+    from workers import step_until_error_rank
+
+    n = 3
+    queue = TaskQueue(name, 2)
+    for rank in range(2):
+        procs(step_until_error_rank, results, rank, name, 2, True, report_after=n)
+    for i in range(n):
+        queue.put_tasks(i, timeout=30)
+    collect(results, "took_n", 2)
+    assert queue.close(timeout=10) == []
+    raised = collect(results, "raised", 2, timeout=30)
+    assert [raised[r]["cause"] for r in range(2)] == ["EngineClosedError"] * 2
+
+    failures = []
+
+    def ask():
+        try:
+            for call in (queue.num_tasks, queue.exist_tasks, lambda: queue.put_tasks(9)):
+                with pytest.raises(ClosedError, match="closed"):
+                    call()
+            ranks = queue.ranks()
+            assert [r["consumed"] for r in ranks] == [n, n]
+            assert [r["state"] for r in ranks] == ["disconnected"] * 2, ranks
+            assert all(r["reason"] == "the queue closed" for r in ranks), ranks
+            stats = queue.stats()
+            assert stats["last_seq"] == n and stats["consumed"] == [n, n]
+            status = queue.status()
+            assert status["closed"] is True and status["last_seq"] == n
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    ask()
+    thread = threading.Thread(target=ask)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not failures, failures
+    assert queue.close() == []  # idempotent
+
+
+def test_every_waiting_producer_put_gets_its_timeout_on_time(name):
+    """A PUT that waits forever at the head of the producers' line must not hold back the
+    timeout of a PUT behind it (it was answered only when the head left, and then enqueued
+    after its producer had given up)."""
+    import threading
+
+    from fastdeploy_sync import ClosedError, TaskProducer
+
+    with TaskQueue(name, 1, max_inflight=1) as queue:
+        queue.put_tasks("fills the queue", timeout=1)
+        forever = TaskProducer(name, timeout=2.0)
+        impatient = TaskProducer(name, timeout=2.0)
+        try:
+            outcome = []
+
+            def put_forever():
+                try:
+                    outcome.append(forever.put_tasks("head", timeout=None))
+                except Exception as exc:  # the queue closes under it at the end
+                    outcome.append(exc)
+
+            head = threading.Thread(target=put_forever, daemon=True)
+            head.start()
+            assert wait_until(lambda: len(queue._producers.pending) == 1)
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="not enqueued"):
+                impatient.put_tasks("behind", timeout=0.3)
+            assert time.monotonic() - start < 2.0  # its own bound, not the reply timeout
+            assert queue.stats()["last_seq"] == 1
+        finally:
+            queue.close(timeout=0)
+            head.join(timeout=10)
+            forever.close()
+            impatient.close()
+        assert not head.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
+
+
+class _ExitsWhenUnpickled:
+    """Pickles fine; unpickling it raises SystemExit (a batch whose decoding ends the
+    thread that decodes it)."""
+
+    def __reduce__(self):
+        import sys
+
+        return sys.exit, ("a batch ended the thread that unpickled it",)
+
+
+def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name):
+    """The engine decodes a retired group's unfinished batches for GroupLost on its I/O
+    thread; one that raises SystemExit there ended the thread silently (and every later
+    batch was never sent)."""
+    from fastdeploy_sync import Heartbeat, ProtocolError
+    from fastdeploy_sync.codec import DATA, decode_payload
+
+    from engine_peers import RawRank
+
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        first = RawRank(queue.endpoint, name, 1, 0).join()
+        seq = queue.put_tasks(_ExitsWhenUnpickled(), timeout=5)
+        first.expect(DATA)
+        first.close()  # gone without a word: the group is retired, the batch handed back
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [seq]
+        error = event.unfinished[0].tasks
+        assert isinstance(error, ProtocolError) and isinstance(error.__cause__, SystemExit)
+        second = RawRank(queue.endpoint, name, 1, 0).join()  # the I/O thread lives on
+        queue.put_tasks("next", timeout=5)
+        _, frames = second.expect(DATA)
+        assert decode_payload(frames) == "next"
+        second.close()
+        queue.close(timeout=0)
+
+
+def test_an_io_thread_failure_is_raised_to_put_tasks_callers(name, monkeypatch):
+    """Whatever ends the I/O thread (here SystemExit from its liveness tick) is raised,
+    chained, by put_tasks: a caller blocked for room is woken, none waits forever."""
+    import threading
+
+    from fastdeploy_sync import Heartbeat
+
+    with TaskQueue(name, 1, max_inflight=1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        queue.put_tasks("fills the queue", timeout=1)
+        outcome = []
+
+        def blocked_put():
+            try:
+                queue.put_tasks("waits for room", timeout=5)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=blocked_put)
+        waiter.start()
+
+        def die(now):
+            raise SystemExit("the liveness tick ended the I/O thread")
+
+        monkeypatch.setattr(queue._members, "tick", die)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], TaskSyncError), outcome
+        assert isinstance(outcome[0].__cause__, SystemExit)
+        with pytest.raises(TaskSyncError, match="I/O thread failed"):
+            queue.put_tasks("later", timeout=1)
+        queue.close(timeout=0)
+
+
+@pytest.mark.parametrize("payload", [
+    [os.urandom(200)],  # not a pickle at all
+    [b"\x80\x05K\x01.", b"x" * 8],  # two payload frames: neither form
+    [b"\x80\x05K\x01.", struct.pack("<qq", 4, 16), b"x" * 8],  # an array outside the data
+    [b"\x80\x05K\x01.", b"\x00" * 15, b"x" * 8],  # offsets that are not (start, length) pairs
+], ids=["random", "two-frames", "buffer-outside", "bad-offsets"])
+def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
+    """A PUT whose checksum matches its own bytes but which the workers' checks before
+    unpickling would refuse (so that every rank would fail and the group be retired) is
+    refused with P_INVALID before it is enqueued; the queue goes on."""
+    from fastdeploy_sync.codec import (PUT, PUT_REPLY, P_ACCEPTED, P_INVALID, encode_payload,
+                                       payload_checksum, unpack_header)
+
+    with TaskQueue(name, 1) as queue:
+        ctx = zmq.Context()
+        try:
+            raw = ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(queue.producer_endpoint)
+
+            def put(frames, request):
+                raw.send_multipart([pack_header(PUT, seq=request, aux=1000,
+                                                check=payload_checksum(frames)), *frames])
+                while True:  # skipping the endpoint's liveness checks (request id 0)
+                    assert raw.poll(5000)
+                    reply = unpack_header(raw.recv_multipart()[0])
+                    if reply.seq:
+                        break
+                assert (reply.kind, reply.seq) == (PUT_REPLY, request)
+                return reply.aux
+
+            assert put(payload, 1) == P_INVALID
+            assert queue.stats()["last_seq"] == 0 and queue.stats()["puts_invalid"] == 1
+            assert put(encode_payload(make_batch(3)), 2) == P_ACCEPTED
+            assert queue.stats()["last_seq"] == 1
+        finally:
+            ctx.destroy(linger=0)
+        queue.close(timeout=0)
+
+
+def test_close_before_any_worker_connected_waits_for_a_group_to_come_and_drain(
+        name, procs, results):
+    """close(timeout) called before any worker connected: it used to return every seq
+    at once, and workers started a moment later waited forever. Now it waits up to
+    timeout for a group to come, lets it take everything, and returns []; the workers
+    then see the queue closed."""
+    from workers import step_until_error_rank
+
+    queue = TaskQueue(name, 2)
+    try:
+        for i in range(3):
+            queue.put_tasks(i, timeout=5)
+        for rank in range(2):  # they connect while close() waits
+            procs(step_until_error_rank, results, rank, name, 2, True)
+        assert queue.close(timeout=60) == []
+    finally:
+        queue.close(timeout=0)
+    raised = collect(results, "raised", 2, timeout=30)
+    for rank in range(2):
+        assert raised[rank]["cause"] == "EngineClosedError", raised[rank]
+        assert raised[rank]["taken"] == [0, 1, 2]
+
+
+def test_close_returns_at_once_when_the_served_group_has_gone(name):
+    """The group being served has no rank connected any more (its workers closed their
+    sockets): close() does not wait for them, it returns what they did not take."""
+    from fastdeploy_sync import Heartbeat
+    from fastdeploy_sync.codec import DATA
+
+    from engine_peers import RawRank
+
+    queue = TaskQueue(name, 1, heartbeat=Heartbeat(1.0, 30.0))
+    try:
+        rank = RawRank(queue.endpoint, name, 1, 0).join()
+        queue.put_tasks("never taken", timeout=5)
+        rank.expect(DATA)
+        rank.close()
+        assert wait_until(lambda: queue.ranks()[0]["state"] == "disconnected", timeout=10)
+        start = time.monotonic()
+        assert queue.close(timeout=20) == [1]
+        assert time.monotonic() - start < 2.0
+    finally:
+        queue.close(timeout=0)
+
+
+def test_a_producer_told_busy_sends_again_within_its_timeout(name, procs, results):
+    """When other producers' PUTs already fill the waiting room (P_BUSY), TaskProducer
+    sends its batch again until it is taken in, within its own timeout; the waiting PUTs
+    of a producer that went away are dropped, never enqueued."""
+    import threading
+
+    import numpy as np
+
+    from fastdeploy_sync import TaskProducer
+    from fastdeploy_sync.codec import PUT, encode_payload, payload_checksum
+
+    with TaskQueue(name, 1, max_inflight=1) as queue:
+        queue.put_tasks("first", timeout=5)  # full
+        ctx = zmq.Context()
+        hog = ctx.socket(zmq.DEALER)
+        hog.setsockopt(zmq.LINGER, 0)
+        hog.connect(queue.producer_endpoint)
+        frames = encode_payload(np.zeros(3 << 17, dtype=np.int64))  # 3 MiB each
+        for request in range(1, 5):  # 12 MiB: more than the waiting room holds
+            hog.send_multipart([pack_header(PUT, seq=request, aux=60_000,
+                                            check=payload_checksum(frames)), *frames])
+        assert wait_until(lambda: queue.stats().get("puts_busy", 0) >= 1)
+        outcome = []
+        with TaskProducer(name, timeout=2.0) as producer:
+            def put():
+                try:
+                    outcome.append(producer.put_tasks("patient", timeout=30))
+                except Exception as exc:
+                    outcome.append(exc)
+
+            putter = threading.Thread(target=put)
+            putter.start()
+            time.sleep(0.5)
+            assert not outcome and queue.stats()["puts_busy"] >= 2  # told busy, sent again
+            ctx.destroy(linger=0)  # the hog goes away: its waiting PUTs are dropped
+            assert wait_until(lambda: queue.stats().get("puts_dropped_gone", 0) >= 2)
+            procs(take_n_rank, results, 0, name, 1, 2)
+            putter.join(timeout=30)
+        assert outcome == [2], outcome
+        assert [t for t in collect(results, "taken", 1)[0]] == ["first", "patient"]
+        assert queue.stats().get("puts_remote", 0) == 1

@@ -12,6 +12,7 @@ import socket
 import time
 
 import pytest
+import zmq
 
 from fastdeploy_sync import Heartbeat, TaskQueue
 
@@ -123,8 +124,7 @@ def test_the_engine_reports_a_killed_rank_disconnected(name, procs, results, doo
         os.kill(victim.pid, signal.SIGKILL)
         assert wait_until(lambda: queue.ranks()[0]["state"] == "disconnected", timeout=15)
         state = queue.ranks()
-        assert state[0]["reason"] in ("its socket closed", "group retired") or \
-            state[0]["reason"].startswith("silent"), state
+        assert state[0]["reason"] in ("its connection closed", "group retired"), state
         # the survivor is told its group is gone (not left to time out)
         raised = collect(results, "raised", 1, timeout=30)
         assert raised[1]["cause"] in ("GroupLostError", "BarrierTimeoutError"), raised[1]
@@ -220,7 +220,8 @@ def test_a_new_group_waits_for_the_old_one_to_go(name, procs, results, doomed):
             queue.put_tasks(1, timeout=30)
             queue.put_tasks(2, timeout=30)
             event = queue.group_events.get(timeout=15)
-            assert "silent" in event.reason or "replaced" in event.reason
+            # SIGSTOP: the engine's ZMTP heartbeats drop the stopped ranks' connections
+            assert "is gone" in event.reason or "replaced" in event.reason, event.reason
             queue.put_tasks(3, timeout=30)
             queue.put_tasks(4, timeout=30)
             fresh = collect(results, "took_n", 2, timeout=30)
@@ -274,3 +275,163 @@ def test_a_worker_busy_before_its_first_step_stays_connected(name, procs, result
         assert taken[0] == taken[1] == [0, 1, 2]
         assert queue.group_events.empty()
         assert queue.stats().get("groups_retired", 0) == 0
+
+
+# -- busy is not dead (liveness.py's contract) -------------------------------------------
+
+
+def test_an_engine_side_gil_hold_does_not_retire_a_healthy_group(name, procs, results):
+    """The engine's own thread holds the GIL for about three heartbeat timeouts (as when
+    it pickles a huge batch): its I/O thread cannot run, the rank's pings queue up. The
+    rank's connection stayed up, so the group is not retired, and the next batch reaches
+    it (it was retired for silence once the I/O thread ran again)."""
+    from engine_peers import hold_gil, raw_rank_process
+
+    with TaskQueue(name, 1, heartbeat=HB) as queue:
+        procs(raw_rank_process, results, 0, queue.endpoint, name, 1, None, 30.0)
+        collect(results, "joined", 1)
+        queue.put_tasks("before", timeout=5)
+        assert collect(results, "received", 1)[0] == [1]
+        hold_gil(3 * HB.timeout)
+        queue.put_tasks("after", timeout=5)
+        assert collect(results, "received", 1, timeout=30)[0] == [1, 2]
+        assert queue.group_events.empty(), queue.group_events.get()
+        assert queue.ranks()[0]["state"] == "connected"
+
+
+def test_a_worker_holding_the_gil_is_not_retired(name, procs, results):
+    """Rank 1's main thread holds the GIL for three heartbeat timeouts between two steps
+    (its prefetch thread cannot ping): the group is not retired and both ranks take every
+    batch (it was retired for silence)."""
+    from engine_peers import gil_holding_rank
+
+    n = 6
+    with TaskQueue(name, 2, heartbeat=HB) as queue:
+        for rank in range(2):
+            hold = 3 * HB.timeout if rank == 1 else 0.0
+            procs(gil_holding_rank, results, rank, name, 2, n, hold, 2, FAST_HEARTBEAT)
+        collect(results, "ready", 2)
+        for i in range(2):
+            queue.put_tasks(i, timeout=30)
+        collect(results, "holding", 1, timeout=30)
+        for i in range(2, n):
+            queue.put_tasks(i, timeout=60)
+        held = collect(results, "held", 1, timeout=60)[1]
+        assert held >= 2 * HB.timeout
+        taken = collect(results, "taken", 2, timeout=60)
+        assert taken[0] == taken[1] == list(range(n))
+        assert queue.group_events.empty(), queue.group_events.get()
+
+
+def test_a_hung_rank_is_retired_after_the_stall_timeout_and_not_before(name):
+    """A rank whose connection stays up but who says nothing: never retired for that
+    alone within the heartbeat timeout (it was, as 'silent'), retired as hung once the
+    stall timeout passes; with stall_timeout=0 never."""
+    from engine_peers import RawRank
+
+    quiet = Heartbeat(0.2, 1.0, stall_timeout=3.0)
+    with TaskQueue(name, 1, heartbeat=quiet) as queue:
+        rank = RawRank(queue.endpoint, name, 1, 0).join()  # and never pings
+        start = time.monotonic()
+        event = queue.group_events.get(timeout=30)
+        waited = time.monotonic() - start
+        assert "is hung" in event.reason and "stall timeout 3 s" in event.reason, event.reason
+        assert waited >= 2.5, waited
+        rank.close()
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0, stall_timeout=0)) as queue:
+        rank = RawRank(queue.endpoint, name, 1, 0).join()
+        time.sleep(3 * 1.0)
+        assert queue.group_events.empty()
+        assert queue.ranks()[0]["state"] == "connected"
+        rank.close()
+
+
+def test_bye_retires_the_group_at_once_and_close_returns_at_once(name):
+    """Both ranks close cleanly (BYE, then their sockets) with a batch in flight: the
+    engine retires the group at once (handing the batch back) and close(timeout=5)
+    returns at once (it waited out the timeout, the group looking connected)."""
+    from fastdeploy_sync.codec import DATA
+
+    from engine_peers import RawRank
+
+    queue = TaskQueue(name, 2, heartbeat=Heartbeat(1.0, 3.0))
+    try:
+        ranks = [RawRank(queue.endpoint, name, 2, r) for r in range(2)]
+        ranks[1].group = ranks[0].group
+        for rank in ranks:
+            rank.join()
+        seq = queue.put_tasks("in flight", timeout=5)
+        for rank in ranks:
+            rank.expect(DATA)
+        for rank in ranks:
+            rank.bye(taken=0)
+            rank.close()
+        event = queue.group_events.get(timeout=5)
+        assert "closed its client (BYE)" in event.reason, event.reason
+        assert [b.seq for b in event.unfinished] == [seq]
+        start = time.monotonic()
+        assert queue.close(timeout=5) == []
+        assert time.monotonic() - start < 1.0
+    finally:
+        queue.close(timeout=0)
+
+
+def test_a_stopped_rank_is_found_gone_by_the_zmtp_heartbeats(name, procs, results, doomed):
+    """SIGSTOP: the process cannot answer anything, its connection stays open; the
+    engine's ZMTP heartbeats drop it and the group is retired. (Rank 1 is stopped: rank
+    0 owns the group's shared memory and removes it when it stops.)"""
+    queue = TaskQueue(name, 2, heartbeat=HB)
+    try:
+        procs(step_until_error_rank, results, 0, name, 2, True, report_after=1)
+        stopped = procs(step_until_error_rank, doomed, 1, name, 2, True, report_after=1)
+        queue.put_tasks(0, timeout=30)
+        collect(results, "took_n", 1)
+        collect(doomed, "took_n", 1)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            event = queue.group_events.get(timeout=30)
+            assert "rank 1 is gone" in event.reason, event.reason
+            raised = collect(results, "raised", 1, timeout=30)[0]
+            assert raised["cause"] in ("GroupLostError", "BarrierTimeoutError"), raised
+        finally:
+            os.kill(stopped.pid, signal.SIGKILL)
+    finally:
+        queue.close(timeout=0)
+
+
+def test_a_batch_slower_to_cross_than_the_timeout_reaches_its_rank(name, loopback_tcp):
+    """A 48 MiB batch to a rank that reads slowly (a 1 KiB socket buffer: ~10 MiB/s)
+    takes longer than the heartbeat timeout to cross: the engine's ZMTP heartbeats (its
+    PINGs leave after the batch; the rank's answers come on the idle direction) and its
+    liveness rules leave the rank its place, and the batch arrives whole."""
+    import numpy as np
+
+    from fastdeploy_sync.codec import DATA, decode_payload
+    from engine_peers import RawRank
+
+    slow = Heartbeat(0.5, 2.0)
+    with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0", heartbeat=slow) as queue:
+        rank = RawRank(queue.endpoint, name, 1, 0)
+        rank.sock.setsockopt(zmq.RCVBUF, 1024)
+        rank.sock.disconnect(queue.endpoint)  # RCVBUF applies to connections made after
+        rank.sock.connect(queue.endpoint)
+        rank.join()
+        time.sleep(1.5)  # the engine's ZMTP PINGs have reached the rank
+        batch = np.arange(48 << 17, dtype=np.int64)  # 48 MiB
+        start = time.monotonic()
+        queue.put_tasks(batch, timeout=5)
+        got = None
+        next_ping = 0.0
+        while got is None and time.monotonic() - start < 60:
+            if time.monotonic() >= next_ping:
+                rank.ping()
+                next_ping = time.monotonic() + 0.2
+            reply = rank.recv(0.05)
+            if reply is not None and reply[0].kind == DATA:
+                got = reply
+        took = time.monotonic() - start
+        assert got is not None, "the batch never arrived"
+        assert took > slow.timeout, f"crossed in {took:.1f} s: not slower than the timeout"
+        np.testing.assert_array_equal(decode_payload(got[1]), batch)
+        assert queue.group_events.empty()
+        rank.close()

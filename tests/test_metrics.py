@@ -99,7 +99,7 @@ def test_rank_state_and_a_retired_group_with_its_reason(name, procs, results):
                if n == "fdsync_groups_retired_total"}
     assert sum(retired.values()) == 1, retired
     # a known kind, not "other": a new retirement reason needs a kind in RETIREMENT_KINDS
-    assert set(retired) <= {"silent", "rank_restarted", "replaced", "left"}, retired
+    assert set(retired) <= {"gone", "hung", "rank_restarted", "replaced", "left"}, retired
     assert value(s, "fdsync_rank_state", **q, rank=1, state="connected") == 0
 
 

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import zmq
@@ -22,7 +23,7 @@ from fastdeploy_sync import AuthenticationError, Heartbeat, TaskClient, TaskQueu
 from fastdeploy_sync.auth import CLIENT_SECRET, SERVER_PUBLIC, create_keys
 
 from workers import (FAST_HEARTBEAT, collect, construct_and_exit, make_batch,
-                     step_until_error_rank, take_n_rank)
+                     step_until_error_rank, take_n_rank, wait_until)
 
 HB = Heartbeat(*FAST_HEARTBEAT)
 
@@ -231,3 +232,82 @@ def test_running_out_of_file_descriptors_raises_and_the_process_lives_on(name):
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "alive"
+
+
+def test_a_key_holder_cannot_take_a_live_ranks_place(name, keys, procs, results, monkeypatch):
+    """A process holding the worker key asks the engine's status and claims rank 1 with
+    whatever ids it shows. Worker ids are secrets (status shows a short tag), so the claim
+    is refused (E_PLACE_TAKEN), the intruder receives no batch, the real ranks take every
+    batch, and once the intruder has left the group goes on (it stayed stuck for good when
+    a claim with a disclosed id took the rank over)."""
+    from engine_peers import intruder_process
+
+    n = 20
+    monkeypatch.setenv("FD_SYNC_KEYS_DIR", keys["worker"])
+    with TaskQueue(name, 2, endpoint=_tcp(), keys_dir=keys["engine"], heartbeat=HB) as queue:
+        for rank in range(2):
+            procs(step_until_error_rank, results, rank, name, 2, True, queue.endpoint,
+                  report_after=2 * n)
+        ready = collect(results, "ready", 2)
+        for i in range(n // 2):
+            queue.put_tasks(i, timeout=30)
+        assert wait_until(lambda: queue.num_tasks() == 0, timeout=30)
+        procs(intruder_process, results, 1, queue.endpoint, name, 2, keys["worker"], 1.0)
+        for i in range(n // 2, n):
+            queue.put_tasks(i, timeout=30)
+            time.sleep(0.05)
+        intruded = collect(results, "intruded", 1, timeout=60)[1]
+        # the intruder has left: the group is not stuck
+        for i in range(n, 2 * n):
+            queue.put_tasks(i, timeout=30)
+        took = collect(results, "took_n", 2, timeout=60)
+        assert took[0] == took[1] == list(range(2 * n))
+        assert [r["state"] for r in queue.ranks()] == ["connected"] * 2
+        assert queue.group_events.empty()
+    assert not intruded["welcomed"] and intruded["data"] == 0, intruded
+    assert set(intruded["errors"]) <= {codec.E_PLACE_TAKEN, codec.E_GROUP_BUSY}, intruded
+    status = intruded["status"].decode()
+    for rank in range(2):
+        pid, worker, incarnation = ready[rank]
+        assert f"{worker:016x}" not in status and f"{worker:x}" not in status
+        assert f"{incarnation:016x}" not in status and f"{incarnation:x}" not in status
+    collect(results, "raised", 2, timeout=30)  # EngineClosedError at close
+
+
+def test_a_key_removed_from_the_allowlist_is_refused_within_seconds(name, keys, tmp_path):
+    """Revoking a worker key is deleting its file from allowed_clients/: new connections
+    with it are refused within seconds, without restarting the engine (and a key copied in
+    is admitted the same way). Connections are new ones each time (query_status)."""
+    from fastdeploy_sync.auth import ALLOWLIST_DIR, CLIENT_PUBLIC
+    from fastdeploy_sync.engine import query_status
+
+    extra = create_keys(tmp_path / "extra")["dir"]
+    worker_dir = tmp_path / "extra-worker"
+    worker_dir.mkdir(mode=0o700)
+    shutil.copy(os.path.join(keys["engine"], SERVER_PUBLIC), worker_dir / SERVER_PUBLIC)
+    shutil.copy(os.path.join(extra, CLIENT_SECRET), worker_dir / CLIENT_SECRET)
+    os.chmod(worker_dir / CLIENT_SECRET, 0o600)
+    admitted = os.path.join(keys["engine"], ALLOWLIST_DIR, "extra.key")
+
+    def answered():
+        try:
+            query_status(endpoint, keys_dir=str(worker_dir), timeout=0.5)
+        except TimeoutError:
+            return False
+        return True
+
+    with TaskQueue(name, 1, endpoint=_tcp(), keys_dir=keys["engine"], heartbeat=HB) as queue:
+        endpoint = queue.endpoint
+        assert not answered()  # not on the allowlist
+        shutil.copy(os.path.join(extra, CLIENT_PUBLIC), admitted)
+        start = time.monotonic()
+        assert wait_until(answered, timeout=15), "a key copied into the allowlist was not admitted"
+        print(f"admitted after {time.monotonic() - start:.2f} s")
+        os.unlink(admitted)
+        start = time.monotonic()
+        assert wait_until(lambda: not answered(), timeout=15), \
+            "a key removed from the allowlist was still admitted"
+        print(f"refused after {time.monotonic() - start:.2f} s")
+        for _ in range(3):
+            assert not answered()
+        query_status(endpoint, keys_dir=keys["worker"], timeout=5)  # the others still work

@@ -1,0 +1,339 @@
+"""Peers of the engine spoken at the wire level (raw ZeroMQ sockets), for tests of the
+engine alone: a rank that says exactly what a test wants (HELLO, PING, ACK, BYE) and
+reports what it receives, an intruder, flooders. Real sockets, in this process or in a
+child (module-level functions, so that spawn can import them).
+"""
+
+import os
+import secrets
+import signal
+import time
+
+import zmq
+
+from fastdeploy_sync import codec
+
+
+class RawRank:
+    """One rank of a worker group, as bytes on a DEALER socket.
+
+    ``group``/``worker``: the ids it claims (fresh random ones by default). ``curve``:
+    ``(server_public, public, secret)`` for a tcp engine with keys. It binds to the engine
+    that WELCOMEs it (``engine``), as a TaskClient does."""
+
+    def __init__(self, endpoint, name, tp_size, rank, *, group=None, worker=None, ctx=None,
+                 curve=None):
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = curve
+        self.sock.connect(endpoint)
+        self.name, self.tp_size, self.rank = name, tp_size, rank
+        self.group = group or (secrets.randbits(63) | 1)
+        self.worker = worker or (secrets.randbits(63) | 1)
+        self.engine = 0
+        self.epoch = None
+
+    def _header(self, kind, seq=0, aux=0):
+        return codec.pack_header(kind, self.rank, self.tp_size, seq=seq, aux=aux,
+                                 engine=self.engine, group=self.group, worker=self.worker)
+
+    def hello(self, first_missing=1, taken=0):
+        self.sock.send_multipart([self._header(codec.HELLO, seq=first_missing, aux=taken),
+                                  self.name.encode()])
+
+    def ping(self):
+        self.sock.send(self._header(codec.PING))
+
+    def ack(self, seq):
+        self.sock.send(self._header(codec.ACK, seq=seq))
+
+    def bye(self, taken):
+        self.sock.send(self._header(codec.BYE, seq=taken))
+
+    def status(self):
+        self.sock.send(codec.pack_header(codec.STATUS))
+
+    def recv(self, timeout=5.0):
+        """The next message as ``(Header, [payload frames])``, or None after ``timeout``."""
+        if not self.sock.poll(timeout * 1000):
+            return None
+        frames = self.sock.recv_multipart()
+        header = codec.unpack_header(frames[0])
+        if header.kind == codec.WELCOME and self.engine == 0:
+            self.engine, self.epoch = header.engine, header.aux
+        return header, frames[1:]
+
+    def expect(self, kind, timeout=5.0, skip=(codec.PONG,)):
+        """Receive until a message of ``kind``; fail on anything else but ``skip``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise AssertionError(f"rank {self.rank}: no message of kind {kind} within "
+                                     f"{timeout} s")
+            header, frames = got
+            if header.kind == kind:
+                return header, frames
+            if header.kind not in skip:
+                raise AssertionError(f"rank {self.rank}: expected kind {kind}, got {header!r} "
+                                     f"{frames[:1]!r}")
+
+    def join(self, timeout=5.0):
+        """HELLO and wait for the WELCOME; returns self."""
+        self.hello()
+        self.expect(codec.WELCOME, timeout)
+        return self
+
+    def close(self):
+        self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def raw_rank_process(out, rank, endpoint, name, tp_size, group, seconds, ping_every=0.2,
+                     take=True):
+    """A child process: one rank that joins, pings every ``ping_every`` s, acknowledges
+    (``take``) every batch it receives, reports ("joined", rank, pid) and
+    ("received", rank, [seqs]) every time a batch arrives, until killed or ``seconds``
+    pass (then it reports ("done", rank, [seqs]))."""
+    peer = RawRank(endpoint, name, tp_size, rank, group=group)
+    peer.join(timeout=30)
+    out.put(("joined", rank, os.getpid()))
+    seqs = []
+    deadline = time.monotonic() + seconds
+    next_ping = time.monotonic()
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if now >= next_ping:
+            peer.ping()
+            next_ping = now + ping_every
+        got = peer.recv(min(ping_every, max(0.0, deadline - now)))
+        if got is None:
+            continue
+        header, _ = got
+        if header.kind == codec.DATA:
+            seqs.append(header.seq)
+            if take:
+                peer.ack(header.seq)
+            out.put(("received", rank, list(seqs)))
+        elif header.kind in (codec.ERROR, codec.CLOSE):
+            out.put(("ended", rank, (header.kind, header.aux, list(seqs))))
+            peer.close()
+            return
+    out.put(("done", rank, list(seqs)))
+    peer.close()
+
+
+def suicide(delay):
+    """Kill the calling process with SIGKILL after ``delay`` seconds (a peer that dies
+    mid-conversation, with no chance to say anything)."""
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def curve_keys(keys_dir):
+    """``(server_public, public, secret)`` from a worker key directory."""
+    import zmq.auth
+
+    from fastdeploy_sync.auth import CLIENT_SECRET, SERVER_PUBLIC
+
+    server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, SERVER_PUBLIC))
+    public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, CLIENT_SECRET))
+    return server_public, public, secret
+
+
+def intruder_process(out, rank, endpoint, name, tp_size, keys_dir, listen_s):
+    """A process holding the worker key that tries to take ``rank``'s place in the live
+    group: it asks the engine for its status, claims the rank with every id the status
+    shows (read as hex numbers), and listens ``listen_s`` seconds. Reports
+    ("intruded", rank, {"status": the raw reply, "welcomed": bool, "data": batches
+    received, "errors": [error codes]}), then leaves."""
+    import json
+
+    ctx = zmq.Context()
+    try:
+        curve = curve_keys(keys_dir)
+        asker = RawRank(endpoint, name, tp_size, rank, ctx=ctx, curve=curve)
+        asker.status()
+        header, frames = asker.expect(codec.STATUS_REPLY, timeout=30)
+        raw_status = frames[0]
+        status = json.loads(raw_status)
+
+        def as_id(text):
+            try:
+                return int(text, 16)
+            except (TypeError, ValueError):
+                return None
+
+        group = as_id(status.get("group")) or 1
+        claims = [as_id(r.get("worker")) for r in status["ranks"]] + [None]
+        welcomed, data, errors = False, 0, []
+        for worker in claims:
+            claimant = RawRank(endpoint, name, tp_size, rank, group=group, worker=worker,
+                               ctx=ctx, curve=curve)
+            # claim to hold what the rank holds, as the rank itself would on a reconnect
+            consumed = status["ranks"][rank]["consumed"]
+            claimant.hello(first_missing=consumed + 1, taken=consumed)
+            deadline = time.monotonic() + listen_s
+            while time.monotonic() < deadline:
+                got = claimant.recv(max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    break
+                h, _ = got
+                if h.kind == codec.WELCOME:
+                    welcomed = True
+                elif h.kind == codec.DATA:
+                    data += 1
+                elif h.kind == codec.ERROR:
+                    errors.append(h.aux)
+                    break
+            claimant.close()
+        out.put(("intruded", rank, {"status": raw_status, "welcomed": welcomed, "data": data,
+                                    "errors": errors}))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def hold_gil(seconds):
+    """Hold the GIL for about ``seconds`` (at least, on a loaded machine): one C call that
+    never returns to the interpreter loop, so no other thread of the process runs Python
+    meanwhile (a long numpy or compile step, a weight load)."""
+    unit = float("inf")
+    for _ in range(3):  # the fastest of three: a hold is then at least as long as asked
+        start = time.perf_counter()
+        sum(range(1_000_000))
+        unit = min(unit, time.perf_counter() - start)
+    sum(range(int(1_000_000 * seconds / max(unit, 1e-4))))
+
+
+def gil_holding_rank(out, rank, name, tp, n, hold_s, hold_after, heartbeat):
+    """A TaskClient rank (async) that steps until it took ``n`` batches; once it took
+    ``hold_after``, its main thread holds the GIL for ``hold_s`` seconds (reported as
+    ("holding", rank, None) before and ("held", rank, seconds) after). Reports
+    ("taken", rank, [batches]) or ("raised", rank, repr)."""
+    from fastdeploy_sync import Heartbeat, TaskClient
+
+    got = []
+    try:
+        with TaskClient(name, tp, rank, async_prefetch=True,
+                        heartbeat=Heartbeat(*heartbeat)) as client:
+            out.put(("ready", rank, os.getpid()))
+            deadline = time.monotonic() + 60 + hold_s
+            held = False
+            while len(got) < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank}: took {len(got)}/{n}")
+                got.extend(client.sync_step(timeout=30 + hold_s))
+                if hold_s and not held and len(got) >= hold_after:
+                    held = True
+                    out.put(("holding", rank, None))
+                    start = time.monotonic()
+                    hold_gil(hold_s)
+                    out.put(("held", rank, time.monotonic() - start))
+                time.sleep(0.001)
+            out.put(("taken", rank, got))
+    except Exception as exc:
+        out.put(("raised", rank, f"{exc!r} (cause {exc.__cause__!r}); took {got}"))
+
+
+# -- floods from inside the trust boundary -----------------------------------------------
+
+
+def _flood(sock, messages, seconds, out, tag):
+    """Send ``messages`` round-robin on ``sock`` as fast as it will take them, without
+    ever reading, for ``seconds``; report (tag, 0, messages sent)."""
+    out.put((tag + "_started", 0, os.getpid()))
+    sent = 0
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        for _ in range(64):
+            try:
+                sock.send_multipart(messages[i % len(messages)], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:  # the engine reads no faster: this is all the flood can do
+                pass
+            i += 1
+    out.put((tag, 0, sent))
+
+
+def producer_endpoint_flooder(out, rank, endpoint, seconds):
+    """A same-user process on the queue's producer endpoint: QUERY, STATUS and garbage as
+    fast as it can, never reading the replies."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        messages = [[codec.pack_header(codec.QUERY, seq=7)], [codec.pack_header(codec.STATUS)],
+                    [os.urandom(40)], [b"FDSY" + os.urandom(56), b"x"]]
+        _flood(sock, messages, seconds, out, "flooded")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def worker_key_flooder(out, rank, endpoint, name, tp_size, keys_dir, seconds):
+    """A worker-key holder over tcp: stale PINGs (another engine's, no group's) and HELLOs
+    of ever new groups, as fast as it can, never reading the replies."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve_keys(keys_dir)
+        sock.connect(endpoint)
+        messages = []
+        for i in range(256):
+            ids = dict(group=secrets.randbits(63) | 1, worker=secrets.randbits(63) | 1)
+            messages.append([codec.pack_header(codec.PING, i % tp_size, tp_size,
+                                               engine=secrets.randbits(63) | 1, **ids)])
+            messages.append([codec.pack_header(codec.PING, i % tp_size, tp_size, **ids)])
+            messages.append([codec.pack_header(codec.HELLO, i % tp_size, tp_size, seq=1, **ids),
+                             name.encode()])
+        _flood(sock, messages, seconds, out, "flooded")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def put_and_die(out, rank, endpoint, count, mib):
+    """A producer that sends ``count`` PUTs of ``mib`` MiB each (well-formed, waiting for
+    room forever) without waiting for replies, reports ("sent", rank, pid), then waits to
+    be killed."""
+    import numpy as np
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    frames = codec.encode_payload(("flood", rank, np.zeros(mib << 17, dtype=np.int64)))
+    check = codec.payload_checksum(frames)
+    for request in range(1, count + 1):
+        sock.send_multipart([codec.pack_header(codec.PUT, seq=request, aux=2**62, check=check),
+                             *frames])
+    out.put(("sent", rank, os.getpid()))
+    time.sleep(600)
+
+
+class PeakRSS:
+    """This process's peak resident memory above where it stood at ``start()`` (Linux:
+    the peak is reset through /proc/self/clear_refs)."""
+
+    def start(self):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = self._kib("VmRSS")
+        return self
+
+    def growth_mib(self) -> float:
+        return (self._kib("VmHWM") - self.base) / 1024
+
+    @staticmethod
+    def _kib(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"no {field} in /proc/self/status")

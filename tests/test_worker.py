@@ -56,11 +56,17 @@ def test_a_batch_that_does_not_decode_fails_loudly(name, procs, results, async_p
 def test_idle_worker_burns_no_cpu(name, procs, results):
     """The prefetch thread blocks in poll (GIL released): no busy loop. Robust bound: the
     thread itself is expected at ~0 ticks; 5 % of a core would already be a spinning bug."""
+    from conftest import SPAWN
+
     seconds = 2.0
+    leave = SPAWN.Event()
     with TaskQueue(name, 2):
         for rank in range(2):
-            procs(idle_rank, results, rank, name, 2, seconds)
-        cpu = collect(results, "cpu", 2)
+            procs(idle_rank, results, rank, name, 2, seconds, leave)
+        try:
+            cpu = collect(results, "cpu", 2)
+        finally:
+            leave.set()
     for rank, (thread_s, process_s, wall_s) in cpu.items():
         assert thread_s <= 0.05 * wall_s, f"rank {rank} prefetch thread used {thread_s}s"
         assert process_s <= 0.05 * wall_s, f"rank {rank} process used {process_s}s"

@@ -123,14 +123,19 @@ def failing_prefetch_rank(out, rank, name, tp, async_prefetch, leave=None):
 
 
 @_report_errors
-def idle_rank(out, rank, name, tp, seconds):
-    """Build a client, stay idle, report the prefetch thread's and process's CPU seconds."""
+def idle_rank(out, rank, name, tp, seconds, leave=None):
+    """Build a client, stay idle, report the prefetch thread's and process's CPU seconds.
+    With ``leave`` (an Event), close only once it is set: a rank that closes first says
+    BYE, and the engine then retires the group (its peers' threads stop)."""
     with TaskClient(name, tp, rank, async_prefetch=True) as client:
         time.sleep(0.3)  # let start-up settle
         t0, p0, w0 = client.prefetch_cpu_seconds(), time.process_time(), time.monotonic()
         time.sleep(seconds)
-        out.put(("cpu", rank, (client.prefetch_cpu_seconds() - t0, time.process_time() - p0,
-                               time.monotonic() - w0)))
+        t1 = client.prefetch_cpu_seconds()
+        assert t1 is not None, f"the prefetch thread stopped: {client._error!r}"
+        out.put(("cpu", rank, (t1 - t0, time.process_time() - p0, time.monotonic() - w0)))
+        if leave is not None:
+            leave.wait(30)
 
 
 @_report_errors
@@ -392,9 +397,11 @@ def construct_and_exit(out, name):
 
 
 @_report_errors
-def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=FAST_HEARTBEAT):
+def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=FAST_HEARTBEAT,
+                      leave=None):
     """Build the client, make no step call for ``idle_s`` (a model loading), then take
-    ``n`` batches and report them."""
+    ``n`` batches and report them. With ``leave`` (an Event), close only once it is set (a
+    rank that closes says BYE, and the engine retires its group)."""
     from fastdeploy_sync import Heartbeat
 
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch,
@@ -409,6 +416,8 @@ def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=
             got.extend(client.sync_step(timeout=10))
             time.sleep(0.001)
         out.put(("taken", rank, got))
+        if leave is not None:
+            leave.wait(30)
 
 
 # -- rebuilds: a worker process that builds its client again ------------------------------

@@ -20,6 +20,12 @@ so that a rank writing its own watermarks never invalidates another rank's line)
                           before ARRIVED): how late a partner was, exactly, even for a rank
                           that was asleep when it came
     decisions   a ring of DECISION_RING entries (GEN, FROM, TO), written by rank 0 only
+    engines     one slot per rank: the engine instance that welcomed it (0: none yet),
+                written before its first RECEIVED; rank 0 latches a decision only when
+                every rank's engine is its own (``engine_split``): seqs are an engine's,
+                and a group whose ranks were welcomed by different engines (a restart
+                that raced with the group's start, or ranks given different endpoints)
+                would take different batches under the same seqs
 
 The step protocol (the invariant: every rank takes the same batches at the same step):
   * rank 0's ``exist_tasks()`` reads every rank's RECEIVED; if the minimum is past what
@@ -112,8 +118,8 @@ __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name", "rank_lock", "remove_if_
 log = logging.getLogger(__name__)
 
 
-MAGIC = 0x46445359_4E430001  # "FDSYNC", layout 1
-VERSION = 1
+MAGIC = 0x46445359_4E430002  # "FDSYNC", layout 2 (engines area)
+VERSION = 2
 H_MAGIC, H_VERSION, H_TP_SIZE, H_OWNER_PID, H_READY, H_INCARNATION = range(6)
 RANK_BASE = 8
 RANK_STRIDE = 8  # 64 bytes: one cache line per rank
@@ -203,7 +209,7 @@ def group_shm_name(name: str, dp_id: int) -> str:
 
 
 def _layout_slots(tp_size: int) -> int:
-    return RANK_BASE + tp_size * RANK_STRIDE + DECISION_RING * D_STRIDE
+    return RANK_BASE + tp_size * RANK_STRIDE + DECISION_RING * D_STRIDE + tp_size
 
 
 def remove_if_stale(name: str, dp_id: int) -> bool:
@@ -285,6 +291,12 @@ class SoloGroup:
 
     def latch(self, gen, from_seq, to_seq):
         self._decision = (from_seq, to_seq)
+
+    def publish_engine(self, engine):
+        pass
+
+    def engine_split(self, engine):
+        return None
 
     def decision(self, gen):
         return self._decision
@@ -375,6 +387,8 @@ class ShmTPGroup:
         self._spin_ns = int(self._spin_s * 1e9)
         self._cheap_ns = int(min(_CHEAP_SPIN_US * 1e3, self._spin_ns))
         self._decision_base = RANK_BASE + tp_size * RANK_STRIDE
+        self._engine_slots = [self._decision_base + DECISION_RING * D_STRIDE + r
+                              for r in range(tp_size)]
         self._waiting_gen = 0  # the generation a barrier wait of this rank is for, else 0
         self._closed = False
         # Threads inside a semaphore wait of this object, and whether close() began; both
@@ -622,6 +636,19 @@ class ShmTPGroup:
         return [self._view[s] for s in self._received_slots]
 
     # -- decisions -----------------------------------------------------------------------
+
+    def publish_engine(self, engine: int) -> None:
+        """This rank was welcomed by engine instance ``engine`` (before it publishes any
+        RECEIVED: a rank that holds a batch has its engine written)."""
+        self._view[self._engine_slots[self.tp_rank]] = engine
+
+    def engine_split(self, engine: int):
+        """Rank 0, before latching: ``[(rank, its engine), ...]`` for the ranks welcomed by
+        another engine instance than ``engine`` (rank 0's), or None when every rank that
+        was welcomed at all has ``engine``. Reads ``tp_size`` slots."""
+        v = self._view
+        split = [(r, v[s]) for r, s in enumerate(self._engine_slots) if v[s] and v[s] != engine]
+        return split or None
 
     def latch(self, gen: int, from_seq: int, to_seq: int) -> None:
         """Rank 0: the barrier of generation ``gen`` releases a step that takes (from, to]."""

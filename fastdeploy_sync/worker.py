@@ -271,6 +271,9 @@ class TaskClient:
         self.incarnation = self._group.incarnation
         self._missing_fault = getattr(self._group, "missing_fault", self._group.peer_fault)
         self._local_group = isinstance(self._group, (ShmTPGroup, SoloGroup))
+        # rank 0 checks, before latching, that every rank was welcomed by its engine
+        self._engine_split = getattr(self._group, "engine_split", None)
+        self._publish_engine = getattr(self._group, "publish_engine", None)
         self._own_fault = False  # this rank published its failure to the group
         self._ctx = zmq.Context(io_threads=1)
         self._hb_sock = self._hb_monitor = None
@@ -345,9 +348,25 @@ class TaskClient:
         if upto <= taken:
             return False
         if self.tp_rank == 0:
+            if self._engine_split is not None and self._engine_split(self._engine_instance):
+                self._split_group()  # raises
             index = self._calls + 1 if self.external_barrier else self._group.gen + 1
             self._group.latch(index, taken, upto)
         return True
+
+    def _split_group(self):
+        """Rank 0 found ranks of its group welcomed by another engine instance: seqs are an
+        engine's, so the ranks would take different batches under the same numbers. The
+        group stops here (its peers raise the same error from their barrier)."""
+        split = self._engine_split(self._engine_instance)
+        others = ", ".join(f"rank {r}: {e:#x}" for r, e in split)
+        self._error = EngineGoneError(
+            f"rank {self.tp_rank} of {self.name!r}: the ranks of this group were welcomed by "
+            f"different engine instances (this rank: {self._engine_instance:#x} at "
+            f"{self.endpoint}; {others}): an engine restarted while the group started, or "
+            f"the ranks were given different endpoints; nothing was taken. Restart the "
+            f"worker group, every rank with the same endpoint")
+        self._raise_error()
 
     def wait_for_tasks(self, timeout: float) -> bool:
         """Rank 0's idle wait: block until ``exist_tasks()`` would return True, then latch
@@ -917,6 +936,8 @@ class TaskClient:
         elif kind == codec.PONG:
             self._counters["pongs"] += 1
         elif kind == codec.WELCOME:
+            if self._publish_engine is not None and not self._bound:
+                self._publish_engine(header.engine)  # before any batch is published
             self._epoch_tag = header.aux << EPOCH_SHIFT
             if self._board_wanted:
                 self._board_wanted = False

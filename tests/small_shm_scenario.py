@@ -43,7 +43,9 @@ def digest(tasks):
             xxhash.xxh3_64_hexdigest(requests[1]["ids"].tobytes())]
 
 
-def rank_main(name, rank, n, out):
+def rank_main(name, rank, n, out, leave):
+    """Take ``n`` batches; close only once ``leave`` is set (a rank that closes says BYE,
+    and the engine retires the group and its pool: the counters are read first)."""
     from fastdeploy_sync import TaskClient
 
     try:
@@ -59,6 +61,7 @@ def rank_main(name, rank, n, out):
                     got.append(digest(tasks.pop(0)))
                 time.sleep(0.001)
             out.put(("took", rank, got))
+            leave.wait(60)
     except BaseException as exc:
         out.put(("error", rank, f"{exc!r}\n{traceback.format_exc()}"))
 
@@ -104,11 +107,13 @@ def main(scenario, name):
         raise SystemExit(f"unknown scenario {scenario}")
     batches = [step for step in plan if isinstance(step, tuple)]
     out = SPAWN.Queue()
+    leave = SPAWN.Event()
     result = {"scenario": scenario, "shm_size_mib": os.statvfs("/dev/shm").f_blocks
               * os.statvfs("/dev/shm").f_frsize // MiB, "error": None}
     filler = None
     with TaskQueue(name, TP, max_inflight=2) as queue:
-        procs = [SPAWN.Process(target=rank_main, args=(name, r, len(batches), out), daemon=True)
+        procs = [SPAWN.Process(target=rank_main, args=(name, r, len(batches), out, leave),
+                               daemon=True)
                  for r in range(TP)]
         for p in procs:
             p.start()
@@ -145,6 +150,7 @@ def main(scenario, name):
         finally:
             stats = queue.stats()
             result["stats"] = {k: v for k, v in stats.items() if k.startswith("shm_")}
+            leave.set()
             if filler:
                 os.unlink(filler)
     for p in procs:

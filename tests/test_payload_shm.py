@@ -16,6 +16,7 @@ import xxhash
 
 from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue, codec, payload_shm
 
+from conftest import SPAWN
 from workers import _report_errors, collect, wait_until
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
@@ -86,11 +87,15 @@ def _take_described(client, n, deadline_s=60.0, hold=()):
 
 
 @_report_errors
-def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None):
+def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None, leave=None):
+    """With ``leave`` (an Event), close only once it is set: a rank that closes says BYE
+    and the engine retires the group, and its pool with it."""
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint) as client:
         out.put(("ready", rank, None))
         got, _ = _take_described(client, n)
         out.put(("taken", rank, (got, client.stats().get("shared_batches", 0))))
+        if leave is not None:
+            leave.wait(30)
 
 
 @pytest.mark.parametrize("tp,async_prefetch", [(2, True), (2, False), (4, True), (4, False)],
@@ -99,16 +104,20 @@ def test_batches_above_and_below_the_threshold_arrive_identical(name, procs, res
                                                                  small_threshold, tp,
                                                                  async_prefetch):
     n = 8
+    leave = SPAWN.Event()  # the ranks stay in the group until the pool was looked at
     with TaskQueue(name, tp, max_inflight=n) as queue:
         for rank in range(tp):
-            procs(take_and_describe, results, rank, name, tp, n, async_prefetch)
-        for i in range(n):
-            queue.put_tasks(make_batch(i), timeout=30)
-        taken = collect(results, "taken", tp)
-        assert wait_until(lambda: queue.num_tasks() == 0, 10)
-        # one pool for the group, no segment of their own: every shared batch fit in it
-        assert len(pool_names(name)) == 1 and segment_names(name) == []
-        assert shm_stats(queue)["shm_pool_batches"] == n // 2
+            procs(take_and_describe, results, rank, name, tp, n, async_prefetch, leave=leave)
+        try:
+            for i in range(n):
+                queue.put_tasks(make_batch(i), timeout=30)
+            taken = collect(results, "taken", tp)
+            assert wait_until(lambda: queue.num_tasks() == 0, 10)
+            # one pool for the group, no segment of their own: every shared batch fit in it
+            assert len(pool_names(name)) == 1 and segment_names(name) == []
+            assert shm_stats(queue)["shm_pool_batches"] == n // 2
+        finally:
+            leave.set()
     for rank, (batches, shared) in taken.items():
         assert batches == [expected(i) for i in range(n)], f"rank {rank}"
         assert shared == n // 2, f"rank {rank} mapped {shared} shared batches"

@@ -40,3 +40,30 @@ def test_rebuild_storm_keeps_every_rank_identical(name, procs, results, async_pr
     problems = check_lives(lives_by_rank)
     assert not problems, "\n".join(problems[:10]) + f"\nerrors: {errors}"
     assert not any("ProtocolError" in e for err in errors.values() for e in err), errors
+
+
+@pytest.mark.usefixtures("loopback_tcp")
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_a_group_split_across_engine_instances_takes_nothing(name, procs, results,
+                                                             async_prefetch):
+    """The ranks of one group welcomed by two different engines (a restart racing with the
+    group's start, seen in the storm above: rank 0 bound to the old engine and rank 1 to
+    the new one took different batches under the same seqs; here, deterministically, two
+    live engines): seqs are an engine's, so rank 0 must not latch, and every rank stops."""
+    from fastdeploy_sync import TaskQueue
+
+    from workers import step_until_error_rank
+
+    with TaskQueue(name, 2, endpoint="tcp://127.0.0.1:0") as first, \
+            TaskQueue(name, 2, dp_id=1, endpoint="tcp://127.0.0.1:0") as second:
+        for rank, engine in enumerate((first, second)):
+            procs(step_until_error_rank, results, rank, name, 2, async_prefetch,
+                  engine.endpoint, report_after=1)
+        collect(results, "ready", 2)
+        first.put_tasks("from the first engine", timeout=10)
+        second.put_tasks("from the second engine", timeout=10)
+        raised = collect(results, "raised", 2, timeout=30)
+    for rank in range(2):
+        assert raised[rank]["taken"] == [], raised
+        assert raised[rank]["cause"] == "EngineGoneError", raised[rank]
+    assert "welcomed by different engine instances" in raised[0]["message"], raised[0]

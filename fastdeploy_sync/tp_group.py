@@ -49,26 +49,28 @@ but ~30 µs of wake-up. Which one pays depends on what the loop does between bar
 the barrier asks the loop's recent history, not the queue:
 
   * is the loop busy? The share of the wall time since this rank last asked that its
-    thread wanted a CPU: ran on one (``time.thread_time_ns``, ~0.5 µs), or, when that is
-    short of busy, waited in the run queue for one (a thread preempted on a loaded machine
-    is still busy; one that sleeps is not: its ``/proc/.../schedstat``, ~0.8 µs more). Asked
-    only on the waiting path, after a first 2 µs of spinning, and at most once per
-    ``_BUSY_SPAN_NS``, so ranks that arrive together never pay it.
-    A decode loop computes between barriers (measured here: 0.99 of the time, Python
-    step); an idle loop sleeps (FastDeploy's 1 ms loop: 0.01-0.02). Busy means at least
-    ``_BUSY_SHARE``. Whether a batch is in flight says nothing about it: a decode loop
-    runs for many steps without a new batch.
+    thread wanted a CPU: ran on one (``time.thread_time_ns``, ~0.5 µs), or, when that
+    share is between 0.1 and 0.5, also waited in the run queue for one (a thread preempted
+    on a loaded machine is still busy; one that sleeps is not: its ``/proc/.../schedstat``,
+    ~0.8 µs more). A decode loop computes between barriers (measured here: 0.99 of the
+    time, Python step); an idle loop sleeps (FastDeploy's 1 ms loop: 0.01-0.02). Busy
+    means at least ``_BUSY_SHARE``. Whether a batch is in flight says nothing about it: a
+    decode loop runs for many steps without a new batch. It is asked only on the waiting
+    path, after a first 2 µs of spinning (ranks that arrive together never pay it), at
+    most once per ``_BUSY_SPAN_NS`` while busy and once per ``_REASK_NS`` (10 ms) while
+    idle (each question is a tax on an idle iteration; a loop that becomes busy is
+    recognised within 10 ms).
   * how late were the partners? Each rank remembers how late they were at its last two
     barriers (from their ARRIVED_AT, exact even when it slept; 0 when it came last).
 
 A busy loop spins the full window, then blocks: a barrier that blocks wakes its rank tens
 of µs after the last arrival, and in a busy loop that skew is carried into the next
 barrier, where it costs again (measured: always spinning the window halved a late rank's
-next wait against blocking at once after late partners). An idle loop spins only
+next wait against blocking at once after late partners). While it waits it also lets the
+worker receive what its prefetch thread has not (``on_wait``). An idle loop spins only
 ``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only when the partners came
-within that at both of the last two barriers; otherwise it blocks at once: there the
-skew meets a 1 ms sleep, not a waiting partner. No flag: a loop that goes from
-idle to busy spins from its first wait after the change of pace.
+within that at both of the last two barriers; otherwise it blocks at once, without
+spinning or asking: there the skew meets a 1 ms sleep, not a waiting partner.
 
 The creator (rank 0) owns the names: it creates the segment and one POSIX semaphore per
 rank, unlinks them at close, and reclaims leftovers of a crashed run on start. Who is alive
@@ -161,6 +163,13 @@ _FIRST_SPIN_S = 2e-6
 # last question; spans shorter than _BUSY_SPAN_NS keep the last answer (a tight loop).
 _BUSY_SHARE = 0.5
 _BUSY_SPAN_NS = 200_000
+# Below this share the thread slept (an idle loop's is 0.01-0.02): the run-queue wait,
+# which only a loaded machine makes large, is not worth reading.
+_SLEPT_SHARE = 0.1
+# An idle loop asks whether it is still idle at most this often (and one whose partners
+# came later than the cheap spin blocks at once, without spinning, until then), so that a
+# loop that became busy is recognised within this long.
+_REASK_NS = 10_000_000
 
 
 class _RunQueueWait:
@@ -766,17 +775,23 @@ class ShmTPGroup:
 
     def _loop_busy(self, now_ns: int) -> bool:
         """Did this rank's thread want a CPU at least ``_BUSY_SHARE`` of the time since the
-        last answer? A span shorter than ``_BUSY_SPAN_NS`` keeps the last answer."""
+        last answer? A busy loop asks at most once per ``_BUSY_SPAN_NS`` (it is waiting
+        anyway), an idle one once per ``_REASK_NS``; in between the last answer stands."""
         span = now_ns - self._wall_at
-        if span < _BUSY_SPAN_NS:
+        if span < (_BUSY_SPAN_NS if self._busy else _REASK_NS):
             return self._busy
         cpu = time.thread_time_ns()
         wanted = cpu - self._cpu_at
-        if wanted < _BUSY_SHARE * span:
+        if _SLEPT_SHARE * span <= wanted < _BUSY_SHARE * span:
             # short of CPU: on a loaded machine it may have been preempted, which is busy
+            # (the run-queue clock is read only here: after a span that did not read it,
+            # its delta would cover more than this span, so this span counts CPU alone)
             runq = self._runq.read()
-            wanted += runq - self._runq_at
+            if self._runq_at is not None:
+                wanted += runq - self._runq_at
             self._runq_at = runq
+        else:
+            self._runq_at = None
         self._busy = wanted >= _BUSY_SHARE * span
         self._cpu_at, self._wall_at = cpu, now_ns
         return self._busy
@@ -793,18 +808,25 @@ class ShmTPGroup:
 
     def _wait(self, gen, timeout, service, check, arrived_at, on_wait=None):
         start = now = time.perf_counter()
-        spin_end = now + _FIRST_SPIN_S
-        while now < spin_end:  # partners arriving with us: released without the question
-            if self._all_arrived(gen):
-                return
-            now = time.perf_counter()
-        if on_wait is not None:
-            on_wait()
-        spin_end = start + self._spin_budget_s(arrived_at)
-        while now < spin_end:
-            if self._all_arrived(gen):
-                return
-            now = time.perf_counter()
+        if (self._busy or max(self._late_prev, self._late_last) <= self._cheap_ns
+                or arrived_at - self._wall_at >= _REASK_NS):
+            # it may spin: spin briefly first (partners arriving with us are released
+            # without the question), then ask how long
+            spin_end = now + _FIRST_SPIN_S
+            while now < spin_end:
+                if self._all_arrived(gen):
+                    return
+                now = time.perf_counter()
+            budget = self._spin_budget_s(arrived_at)
+            if budget >= self._spin_s and on_wait is not None:
+                on_wait()  # a busy loop: use the wait (an idle one sleeps: nothing starves)
+            spin_end = start + budget
+            while now < spin_end:
+                if self._all_arrived(gen):
+                    return
+                now = time.perf_counter()
+        # else an idle loop whose partners came late: block at once (what spinning or
+        # asking would cost it is a tax on every idle iteration)
         deadline = None if timeout is None else start + timeout
         sem = self._sems[self.tp_rank]
         wait_s = 0.0005 if service is not None else _FALLBACK_WAIT_S

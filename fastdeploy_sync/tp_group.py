@@ -280,6 +280,9 @@ class SoloGroup:
     def min_received(self):
         return self._received
 
+    def peers_ahead(self, seq):
+        return True  # no peers to compare with: the caller asks its socket
+
     def wait_received(self, seq, timeout, check=None):
         """Block until this rank holds ``seq`` (True) or ``timeout`` seconds pass (False).
         GIL released while blocked. ``check`` runs after every ``wake()``; whatever it
@@ -549,6 +552,15 @@ class ShmTPGroup:
     def min_received(self) -> int:
         v = self._view
         return min([v[s] for s in self._received_slots])
+
+    def peers_ahead(self, seq: int) -> bool:
+        """True if another rank holds more than ``seq`` (this rank's own receipt lags: its
+        receiver has not handled a batch that reached the node). ``tp_size`` reads."""
+        v = self._view
+        for s in self._received_slots:
+            if v[s] > seq:
+                return True
+        return False
 
     def wait_received(self, seq: int, timeout: float, check=None) -> bool:
         """Rank 0: block until every rank holds ``seq`` (``min_received() >= seq``: True),

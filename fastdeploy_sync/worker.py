@@ -73,8 +73,8 @@ from .liveness import Heartbeat
 from .logs import RateLimitedLog
 from .step_profiler import StepProfiler
 from .tp_group import FAULT_LEFT, ShmTPGroup, SoloGroup
-from .transport import (CLIENT_FDS, WakePipe, check_ipc_endpoint, default_endpoint,
-                        ensure_free_fds, ipc_path, new_socket, validate_name)
+from .transport import (CLIENT_FDS, ReadinessPoll, WakePipe, check_ipc_endpoint,
+                        default_endpoint, ensure_free_fds, ipc_path, new_socket, validate_name)
 
 __all__ = ["TaskClient"]
 
@@ -114,11 +114,6 @@ _BYE_LINGER_MS = 200
 # How long close() waits for a step call in another thread to let go of a socket before it
 # keeps the sockets (leaks them until exit) rather than closing them under that thread.
 _CLOSE_WAIT_S = 2.0
-# The event loop receives in barrier() (async mode) when its prefetch thread is behind: on
-# every barrier for this long after it last found frames the thread had not handled, else on
-# every _DRAIN_PROBE_EVERY-th barrier and whenever it waits anyway (see _drain).
-_STARVED_S = 0.1
-_DRAIN_PROBE_EVERY = 16
 # Socket-monitor events a worker watches: connection up and down, and handshakes.
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
@@ -294,14 +289,14 @@ class TaskClient:
             self._group.close()
             raise
         self._started = time.monotonic()
-        # The event loop's own poll of the sockets' descriptors (see _drain); _drain_in counts
-        # barriers down to the next look, _starved_until says until when to look every time.
-        self._drain_poll = select.poll()
-        for sock in (self._data, self._monitor):
-            self._drain_poll.register(sock.getsockopt(zmq.FD), select.POLLIN)
-        self._drain_in = _DRAIN_PROBE_EVERY
-        self._starved_until = 0.0
         self._wake = WakePipe()
+        # The prefetch thread's poll: the kernel's answer for the data socket is visible to
+        # the event loop before that thread has the GIL again (see _drain).
+        self._ready = ReadinessPoll([self._data.getsockopt(zmq.FD),
+                                     self._monitor.getsockopt(zmq.FD), self._wake.r])
+        # [3]: the data socket's revents (ReadinessPoll.revents), read on the step's path;
+        # sync mode has no prefetch thread: a buffer that always says "nothing"
+        self._data_ready = self._ready.revents if self.async_prefetch else bytes(8)
         self._thread = None
         if not self.async_prefetch:
             self._send_hello()
@@ -341,6 +336,8 @@ class TaskClient:
             self._raise_error()
         if not self.async_prefetch:
             self._receive_now()
+        elif self._data_ready[3]:  # a batch woke the prefetch thread, which may wait for the GIL
+            self._drain()
         taken = self._taken
         if self._received <= taken:  # this rank holds nothing new: no shared memory read
             return False
@@ -472,13 +469,12 @@ class TaskClient:
         if self._error is not None:
             self._raise_error()
         if self.async_prefetch:
+            if self._data_ready[3]:  # a batch woke the prefetch thread: hold it before arriving
+                self._drain()
             if self._local_group:
                 self._group.barrier(timeout, check=self._barrier_check, on_wait=self._drain)
             else:  # across nodes (paddle): a collective, no waiting path of ours
                 self._group.barrier(timeout, check=self._barrier_check)
-            self._drain_in -= 1
-            if self._drain_in <= 0:  # the step's barrier is passed: the time is our own
-                self._drain_step()
         else:
             self._receive_now()
             self._group.barrier(timeout, service=self._receive_in_wait,
@@ -643,44 +639,56 @@ class TaskClient:
     # -- background threads ------------------------------------------------------------------
 
     def _drain(self) -> bool:
-        """Event loop, async mode: if frames have arrived that the prefetch thread has not
+        """Event loop, async mode: if a batch has arrived that the prefetch thread has not
         handled yet (it waits for the GIL, which this thread holds while the step is pure
-        Python), receive and decode them here, now. Never waits: the receive lock is taken
-        only if it is free, and the sockets' descriptors are polled with timeout 0 (~0.3 µs),
-        so a step that finds nothing pays that much. A failure is latched as the prefetch
-        thread's would be (the next step call raises it). True if frames were pending."""
+        Python), receive and decode it here, now.
+
+        Looked at by ``exist_tasks()`` and before arriving at ``barrier()`` (~40 ns: the
+        prefetch thread's poll result, which the kernel wrote before that thread woke,
+        ``ReadinessPoll``), and while this rank waits in a busy loop's barrier: where sync
+        mode would receive, so that a batch is taken at the same step as in sync mode. Never waits, and gives the GIL away only when
+        there is a batch: the receive lock is taken only if it is free, and the data socket
+        is asked with ZMQ_EVENTS (~1.2 µs; pyzmq keeps the GIL for it, while every recv or
+        poll call releases it). A failure is latched as the prefetch thread's would be (the
+        next step call raises it). True if it received a batch. The socket monitor is left
+        to the prefetch thread (connection events are rare and not urgent)."""
+        if not self._ready.ready(0):
+            return False
         if not self._recv_lock.acquire(False):
+            # the prefetch thread is at it, and waits for the GIL to finish: hand it over
+            time.sleep(0)
             return False
         try:
-            if self._closed or self._close_seq is not None or not self._drain_poll.poll(0):
+            if (self._closed or self._close_seq is not None
+                    or not self._data.getsockopt(zmq.EVENTS) & zmq.POLLIN):
                 return False
-            self._counters["received_by_loop"] += 1  # times the event loop stepped in
+            before = self._received
             try:
-                self._receive_available()
+                while True:
+                    try:
+                        frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+                    if self._close_seq is not None:
+                        break
             except BaseException as exc:
                 self._fail(exc)
-            self._starved_until = time.monotonic() + _STARVED_S
+            if self._received == before:
+                return False
+            self._counters["received_by_loop"] += self._received - before
             return True
         finally:
             self._recv_lock.release()
 
-    def _drain_step(self) -> None:
-        """Look for frames the prefetch thread has not handled: at every barrier while it
-        was recently behind, else every _DRAIN_PROBE_EVERY-th one."""
-        self._drain()
-        starved = time.monotonic() < self._starved_until
-        self._drain_in = 1 if starved else _DRAIN_PROBE_EVERY
-
     def _prefetch_main(self):
         """Async mode: receive, decode, ping, watch the engine. Blocks in an OS-level poll of
-        the sockets' descriptors (GIL released, no socket touched), then drains them under
-        _recv_lock; the event loop may have drained them first (see the module docstring).
+        the sockets' descriptors (``ReadinessPoll``: GIL released, no socket touched, its
+        answer visible to the event loop at once), then drains them under _recv_lock; the
+        event loop may have drained them first (see the module docstring and _drain).
         ZeroMQ's descriptors signal edges: after every drain to EAGAIN the next arrival
         signals again, so nothing waits unseen."""
-        poller = select.poll()
-        for fd in (self._data.getsockopt(zmq.FD), self._monitor.getsockopt(zmq.FD),
-                   self._wake.r):
-            poller.register(fd, select.POLLIN)
+        poller = self._ready
         interval = self.heartbeat.interval
         try:
             with self._recv_lock:
@@ -704,7 +712,7 @@ class TaskClient:
                 if pending:
                     continue
                 wait_s = max(0.0, min(next_ping, self._liveness_deadline()) - time.monotonic())
-                poller.poll(wait_s * 1000)  # blocks with the GIL released: no CPU when idle
+                poller.wait(wait_s * 1000)  # blocks with the GIL released: no CPU when idle
                 self._wake.drain()
         except BaseException as exc:  # never silent: raised on the event loop
             self._fail(exc)

@@ -294,9 +294,10 @@ class TaskClient:
         # the event loop before that thread has the GIL again (see _drain).
         self._ready = ReadinessPoll([self._data.getsockopt(zmq.FD),
                                      self._monitor.getsockopt(zmq.FD), self._wake.r])
-        # [3]: the data socket's revents (ReadinessPoll.revents), read on the step's path;
-        # sync mode has no prefetch thread: a buffer that always says "nothing"
-        self._data_ready = self._ready.revents if self.async_prefetch else bytes(8)
+        # [3]: async, the data socket's revents (ReadinessPoll.revents), read on the step's
+        # path (one check instead of two: "sync mode, or a batch woke the prefetch thread");
+        # sync mode receives at every step call: a buffer whose [3] is always true
+        self._data_ready = self._ready.revents if self.async_prefetch else (1, 1, 1, 1)
         self._thread = None
         if not self.async_prefetch:
             self._send_hello()
@@ -327,17 +328,17 @@ class TaskClient:
         On rank 0 a True result latches "the next barrier's step takes up to seq N" for
         the whole group; calling it again before the barrier may raise N. On other ranks
         it only reports. Never blocks. Async mode: a few shared-memory reads, no socket,
-        no lock. Sync mode: first receives whatever has arrived.
+        no lock; only when the prefetch thread was woken by a batch it has not handled yet
+        (it waits for the GIL this thread holds) does it receive that batch itself, as sync
+        mode would (``_drain``). Sync mode: first receives whatever has arrived.
 
         With ``coordinator="paddle"`` (ranks on several nodes) it can only speak for rank 0;
         the barrier's all-reduce then takes what every rank holds (see ``paddle_group``).
         """
         if self._error is not None:
             self._raise_error()
-        if not self.async_prefetch:
-            self._receive_now()
-        elif self._data_ready[3]:  # a batch woke the prefetch thread, which may wait for the GIL
-            self._drain()
+        if self._data_ready[3]:  # sync: always; async: a batch woke the prefetch thread
+            self._receive_now() if not self.async_prefetch else self._drain()
         taken = self._taken
         if self._received <= taken:  # this rank holds nothing new: no shared memory read
             return False
@@ -469,7 +470,7 @@ class TaskClient:
         if self._error is not None:
             self._raise_error()
         if self.async_prefetch:
-            if self._data_ready[3]:  # a batch woke the prefetch thread: hold it before arriving
+            if self._data_ready[3]:  # a batch woke the prefetch thread: take it before arriving
                 self._drain()
             if self._local_group:
                 self._group.barrier(timeout, check=self._barrier_check, on_wait=self._drain)

@@ -139,7 +139,7 @@ class _Clear:
 
 # -- the group board: all_client_read and read_finish_flag across a TP group -----------------
 
-_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL = range(5)
+_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED = range(6)
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_RING_BASE = 8
 _B_MAGIC_VALUE = 0x46445359_4E434657  # "FDSYNCFW"
@@ -209,9 +209,36 @@ class _GroupBoard:
                                    f"within {timeout:.1f} s: is rank 0 of this DP group running?")
             time.sleep(0.01)
 
+    def _lock(self):
+        try:
+            self._sem.acquire(_LOCK_TIMEOUT_S)
+        except Exception as exc:  # posix_ipc.BusyError
+            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
+                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
+                               f"restart the worker group") from exc
+
+    def latch_unless_read(self, call, latch):
+        """Rank 0: run ``latch()`` (which writes decision ``call``) unless some rank has
+        already begun reading decision ``call``; return its result, or None when refused.
+
+        A decision, once any rank may have read it, never changes: rank 0 may check for
+        tasks again after the caller's barrier (FastDeploy logs ``num_tasks()`` there),
+        and re-latching then would let a slow rank read a larger decision than a fast
+        one. Readers mark the call under the same lock (``last_reader``) before they
+        read, so either the latch is seen by every reader or it does not happen."""
+        self._lock()
+        try:
+            if self._view[_B_SEALED] >= call:
+                return None
+            return latch()
+        finally:
+            self._sem.release()
+
     def last_reader(self, call):
-        """Count this rank's ``call``-th ``get_tasks()``; True on exactly one rank per
-        call, the last to count it. Blocks only on a peer inside the same few stores.
+        """Count this rank's ``call``-th ``get_tasks()`` (call it before reading the
+        decision: it also marks decision ``call`` as read, see ``latch_unless_read``);
+        True on exactly one rank per call, the last to count it. Blocks only on a peer
+        inside the same few stores.
 
         Also checks the caller's contract: when a rank makes call j, rank 0's last
         ``exist_tasks()`` announced a call >= j (it runs before the caller's barrier), and
@@ -220,25 +247,30 @@ class _GroupBoard:
         call apart (and later hanging in the caller's barrier). A rank that calls less
         often is caught only when the call counts show it (a peer raises)."""
         slot = _B_RING_BASE + 2 * (call % _B_RING)
-        try:
-            self._sem.acquire(_LOCK_TIMEOUT_S)
-        except Exception as exc:  # posix_ipc.BusyError
-            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
-                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
-                               f"restart the worker group") from exc
+        self._lock()
         try:
             v = self._view
             v[_B_CALLS_BASE + self.tp_rank] = call
             calls = [v[_B_CALLS_BASE + r] for r in range(self.tp_size)]
-            if max(calls) > call or min(calls) < call - 1 or call > v[_B_NEXT_CALL]:
+            if call > v[_B_NEXT_CALL]:
                 raise ProtocolError(
-                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while the "
-                    f"ranks have made {calls} calls and rank 0 announced call "
-                    f"{v[_B_NEXT_CALL]} for this step: every rank must "
-                    f"call get_tasks() at the same steps (FastDeploy's loop: rank 0 sets the "
-                    f"signal before the TP barrier, and a second sync point, the model step's "
-                    f"collective or the idle barrier, keeps it from setting the next step's "
-                    f"signal before every rank read this one)")
+                    f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call}, but "
+                    f"rank 0 has not checked for tasks for it (its last exist_tasks() or "
+                    f"num_tasks() was for call {v[_B_NEXT_CALL]}; the ranks have made {calls} "
+                    f"calls). Fix the worker loop: TP rank 0 must call exist_tasks() or "
+                    f"num_tasks() (on this queue) every step, before the TP barrier, and set "
+                    f"the signal the other ranks read from that result only")
+            if max(calls) > call or min(calls) < call - 1:
+                raise ProtocolError(
+                    f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while "
+                    f"the ranks have made {calls} calls: every rank must call get_tasks() at "
+                    f"the same steps. Fix the worker loop: every rank calls it iff the signal "
+                    f"TP rank 0 set before the TP barrier is set, exactly once per step, and "
+                    f"each step has a second sync point after the signal is read (the model "
+                    f"step's collective or the idle branch's barrier), so that rank 0 cannot "
+                    f"set the next step's signal before every rank read this one")
+            if v[_B_SEALED] < call:
+                v[_B_SEALED] = call
             if v[slot] != call:
                 v[slot], v[slot + 1] = call, 0
             v[slot + 1] += 1
@@ -281,6 +313,9 @@ class _SoloBoard:
 
     def last_reader(self, call):
         return True
+
+    def latch_unless_read(self, call, latch):
+        return latch()
 
     def announce(self, next_call):
         pass
@@ -579,9 +614,11 @@ class EngineWorkerQueue:
         Differs from FastDeploy: a take, not a peek (see the module docstring). Raises
         ``ProtocolError`` if this rank's calls disagree with rank 0's decisions."""
         self._require_worker("get_tasks")
+        call = self._calls + 1
+        # count (and mark decision `call` read) before reading it: see latch_unless_read
+        last = self._board.last_reader(call)
         tasks, _ = self._client.get_tasks()
-        self._calls += 1
-        last = self._board.last_reader(self._calls)
+        self._calls = call
         if tasks:
             kept = []
             for t in tasks:
@@ -606,8 +643,23 @@ class EngineWorkerQueue:
             return q.exist_tasks()
         self._require_worker("exist_tasks")
         if self.client_id == 0:
-            self._board.announce(self._calls + 1)
+            return bool(self._check())
         return self._client.exist_tasks()
+
+    def _check(self) -> int:
+        """TP rank 0's check, whichever way the loop asks (``exist_tasks()`` or
+        ``num_tasks() > 0``): announce the next ``get_tasks()`` call and, if every rank
+        holds a batch not yet taken, latch it for that call, unless a rank has already
+        begun reading it. Returns what the group's next call takes (0: nothing), or None
+        when that call's decision was already read (then nothing was latched)."""
+        client, call = self._client, self._calls + 1
+        self._board.announce(call)
+        if client.num_tasks() == 0:  # rank 0 holds nothing new (sync mode: receives first)
+            return 0
+        latched = self._board.latch_unless_read(call, client.exist_tasks)
+        if latched is None:
+            return None
+        return client.ready_count() if latched else 0
 
     def set_exist_tasks(self, flag) -> None:
         """Accepted for FastDeploy's API; the flag is derived here (module docstring).
@@ -622,11 +674,23 @@ class EngineWorkerQueue:
 
     def num_tasks(self) -> int:
         """Engine side: batches not yet taken by every rank (FastDeploy: 0 or 1 with the
-        default bound). Worker side: batches this rank holds and has not taken."""
+        default bound).
+
+        Worker side, TP rank 0: the batches every rank holds and the group's next
+        ``get_tasks()`` takes, and, like ``exist_tasks()``, it latches them for that call,
+        so ``if num_tasks() > 0:`` (FastDeploy 2.x's check) works exactly as
+        ``if exist_tasks():``. A caller that only reads it (a log line after the barrier)
+        changes nothing: once any rank has begun reading a call's decision it is never
+        re-latched, and the value it returns is then this rank's own count.
+        Other ranks: batches this rank holds and has not taken (a read).
+        Never blocks; raises engine-side errors as ``exist_tasks()``."""
         q = self._queue()
         if q is not None:
             return q.num_tasks()
         self._require_worker("num_tasks")
+        if self.client_id == 0:
+            latched = self._check()
+            return self._client.num_tasks() if latched is None else latched
         return self._client.num_tasks()
 
     def clear_data(self) -> None:

@@ -410,6 +410,13 @@ class TaskClient:
             self._receive_now()
         return self._received - self._taken
 
+    def ready_count(self) -> int:
+        """Batches every rank of the group holds that this rank has not taken: what a step
+        latched now would take (rank 0's view; with ``coordinator="paddle"`` this rank's
+        own count, as ``exist_tasks()``). Shared-memory reads: never blocks, receives
+        nothing, latches nothing, raises nothing."""
+        return max(0, min(self._received, self._group.min_received()) - self._taken)
+
     def sync_step(self, timeout: float = None) -> list:
         """``exist_tasks()`` on rank 0, ``barrier(timeout)``, ``get_tasks()``: the batches this
         step takes, identical on every rank (``[]`` if none). Blocks only in the barrier."""

@@ -100,8 +100,8 @@ import weakref
 
 from . import envs
 from .engine import TaskProducer, TaskQueue
-from .errors import ClosedError, ProtocolError, TaskSyncError
-from .liveness import CONNECTED
+from .errors import ClosedError, GroupLostError, ProtocolError, TaskSyncError
+from .liveness import CONNECTED, DISCONNECTED
 from .shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
                   open_semaphore, unlink_segment, unlink_semaphore)
 from .tp_group import group_shm_name
@@ -330,6 +330,99 @@ class _SoloBoard:
         pass
 
 
+# -- the engine side's view of the worker group ----------------------------------------------
+
+_WATCH_EVERY_S = 0.1
+
+
+class _GroupWatch:
+    """Engine side, one per DP group: makes ``exist_tasks()``/``put_tasks()``/``num_tasks()``
+    raise ``GroupLostError`` while the worker group the queue served is lost, so that
+    FastDeploy's ``while exist_tasks(): sleep(0.001)`` fails loudly instead of spinning.
+
+    Built on the queue's public API only: ``stats()`` (``TaskQueue``) or ``status()``
+    (``TaskProducer``, one round trip) every 100 ms while the group is fine (a clock read
+    per call otherwise), on every call while it is lost. The group counts as lost when the
+    engine retired it (``groups_retired`` grew: a rank's connection gone and not back
+    within the heartbeat timeout, a rank's BYE, or ``FD_SYNC_STALL_TIMEOUT`` of silence;
+    see ``liveness``), or when a rank has been disconnected for longer than the heartbeat
+    timeout whatever the engine decided. It stays lost until a new group has every rank
+    connected: batches put meanwhile wait for that group (``put_tasks()`` raises instead
+    of waiting). With a ``TaskQueue`` the retirement's ``GroupLost`` event (its
+    ``unfinished`` batches) is taken from ``group_events`` and attached to the error."""
+
+    def __init__(self, queue, where, timeout):
+        # where(): names the queue in messages (a callable: the port may be known later)
+        self._q, self._where, self._timeout = queue, where, timeout
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._lost = None  # the GroupLostError raised while the group is lost
+        self._retired = self._stats().get("groups_retired", 0)
+
+    def _stats(self):
+        q = self._q
+        return q.stats() if isinstance(q, TaskQueue) else q.status()
+
+    def check(self):
+        """Raise ``GroupLostError`` if the group is lost (see the class docstring)."""
+        now = time.monotonic()
+        if self._lost is None and now < self._next:
+            return
+        with self._lock:
+            self._next = now + _WATCH_EVERY_S
+            stats = self._stats()
+            ranks = stats.get("ranks") or []
+            retired = stats.get("groups_retired", 0)
+            if retired > self._retired:
+                self._retired = retired
+                self._lost = self._error(self._retire_reason(ranks), ranks, self._event())
+            elif self._lost is None:
+                gone = [r for r in ranks if r["state"] == DISCONNECTED and r["since"]
+                        and time.time() - r["since"] > self._timeout]
+                if gone:
+                    self._lost = self._error(
+                        f"rank(s) {[r['rank'] for r in gone]} disconnected for more than the "
+                        f"heartbeat timeout ({self._timeout:g} s)", ranks, None)
+            if self._lost is not None:
+                if stats.get("group") is not None and ranks and all(
+                        r["state"] == CONNECTED for r in ranks):
+                    log.warning("%s: a new worker group is connected; serving it",
+                                self._where())
+                    self._lost = None
+                    return
+                raise self._lost
+
+    def _event(self):
+        event = None
+        events = getattr(self._q, "group_events", None)
+        while events is not None:
+            try:
+                event = events.get_nowait()
+            except Exception:  # queue.Empty
+                break
+        return event
+
+    @staticmethod
+    def _retire_reason(ranks):
+        why = [f"rank {r['rank']}: {r['reason']}" for r in ranks if r.get("reason")]
+        return "the engine retired the worker group (" + ("; ".join(why) or "see its log") + ")"
+
+    def _error(self, reason, ranks, event):
+        states = ", ".join(f"rank {r['rank']} {r['state']}"
+                           + (f" ({r['reason']})" if r.get("reason") else "") for r in ranks)
+        if event is not None:
+            reason = event.reason
+        unfinished = list(event.unfinished) if event is not None else []
+        err = GroupLostError(
+            f"{self._where()}: the TP worker group is lost: {reason}. Ranks: {states}. "
+            f"{len(unfinished)} batch(es) it did not finish are in this error's .unfinished "
+            f"(re-queue their requests). To recover: restart every TP rank of this DP "
+            f"group; once all of them are connected (num_connected_clients()) "
+            f"exist_tasks()/put_tasks() work again and batches put then reach the new group")
+        err.unfinished, err.event = unfinished, event
+        return err
+
+
 # -- FastDeploy's attribute objects ----------------------------------------------------------
 
 class _ReadFinishFlag:
@@ -426,6 +519,7 @@ class EngineWorkerQueue:
         self._closed = False
         self._server = None  # engine side: the server instance whose queues we use
         self._producer = None  # engine side in another process: a TaskProducer
+        self._watches = []  # server: one _GroupWatch per DP group (a producer: its own)
         self._client = None  # worker side
         self._board = None
         self._reserved = None  # single node, port 0: the socket holding our port number
@@ -459,6 +553,8 @@ class EngineWorkerQueue:
                 wait = envs.connect_timeout_s() if connect_timeout is None else connect_timeout
                 self._producer = TaskProducer(self._name, dp_id=local_data_parallel_id,
                                               timeout=float(wait))
+                self._watches = [_GroupWatch(self._producer, self._where,
+                                             envs.heartbeat_timeout_s())]
                 return
             if not 0 <= local_data_parallel_id < len(server._queues):
                 raise ValueError(f"local_data_parallel_id={local_data_parallel_id}: the server "
@@ -496,6 +592,8 @@ class EngineWorkerQueue:
                 q = TaskQueue(self._name, self.num_client, dp_id=i, endpoint=endpoint,
                               max_inflight=self.max_inflight + 1, keys_dir=keys_dir)
                 self._queues.append(q)
+                self._watches.append(_GroupWatch(q, lambda i=i: self._where(i),
+                                                 q.heartbeat.timeout))
                 if not self.is_single_node and port == 0:
                     port = int(q.endpoint.rsplit(":", 1)[1])
         except BaseException:
@@ -562,6 +660,17 @@ class EngineWorkerQueue:
             raise ClosedError(f"EngineWorkerQueue{self.address}: its server is cleaned up")
         return self._server._queues[self.local_data_parallel_id]
 
+    def _where(self, dp_id=None):
+        dp_id = self.local_data_parallel_id if dp_id is None else dp_id
+        return f"EngineWorkerQueue{self.address} DP group {dp_id}"
+
+    def _watch(self):
+        """Raise GroupLostError if this engine side's worker group is lost."""
+        if self._producer is not None:
+            self._watches[0].check()
+        else:
+            self._server._watches[self.local_data_parallel_id].check()
+
     def _require_worker(self, what):
         if self._closed:
             raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
@@ -582,17 +691,21 @@ class EngineWorkerQueue:
         """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP
         rank of this DP group.
 
-        Blocks, as FastDeploy, while ``max_inflight`` batches (default 1) are not yet taken
-        by every rank (it polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds,
-        None = forever) raises ``TimeoutError`` with nothing enqueued. Numpy arrays travel
-        zero-copy; see ``TaskQueue.put_tasks`` for the other errors."""
+        Blocks, as FastDeploy, while ``max_inflight`` batches are not yet taken by every
+        rank (it polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds, None =
+        forever) raises ``TimeoutError`` with nothing enqueued. Raises ``GroupLostError``
+        (nothing enqueued), at once or while it waits, when the worker group is lost (see
+        ``exist_tasks``). Numpy arrays travel zero-copy; see ``TaskQueue.put_tasks`` for
+        the other errors."""
         q = self._queue()
         if q is None:
             raise RuntimeError("put_tasks is an engine-side call: this EngineWorkerQueue is "
                                f"TP rank {self.client_id} of a worker group")
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _PUT_POLL_MIN_S
+        self._watch()
         while q.num_tasks() >= self.max_inflight:
+            self._watch()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"put_tasks timed out after {timeout} s: {q.num_tasks()} "
                                    f"batch(es) not yet taken by every rank ({q.ranks()})")
@@ -631,8 +744,15 @@ class EngineWorkerQueue:
         return tasks, bool(last)
 
     def exist_tasks(self) -> bool:
-        """Engine side: True while some batch is not yet taken by every rank (FastDeploy's
-        engine waits ``while exist_tasks(): sleep(0.001)`` before each put).
+        """Engine side: True while ``max_inflight`` batches are not yet taken by every rank,
+        i.e. while ``put_tasks()`` would wait. FastDeploy's engine waits
+        ``while exist_tasks(): sleep(0.001)`` before each put; with ``max_inflight=1`` this
+        is FastDeploy's meaning ("the workers have not read the last batch"), with more it
+        lets that loop put up to ``max_inflight`` batches ahead of the workers (see the
+        module docstring, "Pipelining"). Raises ``GroupLostError`` when the worker group is
+        lost (retired by the engine, or a rank disconnected for longer than the heartbeat
+        timeout) until a new group has every rank connected; the error names the ranks,
+        why, and carries the batches the group did not finish (``.unfinished``).
 
         Worker side: True when every rank of the group holds a batch not yet taken; on
         rank 0 it also latches what the group's next ``get_tasks()`` takes. A flag read in
@@ -640,7 +760,8 @@ class EngineWorkerQueue:
         ``PrefetchError``...) as ``TaskClient.exist_tasks``."""
         q = self._queue()
         if q is not None:
-            return q.exist_tasks()
+            self._watch()
+            return q.num_tasks() >= self.max_inflight
         self._require_worker("exist_tasks")
         if self.client_id == 0:
             return bool(self._check())
@@ -673,8 +794,8 @@ class EngineWorkerQueue:
                              "the queue here; use clear_data() to drop them")
 
     def num_tasks(self) -> int:
-        """Engine side: batches not yet taken by every rank (FastDeploy: 0 or 1 with the
-        default bound).
+        """Engine side: batches not yet taken by every rank (at most ``max_inflight``);
+        raises ``GroupLostError`` as ``exist_tasks()``.
 
         Worker side, TP rank 0: the batches every rank holds and the group's next
         ``get_tasks()`` takes, and, like ``exist_tasks()``, it latches them for that call,
@@ -686,6 +807,7 @@ class EngineWorkerQueue:
         Never blocks; raises engine-side errors as ``exist_tasks()``."""
         q = self._queue()
         if q is not None:
+            self._watch()
             return q.num_tasks()
         self._require_worker("num_tasks")
         if self.client_id == 0:

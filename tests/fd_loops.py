@@ -227,3 +227,24 @@ def check_group(reports, tp_size, dp_id, expected_ids):
         assert reports[r]["calls"] == ref, f"dp {dp_id}: rank {r} differs from rank 0"
     taken = [x for _, _, ids in ref for x in ids]
     assert taken == list(expected_ids) + [STOP], (dp_id, taken[:20], len(taken))
+
+
+def idle_worker(address, tp_size, rank, barrier, signal, results, *, name=None, sync=False):
+    """A develop-shape worker that runs until the engine closes or its group breaks;
+    reports its pid first (``("pid", rank, pid)``), then what it took or raised."""
+    import traceback
+
+    sync_env(sync)
+    results.put(("pid", rank, os.getpid()))
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, num_client=tp_size, client_id=rank, name=name)
+        try:
+            calls, _ = run_loop(q, "develop", tp_size, rank, barrier, signal, deadline_s=60,
+                                barrier_timeout=10)
+            results.put(("ok", rank, [ids_of(t) for _, _, t in calls]))
+        finally:
+            q.cleanup()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))

@@ -91,6 +91,7 @@ batches, and nothing cleared is ever returned; the engine's ``exist_tasks()`` st
 until the workers took the marker. ``cleared`` counts, per worker, the batches dropped.
 """
 
+import hashlib
 import logging
 import os
 import socket
@@ -305,6 +306,33 @@ def _release_board(seg, sem, owner, shm_name, sem_name):
         unlink_semaphore(sem_name)
 
 
+class _PaddleBoard:
+    """A TP group across nodes (``coordinator="paddle"``): nothing is shared but the
+    collective in ``read_finish_flag.get()``, which decides each step for every rank
+    (see ``_ReadFinishFlag``). ``all_client_read`` is True on exactly one rank per call,
+    TP rank ``tp_size - 1``: all FastDeploy's loop does with it is reset the flag, which
+    here is derived afresh at every ``get()`` (knowing the last reader would cost a
+    second collective per step)."""
+
+    def __init__(self, tp_size, tp_rank):
+        self._last = tp_rank == tp_size - 1
+
+    def last_reader(self, call):
+        return self._last
+
+    def latch_unless_read(self, call, latch):
+        return latch()  # the next collective decides: no reader can see a change
+
+    def announce(self, next_call):
+        pass
+
+    def set_flag(self, value):
+        pass
+
+    def close(self):
+        pass
+
+
 class _SoloBoard:
     """TP=1: the only reader is always the last."""
 
@@ -428,22 +456,35 @@ class _GroupWatch:
 class _ReadFinishFlag:
     """FastDeploy's ``read_finish_flag`` (a manager ``Value``): ``get()`` / ``set(v)``.
 
-    Shared by the TP group (node-local shared memory). FastDeploy's loop reads it on every
-    rank every step the signal is not set; in sync mode (no prefetch thread) ``get()``
-    also receives what arrived, which keeps ranks other than 0 receiving while the loop
-    idles (without it rank 0 would never see every rank holding a batch)."""
+    One node (``coordinator == "shm"``): shared by the TP group (node-local shared memory).
+    FastDeploy's loop reads it on every rank every step the signal is not set; in sync
+    mode (no prefetch thread) ``get()`` also receives what arrived, which keeps ranks
+    other than 0 receiving while the loop idles (without it rank 0 would never see every
+    rank holding a batch).
+
+    Across nodes (``coordinator == "paddle"``, FastDeploy's ``nnode > 1`` loop, where rank
+    0 sets the flag instead of its node-local signal): ``get()`` is the step's one
+    paddle.distributed all-reduce (``TaskClient.barrier()``): it returns 1 on every rank
+    iff the group takes a batch this step: what rank 0's check latched, as far as every
+    rank already holds it. ``set()`` changes nothing (rank 0's ``set(1)`` follows its
+    check, which latched; the last reader's ``set(0)`` is implied). Every rank must call
+    ``get()`` exactly once per step, as that loop does; a rank calling it more or less
+    often than its peers hangs in the collective until gloo's 30 s timeout, then raises
+    ``BarrierTimeoutError`` naming the ranks and nodes. Blocks until every rank joined."""
 
     def __init__(self, owner):
         self._owner = owner
 
     def get(self):
         owner = self._owner
+        if owner.coordinator == "paddle":
+            return owner._paddle_step()
         if not owner._client.async_prefetch:
             owner._client.num_tasks()  # receives: see the class docstring
         return int(owner._board.get_flag())
 
     def set(self, value):
-        self._owner._board.set_flag(int(value))
+        self._owner._board.set_flag(int(value))  # across nodes: nothing to set, see get()
 
     value = property(get, set)
 
@@ -522,6 +563,7 @@ class EngineWorkerQueue:
         self._watches = []  # server: one _GroupWatch per DP group (a producer: its own)
         self._client = None  # worker side
         self._board = None
+        self.coordinator = None  # worker: "shm" (one node) or "paddle" (across nodes)
         self._reserved = None  # single node, port 0: the socket holding our port number
         self._queues = []
         self._clear_lock = threading.Lock()
@@ -613,14 +655,19 @@ class EngineWorkerQueue:
         self._name = name or f"fdq{port}"
         endpoint = None if self.is_single_node else f"tcp://{host}:{port + dp_id}"
         timeout = envs.connect_timeout_s() if connect_timeout is None else float(connect_timeout)
+        group = self._choose_coordinator(endpoint or self._name)
+        self.coordinator = "shm" if group == "shm" else "paddle"
         self._client = TaskClient(self._name, self.num_client, self.client_id, dp_id=dp_id,
-                                  endpoint=endpoint, external_barrier=True, keys_dir=keys_dir)
+                                  endpoint=endpoint, external_barrier=group == "shm",
+                                  coordinator=group, keys_dir=keys_dir)
         try:
-            if self.num_client > 1:
+            if self.num_client == 1:
+                self._board = _SoloBoard()
+            elif self.coordinator == "paddle":
+                self._board = _PaddleBoard(self.num_client, self.client_id)
+            else:
                 self._board = _GroupBoard(self._name, dp_id, self.num_client, self.client_id,
                                           envs.attach_timeout_s())
-            else:
-                self._board = _SoloBoard()
             self._wait_welcome(timeout)
         except BaseException:
             self._client.close()
@@ -630,6 +677,44 @@ class EngineWorkerQueue:
         self._calls = 0
         log.info("Connected EngineWorkerQueue client_id: %d (DP group %d) to %s",
                  self.client_id, dp_id, self._client.endpoint)
+
+    def _choose_coordinator(self, where):
+        """How this TP group agrees on each step: ``"shm"`` (node-local shared memory), or
+        the paddle.distributed group of its ranks (``"paddle"``: the whole world).
+
+        ``FD_SYNC_TP_COORDINATOR`` (default ``auto``): ``shm`` and ``paddle`` force it;
+        ``auto`` picks shm at TP=1, for FastDeploy's one-node address ``0.0.0.0`` and when
+        this process has not initialised paddle.distributed (then the ranks cannot be
+        coordinated across nodes anyway); otherwise every rank of the paddle world tells
+        the others its node (``paddle_group.locate_tp_group``, one all_gather at
+        construction) and a group whose ranks do not all share a node uses paddle."""
+        choice = envs.tp_coordinator(allow_auto=True)
+        if self.num_client == 1 or choice == "shm" or (choice == "auto" and self.is_single_node):
+            return "shm"
+        from . import paddle_group  # imports paddle only inside its functions
+
+        if not paddle_group.paddle_initialized():
+            if choice == "paddle":
+                raise RuntimeError(f"EngineWorkerQueue rank {self.client_id}: "
+                                   f"FD_SYNC_TP_COORDINATOR=paddle needs paddle.distributed "
+                                   f"initialised (init_parallel_env()) before the queue")
+            return "shm"
+        digest = hashlib.blake2b(f"{where}|{self.local_data_parallel_id}".encode(),
+                                 digest_size=8).digest()
+        key = int.from_bytes(digest, "big") >> 1
+        group, spans = paddle_group.locate_tp_group(key, self.num_client, self.client_id,
+                                                    force=choice == "paddle")
+        log.info("EngineWorkerQueue rank %d (DP group %d): TP ranks %s; coordinating "
+                 "through %s", self.client_id, self.local_data_parallel_id,
+                 "span nodes" if spans else "share this node",
+                 "paddle.distributed" if group else "node-local shared memory")
+        return group or "shm"
+
+    def _paddle_step(self):
+        """Across nodes: the step's collective (see ``_ReadFinishFlag``)."""
+        self._require_worker("read_finish_flag")
+        self._client.barrier()
+        return 1 if self._client.step_size() else 0
 
     def _wait_welcome(self, timeout):
         """Fail fast when the server is absent, as FastDeploy's ``_connect_with_retry``."""

@@ -417,6 +417,16 @@ class TaskClient:
         nothing, latches nothing, raises nothing."""
         return max(0, min(self._received, self._group.min_received()) - self._taken)
 
+    def step_size(self) -> int:
+        """After ``barrier()``: how many batches this step's ``get_tasks()`` takes (0:
+        none), as every rank of the group computes it. A read; never blocks. (For a caller
+        that must tell its ranks whether to call ``get_tasks()``, e.g. the FastDeploy
+        drop-in's flag across nodes.) Meaningless with ``external_barrier=True``."""
+        decision = self._group.decision(self._group.gen)
+        if decision is None or decision[1] <= self._taken:
+            return 0
+        return decision[1] - self._taken
+
     def sync_step(self, timeout: float = None) -> list:
         """``exist_tasks()`` on rank 0, ``barrier(timeout)``, ``get_tasks()``: the batches this
         step takes, identical on every rank (``[]`` if none). Blocks only in the barrier."""

@@ -38,7 +38,8 @@ port is bound; with port 0 the server reserves a free port number by holding a b
 unlistening TCP socket on 127.0.0.1 so that two servers never share a name). Any other
 host means workers on other machines: group i is served on ``tcp://host:(port + i)``,
 so a server with ``local_data_parallel_size=d`` uses ports port..port+d-1 (with port 0,
-group 0 picks a free port P and group i binds P + i, which may fail: give a port then).
+a free port P is picked first and names the queue, ``fdqP``, as the workers, who know
+only the port, derive it; group i binds P + i, which may fail: give a port then).
 Every DP group has its own endpoint, TP-group shared memory and ack board: groups
 sharing one address never see each other's batches or flags.
 
@@ -623,12 +624,18 @@ class EngineWorkerQueue:
                 self._reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self._reserved.bind(("127.0.0.1", 0))
                 port = self._reserved.getsockname()[1]
+            elif port == 0:
+                # the name is derived from the port (workers only know the port): learn a
+                # free one first; group i then binds port + i
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.bind((host, 0))
+                    port = probe.getsockname()[1]
             self._name = name or f"fdq{port}"
             for i in range(dp):
                 if self.is_single_node:
                     endpoint = None
                 else:
-                    endpoint = f"tcp://{host}:{port + i if (port or i) else 0}"
+                    endpoint = f"tcp://{host}:{port + i}"
                 # +1: room for a clear_data() marker, which never waits for room; the
                 # FastDeploy bound itself is enforced in put_tasks().
                 q = TaskQueue(self._name, self.num_client, dp_id=i, endpoint=endpoint,
@@ -636,8 +643,6 @@ class EngineWorkerQueue:
                 self._queues.append(q)
                 self._watches.append(_GroupWatch(q, lambda i=i: self._where(i),
                                                  q.heartbeat.timeout))
-                if not self.is_single_node and port == 0:
-                    port = int(q.endpoint.rsplit(":", 1)[1])
         except BaseException:
             self._close_server(0.0)
             raise
@@ -721,8 +726,9 @@ class EngineWorkerQueue:
         deadline = time.monotonic() + timeout
         client = self._client
         while client.stats()["engine"] is None:
-            if not client.async_prefetch:
-                client.num_tasks()  # sync mode: the event loop receives the WELCOME
+            # sync mode: the event loop receives the WELCOME; both modes: raises what the
+            # engine answered instead (a wrong name, a taken rank...) rather than waiting
+            client.num_tasks()
             if time.monotonic() >= deadline:
                 raise ConnectionError(
                     f"EngineWorkerQueue rank {self.client_id} (DP group "

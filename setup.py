@@ -18,9 +18,14 @@ setup(
         "matplotlib>=3.5",
     ],
     extras_require={
-        # paddlepaddle (CPU build) for the cross-node coordinator's tests
-        "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6"],
+        # paddlepaddle (CPU build) for the cross-node coordinator's tests; mkdocs so that
+        # tests/test_docs.py can build the documentation site (a broken link fails CI)
+        "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6",
+                 "mkdocs>=1.6", "mkdocs-material>=9.5", "prometheus_client>=0.17"],
         "paddle": ["paddlepaddle>=2.6"],
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
+        # fastdeploy_sync.metrics: a Prometheus collector over TaskQueue.stats()
+        "metrics": ["prometheus_client>=0.17"],
     },
     entry_points={"console_scripts": ["fastdeploy-sync=fastdeploy_sync.cli:main"]},
 )

@@ -1,9 +1,11 @@
 """fastdeploy_sync: engine -> tensor-parallel worker task sync off the worker's critical path.
 
 Engine side: ``TaskQueue``. Worker side, one per TP rank: ``TaskClient``.
-Importing this package does not import paddle.
+Importing this package does not import paddle, nor prometheus_client, and installs no
+signal handler (``install_signal_cleanup()`` does, on request).
 """
 
+from .cleanup import install_signal_cleanup
 from .engine import GroupLost, LostBatch, TaskProducer, TaskQueue
 from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
                      EngineClosedError, EngineGoneError, EngineRejectedError, GroupInUseError,
@@ -32,4 +34,5 @@ __all__ = [
     "EngineClosedError",
     "GroupLostError",
     "AuthenticationError",
+    "install_signal_cleanup",
 ]

@@ -21,9 +21,11 @@ Key directory, made by ``fastdeploy-sync keys DIR`` (``create_keys``)::
         client.key            (one public key per allowed client; add more to admit them)
 
 The engine reads ``server.key_secret`` and ``allowed_clients/``; a worker reads
-``server.key`` and ``client.key_secret``. To run workers on other nodes, copy ``server.key``
-and ``client.key_secret`` (keeping mode 0600) into a directory there and point
-``FD_SYNC_KEYS_DIR`` at it. Secret files must not be accessible by group or other.
+``server.key`` and ``client.key_secret``. To run workers on other nodes, copy ``server.key``,
+``client.key`` and ``client.key_secret`` (keeping mode 0600) into a directory there and
+point ``FD_SYNC_KEYS_DIR`` at it (``client.key`` is not read by the worker: it is the file
+to put into an engine's ``allowed_clients/``, and the one an authentication error names).
+Secret files must not be accessible by group or other.
 
 Use: ``ServerAuth.start(ctx, endpoint)`` before binding the engine's socket and
 ``auth.apply(sock)``; ``ClientAuth.load(endpoint)`` and ``auth.apply(sock)`` before a worker
@@ -57,6 +59,7 @@ __all__ = [
     "ServerAuth",
     "ClientAuth",
     "handshake_failure_message",
+    "missing_key_message",
     "HANDSHAKE_FAILED_EVENTS",
 ]
 
@@ -74,8 +77,8 @@ HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 _HOWTO = ("create keys with 'fastdeploy-sync keys DIR' and set FD_SYNC_KEYS_DIR=DIR for the "
-          "engine and the workers (workers on other nodes need DIR/server.key and "
-          "DIR/client.key_secret)")
+          "engine and the workers (workers on other nodes need DIR/server.key, DIR/client.key "
+          "and DIR/client.key_secret)")
 _RISK = ("anyone who can reach the port can read users' prompts and run code in the workers")
 
 
@@ -157,7 +160,7 @@ def _load(path: str, secret: bool):
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise AuthenticationError(f"cannot read key file {path}: {exc.strerror}; {_HOWTO}") from None
+        raise AuthenticationError(missing_key_message(path, exc.strerror)) from None
     if secret:
         if st.st_uid != os.geteuid():
             raise AuthenticationError(
@@ -290,38 +293,102 @@ class ClientAuth:
         sock.curve_secretkey = self._secret
 
 
+def missing_key_message(path: str, reason: str = "No such file or directory") -> str:
+    """What to do when key file ``path`` cannot be read (``reason``, e.g. the strerror):
+    which side needs it, what it is, and where it comes from. Never raises."""
+    directory, name = os.path.dirname(path) or ".", os.path.basename(path)
+    made = "made by 'fastdeploy-sync keys DIR' on the engine's node"
+    if name == SERVER_PUBLIC:
+        return (f"this worker cannot read {path} ({reason}): it is the engine's public key, "
+                f"which a worker pins to know it talks to the right engine. Copy server.key "
+                f"from the engine's key directory ({made}) to {directory}/, or set "
+                f"FD_SYNC_KEYS_DIR to a directory that has it")
+    if name == CLIENT_SECRET:
+        return (f"this worker cannot read {path} ({reason}): it is the worker's own key pair. "
+                f"Copy client.key_secret (mode 0600) and client.key from the engine's key "
+                f"directory ({made}) to {directory}/; the engine admits the worker when that "
+                f"client.key is in its {ALLOWLIST_DIR}/")
+    if name == SERVER_SECRET:
+        return (f"the engine cannot read {path} ({reason}): it is the engine's key pair. Run "
+                f"'fastdeploy-sync keys {directory}' on the engine's node, or set "
+                f"FD_SYNC_KEYS_DIR to the directory it made; then copy its server.key, "
+                f"client.key and client.key_secret to the worker nodes")
+    return f"cannot read key file {path} ({reason}); {_HOWTO}"
+
+
+def _public_key(path: str):
+    """The z85 public key in certificate file ``path`` as text, or None (missing, unreadable,
+    not a certificate). For messages only: never raises."""
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+        return public.decode("ascii")
+    except Exception:  # noqa: BLE001 -- a message helper must not fail the error it explains
+        return None
+
+
 def handshake_failure_message(event: int, endpoint: str, value: int = None,
                               keys=None) -> str:
-    """A worker-facing explanation of a socket-monitor handshake failure on ``endpoint``.
+    """A worker-facing explanation of a socket-monitor handshake failure on ``endpoint``:
+    what this worker has, what the engine expects, and the file to copy. Never raises; reads
+    the public keys in ``keys`` to quote them.
 
     ``event`` is the monitor event (``zmq.EVENT_HANDSHAKE_FAILED_*``), ``value`` its value
-    (the ZMTP error code or ZAP status code), ``keys`` the worker's key directory (for the
-    message; default ``FD_SYNC_KEYS_DIR``). What libzmq 4.3.5 reports on the worker's
-    (CURVE client's) socket, measured in tests/test_auth.py:
+    (the ZMTP error code or ZAP status code), ``keys`` the worker's key directory, or None
+    when this worker uses no CURVE (tcp with ``FD_SYNC_INSECURE_TCP=1``: the worker then
+    pinned nothing). What libzmq 4.3.5 reports on the worker's socket, measured in
+    tests/test_auth.py:
 
     - the engine's allowlist lacks our key: ``EVENT_HANDSHAKE_FAILED_AUTH``, value 400, once
       (libzmq does not retry after a ZAP refusal);
     - the peer is not the engine whose key we pinned (it cannot decrypt our HELLO and drops
       the connection): ``EVENT_HANDSHAKE_FAILED_NO_DETAIL``, value ``EPIPE``, on every
       reconnect (the peer sees ``PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC``);
-    - the peer does not speak CURVE: ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` with
-      ``PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH`` (or ``NO_DETAIL`` when the peer hangs up
-      first).
+    - one side speaks CURVE and the other does not (a keyed worker and an engine without
+      keys, or the reverse): ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` with
+      ``PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH``, or ``NO_DETAIL`` when the peer hangs up
+      first.
 
-    A worker cannot tell "wrong key pinned" from "another process holds the port": the
-    message names both.
+    A keyed worker cannot tell "another key pinned" from "an engine without keys" from
+    "another process holds the port" when the peer just hangs up: the message names each.
     """
-    where = keys_dir(keys) or "FD_SYNC_KEYS_DIR"
+    if keys is None:
+        # This worker has no keys: whatever the event, the peer wants CURVE (or is not ours).
+        return (f"this worker runs without keys (FD_SYNC_INSECURE_TCP=1, no FD_SYNC_KEYS_DIR) "
+                f"and the peer at {endpoint} refused its plain connection: the engine there "
+                f"requires CURVE keys (or another program holds the port). Copy server.key, "
+                f"client.key and client.key_secret from the engine's key directory to this "
+                f"node, set FD_SYNC_KEYS_DIR to that directory and unset FD_SYNC_INSECURE_TCP")
+    where = os.fspath(keys)
+    pinned_file = os.path.join(where, SERVER_PUBLIC)
+    secret_file = os.path.join(where, CLIENT_SECRET)
+    public_file = os.path.join(where, CLIENT_PUBLIC)
+    pinned = _public_key(pinned_file)
+    ours = _public_key(secret_file)
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the engine at {endpoint} refused this worker's key (not in its allowlist "
-                f"{ALLOWLIST_DIR}/ of the engine's key directory; status {value}): copy "
-                f"{os.path.join(where, CLIENT_PUBLIC)} into the engine's {ALLOWLIST_DIR}/ and "
-                f"restart the engine, or use the client.key_secret made with the engine's keys")
+        if _public_key(public_file) == ours and ours is not None:
+            copy = f"Copy {public_file} into the engine's {ALLOWLIST_DIR}/"
+        else:
+            # No client.key here (or not the public half of our secret): derive it.
+            copy = (f"{public_file} is missing or does not match {secret_file}: make it with "
+                    f"'grep -v secret-key {secret_file} > {public_file}' and copy that into the "
+                    f"engine's {ALLOWLIST_DIR}/")
+        return (f"the engine at {endpoint} refused this worker's public key "
+                f"{ours or '(unreadable)'} (from {secret_file}; ZAP status {value}): it is not "
+                f"in the {ALLOWLIST_DIR}/ directory of the engine's key directory. {copy} (any "
+                f"file name ending in .key) and restart the engine, which reads its allowlist "
+                f"at start; or use the client.key_secret made together with the engine's keys")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
             value == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", 0x11000003):
-        return (f"the peer at {endpoint} does not use CURVE: it is not a fastdeploy_sync engine "
-                f"with keys (an engine run with FD_SYNC_INSECURE_TCP=1, or another program "
-                f"holds the port)")
-    return (f"the peer at {endpoint} is not the engine whose key you pinned "
-            f"({os.path.join(where, SERVER_PUBLIC)}): wrong FD_SYNC_KEYS_DIR, keys regenerated "
-            f"on the engine's node, or another process holds the port")
+        return (f"this worker uses CURVE keys ({where}) but the peer at {endpoint} does not: "
+                f"the engine there runs without keys (FD_SYNC_INSECURE_TCP=1), or another "
+                f"program holds the port. Start the engine with FD_SYNC_KEYS_DIR set to the "
+                f"key directory whose server.key this worker pins ({pinned_file}), or, on a "
+                f"network nobody else can reach, run this worker without FD_SYNC_KEYS_DIR and "
+                f"with FD_SYNC_INSECURE_TCP=1")
+    return (f"the peer at {endpoint} hung up on this worker's CURVE handshake, which pins the "
+            f"engine key {pinned or '(unreadable)'} from {pinned_file}. Either the engine there "
+            f"has another key pair (keys made again on its node, or FD_SYNC_KEYS_DIR pointing at "
+            f"another set): copy the engine's current server.key to {pinned_file}, with its "
+            f"client.key and client.key_secret; or it runs without keys "
+            f"(FD_SYNC_INSECURE_TCP=1): start it with FD_SYNC_KEYS_DIR; or another process "
+            f"holds the port")

@@ -1,35 +1,98 @@
 """``fastdeploy-sync`` command line.
 
+    fastdeploy-sync status NAME [--dp-id N] [--watch [S]]  what the engine knows of every rank
+                                              (state, watermarks) and the node-local group's
+                                              shared memory, once or refreshed every S seconds
+    fastdeploy-sync clean [NAME] [--dry-run]  list and remove names (shared memory, socket
+                                              files) left by processes that exited
+    fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see auth.py)
     fastdeploy-sync profile [options]         CPU interruption per worker step: this library
                                               (async, sync) side by side with a FastDeploy-style
                                               multiprocessing.managers queue
-    fastdeploy-sync status NAME [--dp-id N]   what the engine knows of every rank (state,
-                                              watermarks), and the node-local group's shared
-                                              memory if there is one
-    fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see auth.py)
 
 ``status`` asks the engine (a STATUS message; tcp needs the worker keys) and reads the
 group's shared memory without joining the group: it is safe to run next to a running
-server, e.g. when a step seems stuck. ``profile`` starts its own engine
-and workers (real processes) and needs nothing else running.
+server, e.g. when a step seems stuck. ``clean`` never touches a name whose owner is alive
+or that another user owns. ``profile`` starts its own engine and workers (real processes)
+and needs nothing else running.
+
+Exit status: 0 done; 1 the command ran and found a failure (no engine and no group, a lost
+batch, keys not written); 2 a usage error (bad name, option or value), reported in one line.
 """
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from . import __version__
 from .shm import Segment, pid_alive
 from .tp_group import (H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, MAGIC, R_ARRIVED, R_CONSUMED,
                        R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name)
-from .transport import default_endpoint, validate_name
+from .transport import MAX_DP_ID, default_endpoint, validate_name
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``prog: error: ...; see prog --help``), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _queue_name(text):
+    try:
+        validate_name(text, 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("name=", "NAME ", 1)) from None
+    return text
+
+
+def _dp_id(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an int in 0..{MAX_DP_ID}") from None
+    if not 0 <= value <= MAX_DP_ID:
+        raise argparse.ArgumentTypeError(f"{value}: expected an int in 0..{MAX_DP_ID}")
+    return value
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return value
 
 
 def _status(args) -> int:
-    validate_name(args.name, args.dp_id)
     endpoint = args.endpoint or default_endpoint(args.name, args.dp_id)
+    if args.watch is None:
+        return _status_once(endpoint, args)
+    # Refresh in a terminal until Ctrl-C; the exit status is the last snapshot's.
+    tty = sys.stdout.isatty()
+    code = 1
+    try:
+        while True:
+            if tty:
+                sys.stdout.write("\033[H\033[2J")  # cursor home, clear screen
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  fastdeploy-sync status "
+                  f"{args.name} --dp-id {args.dp_id}  (every {args.watch:g} s, Ctrl-C to stop)")
+            code = _status_once(endpoint, args)
+            if not tty:
+                print()
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return code
+
+
+def _status_once(endpoint, args) -> int:
     engine_seen = _engine_status(endpoint, args)
-    group_seen = _group_status(args)
+    group_seen = _group_status(args, engine_seen)
     return 0 if engine_seen or group_seen else 1
 
 
@@ -40,8 +103,11 @@ def _engine_status(endpoint, args) -> bool:
 
     try:
         st = query_status(endpoint, keys_dir=args.keys, timeout=args.timeout)
-    except (TimeoutError, OSError, TaskSyncError) as exc:
-        print(f"engine at {endpoint}: {exc}")
+    except TimeoutError as exc:
+        print(f"no engine answered: {exc}")
+        return False
+    except (OSError, TaskSyncError) as exc:
+        print(f"no engine answered: asking {endpoint} failed: {exc}")
         return False
     print(f"engine {st['name']!r} dp_id={st['dp_id']} tp_size={st['tp_size']} at "
           f"{st['endpoint']} (pid {st['pid']}, instance {st['engine']}): last seq "
@@ -56,14 +122,19 @@ def _engine_status(endpoint, args) -> bool:
     return True
 
 
-def _group_status(args) -> bool:
+def _group_status(args, engine_seen: bool) -> bool:
     """What the node-local TP group's shared memory says (shm coordinator, TP > 1)."""
     shm_name = group_shm_name(args.name, args.dp_id)
     try:
         seg = Segment.attach(shm_name)
     except FileNotFoundError:
-        print(f"{shm_name}: no node-local group segment (TP=1, ranks on other nodes, or "
-              f"paddle-coordinated: the engine's view above is the whole story)")
+        if engine_seen:
+            print(f"{shm_name}: no node-local group segment (TP=1, ranks on other nodes, or "
+                  f"paddle-coordinated: the engine's view above is the whole story)")
+        else:
+            print(f"{shm_name}: no node-local group segment either: nothing of "
+                  f"{args.name!r} dp {args.dp_id} runs on this node (check NAME, --dp-id, "
+                  f"--endpoint; 'fastdeploy-sync clean --dry-run' lists leftovers)")
         return False
     try:
         v = seg.view
@@ -72,7 +143,7 @@ def _group_status(args) -> bool:
             return False
         tp, owner = v[H_TP_SIZE], v[H_OWNER_PID]
         print(f"{shm_name}: tp_size={tp} owner pid {owner} "
-              f"({'alive' if pid_alive(owner) else 'exited: stale, reclaimed by the next rank 0'})")
+              f"({'alive' if pid_alive(owner) else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
         print(f"{'rank':>4} {'pid':>8} {'alive':>5} {'received':>9} {'consumed':>9} "
               f"{'barrier gen':>11} {'sleeping':>8}")
         for r in range(tp):
@@ -83,6 +154,31 @@ def _group_status(args) -> bool:
     finally:
         seg.close()
     return True
+
+
+def _clean(args) -> int:
+    from . import cleanup
+
+    found = [item for item in cleanup.scan(args.name, args.dp_id) if item.state != "gone"]
+    stale = [item for item in found if item.stale]
+    removed = [] if args.dry_run else cleanup.remove(stale)
+    removed_paths = {item.path for item in removed}
+    for item in found:
+        if not item.stale:
+            label = "in use  " if item.state == "in use" else "not ours"
+        elif args.dry_run:
+            label = "stale   "
+        else:
+            label = "removed " if item.path in removed_paths else "kept    "
+        print(f"{label} {cleanup.describe(item)}")
+    scope = f"{args.name!r}" if args.name else "fastdeploy_sync"
+    if args.dry_run:
+        print(f"{len(stale)} stale name(s) of {scope} would be removed; "
+              f"{len(found) - len(stale)} in use or not ours (nothing was changed)")
+    else:
+        print(f"removed {len(removed)} stale name(s) of {scope}; "
+              f"{len(found) - len(stale)} in use or not ours, left alone")
+    return 0
 
 
 def _keys(args) -> int:
@@ -96,8 +192,9 @@ def _keys(args) -> int:
     d = paths["dir"]
     print(f"keys written to {d} (mode 0700; secret files 0600)")
     print(f"  engine node : FD_SYNC_KEYS_DIR={d}  (reads server.key_secret, allowed_clients/)")
-    print(f"  worker nodes: copy {paths['server_public']} and {paths['client_secret']} "
-          f"(keep mode 0600) into a directory there and set FD_SYNC_KEYS_DIR to it")
+    print(f"  worker nodes: copy {paths['server_public']}, {paths['client_public']} and "
+          f"{paths['client_secret']} (keep mode 0600) into a directory there and set "
+          f"FD_SYNC_KEYS_DIR to it")
     return 0
 
 
@@ -209,30 +306,82 @@ def _add_profile_parser(sub):
     p.set_defaults(run=_profile)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastdeploy-sync", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fastdeploy-sync",
+                     description="Operate fastdeploy_sync task queues: inspect a TP group "
+                                 "(status), remove what killed processes left (clean), make "
+                                 "CURVE keys (keys), measure task sync per step (profile). "
+                                 "'fastdeploy-sync COMMAND --help' describes each.")
     parser.add_argument("--version", action="version", version=f"fastdeploy_sync {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
     _add_profile_parser(sub)
-    status = sub.add_parser("status", help="show a TP group's per-rank watermarks")
-    status.add_argument("name")
-    status.add_argument("--dp-id", type=int, default=0)
-    status.add_argument("--endpoint", help="the engine's endpoint (default: the node-local "
-                                           "ipc endpoint of NAME and --dp-id)")
+
+    status = sub.add_parser(
+        "status", help="show what the engine and the TP group's shared memory say of every rank",
+        description="Ask the engine of queue NAME (DP group --dp-id) for every rank's state, "
+                    "consumed watermark and silence, and read the node-local TP group's shared "
+                    "memory (owner, each rank's pid, received and consumed watermarks, barrier "
+                    "generation) without joining the group: safe next to a running server. "
+                    "Exit status 0 if the engine or the group was found, 1 if neither.")
+    status.add_argument("name", metavar="NAME", type=_queue_name,
+                        help="the queue name given to TaskQueue/TaskClient (FastDeploy drop-in: "
+                             "fdq<port>)")
+    status.add_argument("--dp-id", type=_dp_id, default=0, metavar="N",
+                        help=f"data-parallel group id, 0..{MAX_DP_ID} (default 0)")
+    status.add_argument("--endpoint", help="the engine's endpoint, e.g. tcp://10.0.0.1:5555 "
+                                           "(default: the node-local ipc endpoint of NAME and "
+                                           "--dp-id)")
     status.add_argument("--keys", metavar="DIR", help="worker keys for a tcp endpoint "
                                                       "(default: FD_SYNC_KEYS_DIR)")
-    status.add_argument("--timeout", type=float, default=2.0,
+    status.add_argument("--timeout", type=_seconds, default=2.0, metavar="S",
                         help="seconds to wait for the engine's answer (default 2)")
+    status.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=None,
+                        metavar="S", help="refresh every S seconds (default 2) until Ctrl-C")
     status.set_defaults(run=_status)
+
+    clean = sub.add_parser(
+        "clean", help="remove shared memory and socket files left by exited processes",
+        description="List the names fastdeploy_sync keeps in /dev/shm (group segments, their "
+                    "semaphores, ack boards, shared batches) and in the private ipc directory "
+                    "(FD_SYNC_IPC_DIR; engine and producer socket files), and remove those whose "
+                    "owner exited (a process killed by SIGKILL or SIGTERM leaves them). Names "
+                    "whose owner is alive, and names of other users, are listed and never "
+                    "touched.")
+    clean.add_argument("name", metavar="NAME", type=_queue_name, nargs="?",
+                       help="only this queue's names (default: every fastdeploy_sync name of "
+                            "this user)")
+    clean.add_argument("--dp-id", type=_dp_id, default=None, metavar="N",
+                       help="only this data-parallel group (default: all)")
+    clean.add_argument("--dry-run", action="store_true",
+                       help="list what would be removed, remove nothing")
+    clean.set_defaults(run=_clean)
+
     keys = sub.add_parser("keys", help="create CURVE keys for tcp:// endpoints",
                           description="Create a server and a client CURVE key pair and the "
                                       "engine's client allowlist in DIR (mode 0700). Refuses to "
                                       "overwrite existing keys unless --force.")
-    keys.add_argument("dir", metavar="DIR")
+    keys.add_argument("dir", metavar="DIR",
+                      help="directory to create the keys in (created with mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing keys")
     keys.set_defaults(run=_keys)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run one command; returns the exit status. Failures print one line on stderr."""
+    from .errors import TaskSyncError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, TaskSyncError) as exc:
+        # Expected failures (permissions, a path too long, a private directory that is not
+        # private...) are the operator's to fix: the message says how; no traceback.
+        print(f"fastdeploy-sync {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ slowest rank's acknowledgement advances, a group is retired or the queue closes.
 I/O thread touches the socket.
 """
 
+import bisect
 import collections
 import itertools
 import json
@@ -73,6 +74,15 @@ _MAX_INBOUND_BYTES = 64 * 1024
 _CLOSE_LINGER_MS = 1000
 # Incarnations of retired groups remembered, to refuse their stragglers precisely.
 _RETIRED_MEMORY = 64
+
+
+# Delivery latency (put -> consumed by every rank) histogram, upper bounds in seconds (the
+# last bucket is +Inf). Fixed, so that observing is one bisect and an add; read by stats().
+DELIVERY_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0)
+# Why a group was retired, by kind: the first keyword of _retire's reason found (metrics).
+RETIREMENT_KINDS = (("silent", "silent"), ("restarted", "rank_restarted"),
+                    ("replaced", "replaced"), ("left", "left"))
 
 
 class LostBatch:
@@ -182,6 +192,10 @@ class TaskQueue:
         self._stop = False  # close() has drained: the I/O thread says CLOSE and exits
         self._counters = collections.Counter()
         self.group_events = queue.SimpleQueue()
+        # Delivery metrics (stats()["delivery_s"]): put time per retained seq, under _mutex
+        self._put_times = {}
+        self._delivery = [0] * (len(DELIVERY_BOUNDS_S) + 1) + [0.0]  # bucket counts, sum
+        self._retirements = collections.Counter()
 
         # libzmq aborts the process when it runs out of fds: fail here, cleanly, instead
         ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
@@ -309,6 +323,7 @@ class TaskQueue:
                 seq = self._next_seq
                 self._next_seq += 1
                 self._retained[seq] = (frames, check)
+                self._put_times[seq] = time.monotonic()
                 if shared is not None:
                     self._shared[seq] = shared
         except BaseException:
@@ -353,12 +368,19 @@ class TaskQueue:
     def stats(self) -> dict:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
         ``pings``, ``sent``, ``groups_retired``...), the last seq put, every rank's consumed
-        seq and state (see ``ranks()``), the group's incarnation. Cheap; for logs."""
+        seq and state (see ``ranks()``), the group's incarnation; ``retirements``: retired
+        groups by kind (``silent``, ``rank_restarted``, ``replaced``, ``left``, ``other``);
+        ``delivery_s``: the put -> consumed-by-every-rank latency histogram ``{"bounds":
+        upper bounds in s, "counts": per bucket (the last is +Inf), "sum": s, "count": n}``.
+        Cheap; for logs and metrics (``fastdeploy_sync.metrics``)."""
         with self._mutex:
             self._read_board()
             out = dict(self._counters)
             out.update(last_seq=self._next_seq - 1, consumed=list(self._consumed),
-                       retained=len(self._retained))
+                       retained=len(self._retained), retirements=dict(self._retirements),
+                       delivery_s={"bounds": list(DELIVERY_BOUNDS_S),
+                                   "counts": self._delivery[:-1], "sum": self._delivery[-1],
+                                   "count": sum(self._delivery[:-1])})
             group = self._group
         out["group"] = f"{group.incarnation:016x}" if group else None
         out["ranks"] = self.ranks()
@@ -469,7 +491,12 @@ class TaskQueue:
         self._consumed[rank] = seq
         low = min(self._consumed)
         if low > low_before:
+            now = time.monotonic()
             for s in range(low_before + 1, low + 1):
+                put_at = self._put_times.pop(s, None)
+                if put_at is not None:  # delivered to every rank: one observation
+                    self._delivery[bisect.bisect_left(DELIVERY_BOUNDS_S, now - put_at)] += 1
+                    self._delivery[-1] += now - put_at
                 self._retained.pop(s, None)
                 self._release_shared(s)  # every rank mapped it when it received it
             self._not_full.notify_all()
@@ -754,6 +781,7 @@ class TaskQueue:
                         seq, status = self._next_seq, codec.P_ACCEPTED
                         self._next_seq += 1
                         self._retained[seq] = (frames, h.check)
+                        self._put_times[seq] = now
                     elif now >= deadline:
                         seq, status = 0, codec.P_TIMEOUT
                     else:
@@ -945,6 +973,8 @@ class TaskQueue:
             unfinished = [(seq, frames, tuple(r for r, c in enumerate(consumed) if c >= seq))
                           for seq, (frames, _) in self._retained.items() if seq > low]
             self._retained.clear()
+            self._put_times.clear()  # never delivered to every rank: not a delivery
+            self._retirements[next((k for w, k in RETIREMENT_KINDS if w in reason), "other")] += 1
             # taken out now: batches put after this lock is released belong to the next group
             dropped = {seq: self._shared.pop(seq) for seq in list(self._shared)}
             self._base = self._next_seq - 1

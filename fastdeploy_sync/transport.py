@@ -36,6 +36,7 @@ __all__ = [
     "private_dir",
     "check_private_dir",
     "claim_ipc_path",
+    "ipc_listener_alive",
     "secure_socket_file",
     "check_ipc_endpoint",
     "ensure_free_fds",
@@ -175,6 +176,20 @@ def claim_ipc_path(path: str) -> None:
     except FileNotFoundError:
         return
     _check_own_socket(path, st)
+    if not ipc_listener_alive(path):
+        unlink_quietly(path)  # stale: left by a crashed or killed engine
+        return
+    raise EndpointInUseError(
+        f"ipc://{path} is in use by a live TaskQueue; pick another name or dp_id, "
+        f"or stop the other engine first")
+
+
+def ipc_listener_alive(path: str) -> bool:
+    """True if a process listens on the unix socket ``path`` (a connect is accepted), False
+    if the file is a leftover (connection refused) or gone. Blocks at most 1 s.
+
+    libzmq leaves the socket file behind when its owner exits, so the file's existence says
+    nothing; only a listener accepting says the owner is alive. Other errors propagate."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -182,13 +197,10 @@ def claim_ipc_path(path: str) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
             raise
-        unlink_quietly(path)  # stale: left by a crashed or killed engine
-        return
+        return False
     finally:
         probe.close()
-    raise EndpointInUseError(
-        f"ipc://{path} is in use by a live TaskQueue; pick another name or dp_id, "
-        f"or stop the other engine first")
+    return True
 
 
 def secure_socket_file(path: str) -> None:

@@ -7,6 +7,9 @@ counts the round trips), in the same run.
     python scripts/bench_sync.py [--iters 5000]
 
 Section 6 measures the StepProfiler's own cost per step (FD_SYNC_PROFILE=1).
+``--metrics-hz HZ`` registers a fastdeploy_sync.metrics collector on every engine queue of
+sections 1-3 and scrapes it HZ times a second from a thread of the engine's process (a
+Prometheus server scrapes every 15 s or so: a high rate magnifies the cost).
 
 Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
 manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
@@ -14,7 +17,9 @@ compare the ratios printed in the same run. Nothing here asserts a timing.
 """
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import threading
 import os
 import random
 import sys
@@ -47,6 +52,35 @@ def timed_calls(fn, iters, warmup=200):
 
 def timer_overhead(iters=20000):
     return pct(timed_calls(lambda: None, iters), 50)
+
+
+@contextlib.contextmanager
+def scraped(queue):
+    """With BENCH_METRICS_HZ set (by --metrics-hz, inherited by the engine processes): a
+    metrics collector on ``queue``, scraped that often by a thread until the block ends."""
+    hz = float(os.environ.get("BENCH_METRICS_HZ") or 0)
+    if hz <= 0:
+        yield
+        return
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fastdeploy_sync.metrics import register
+
+    registry = CollectorRegistry()
+    register(registry, queue)
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.wait(1.0 / hz):
+            generate_latest(registry)
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 # -- helper processes (module level so that spawn can import them) ---------------------------
@@ -137,7 +171,7 @@ def bench_exist(iters):
     for mode, async_prefetch in (("async", True), ("sync", False)):
         name = "bx" + uuid.uuid4().hex[:8]
         ready, stop = SPAWN.Event(), SPAWN.Event()
-        with TaskQueue(name, 2):
+        with TaskQueue(name, 2) as queue, scraped(queue):
             p = SPAWN.Process(target=hold_rank, args=(name, 2, 1, async_prefetch, ready, stop))
             p.start()
             try:
@@ -170,7 +204,7 @@ def make_requests(n=64, tokens=512, as_list=False):
 def engine_on_demand(name, conn):
     """The engine in its own process (as in a real server): puts one batch per request."""
     batch = make_requests()
-    with TaskQueue(name, 1, max_inflight=4) as queue:
+    with TaskQueue(name, 1, max_inflight=4) as queue, scraped(queue):
         conn.send(True)
         while conn.recv():
             conn.send(queue.put_tasks(batch, timeout=10))
@@ -253,7 +287,7 @@ def bench_barrier_together(iters):
     for mode, async_prefetch in (("async", True), ("sync", False)):
         name = "bb" + uuid.uuid4().hex[:8]
         out = SPAWN.Queue()
-        with TaskQueue(name, 2):
+        with TaskQueue(name, 2) as queue, scraped(queue):
             with TaskClient(name, 2, 0, async_prefetch=async_prefetch) as client:
                 p = SPAWN.Process(target=barrier_rank, args=(name, 1, async_prefetch, iters, 0, out))
                 p.start()
@@ -351,12 +385,18 @@ def main():
     ap.add_argument("--iters", type=int, default=5000)
     ap.add_argument("--sections", default="1,2,3,4,5,6",
                     help="comma-separated section numbers to run (default: all)")
+    ap.add_argument("--metrics-hz", type=float, default=0,
+                    help="scrape a metrics collector on each engine queue of sections 1-3 "
+                         "this many times a second (default 0: no collector)")
     args = ap.parse_args()
+    if args.metrics_hz:
+        os.environ["BENCH_METRICS_HZ"] = str(args.metrics_hz)
     n = args.iters
     want = {int(x) for x in args.sections.split(",")}
     print(f"fastdeploy_sync micro-benchmark, python {sys.version.split()[0]}, "
           f"{os.cpu_count()} cores, {n} iterations; perf_counter_ns overhead "
-          f"{timer_overhead():.2f} us (included below)")
+          f"{timer_overhead():.2f} us (included below)"
+          + (f"; metrics scraped {args.metrics_hz:g}/s" if args.metrics_hz else ""))
     sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6]
     for k, section in enumerate(sections, 1):
         if k in want:

@@ -1,7 +1,11 @@
 """fastdeploy-sync status: read a live group's watermarks without joining it."""
 
+import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from fastdeploy_sync import TaskQueue
 
@@ -65,3 +69,99 @@ def test_status_of_no_group(name):
     out = _status(name, "--timeout", "0.5")
     assert out.returncode == 1
     assert "no TaskQueue answered" in out.stdout and "no node-local group segment" in out.stdout
+
+
+# -- the command line itself: help everywhere, one-line errors, status without an engine --
+
+def _cli(*argv, timeout=30):
+    return subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _actions(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                yield "subcommand " + choice.dest, choice.help
+            for sub_name, sub in action.choices.items():
+                yield from ((f"{sub_name} {what}", text) for what, text in _actions(sub))
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield "option " + "/".join(action.option_strings or [action.dest]), action.help
+
+
+def test_every_subcommand_and_option_has_help():
+    from fastdeploy_sync.cli import build_parser
+
+    parser = build_parser()
+    items = list(_actions(parser))
+    assert len(items) > 20  # the walk found the subcommands' options
+    missing = [what for what, text in items if not text or not text.strip()]
+    assert not missing, missing
+    subs = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"][0]
+    for name in ("status", "clean", "keys", "profile"):
+        assert subs.choices[name].description, f"{name} has no description"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["status", "bad/name"], "NAME 'bad/name'"),
+    (["status", "x", "--dp-id", "5000"], "--dp-id: 5000"),
+    (["status", "x", "--timeout", "-1"], "--timeout"),
+    (["clean", ".hidden"], "NAME '.hidden'"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_usage_errors_are_one_line_with_exit_status_2(argv, says):
+    out = _cli(*argv)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr and says in lines[0] and "--help" in lines[0]
+
+
+def test_runtime_error_is_one_line_without_traceback(tmp_path):
+    """A private ipc directory that is not private: the command says what to do, exit 1."""
+    loose = tmp_path / "ipc"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    out = subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "status", "x"],
+                         capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, FD_SYNC_IPC_DIR=str(loose)))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "chmod 700" in out.stderr
+
+
+def test_status_says_plainly_that_no_engine_answered(name):
+    out = _status(name, "--timeout", "0.3")
+    assert out.returncode == 1
+    assert out.stdout.startswith("no engine answered: ")
+    assert "whole story" not in out.stdout
+    assert f"nothing of {name!r} dp 0 runs on this node" in out.stdout
+
+
+def test_status_watch_refreshes_until_interrupted(name, procs, results):
+    import signal
+
+    with TaskQueue(name, 2):
+        for rank in range(2):
+            procs(hold_group_rank, results, rank, name, 2, 5.0)
+        collect(results, "ready", 2)
+        # SIGINT as in a terminal (a shell running the suite in the background would hand
+        # the child SIGINT ignored)
+        watch = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                                  "--watch", "0.2"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            time.sleep(2.0)
+        finally:
+            watch.send_signal(signal.SIGINT)
+            stdout, stderr = watch.communicate(timeout=20)
+    assert watch.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    snapshots = stdout.count(f"fastdeploy-sync status {name} --dp-id 0")
+    assert snapshots >= 3, stdout
+    # every snapshot but perhaps the one Ctrl-C cut short shows the engine's view
+    assert stdout.count(f"engine {name!r} dp_id=0 tp_size=2") >= snapshots - 1

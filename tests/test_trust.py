@@ -132,9 +132,9 @@ def test_a_worker_with_the_wrong_keys_raises_and_never_unpickles(name, keys, pro
         assert raised["cause"] == "AuthenticationError", raised
         assert raised["taken"] == []
         if who == "stranger":
-            assert "refused this worker's key" in raised["message"]
+            assert "refused this worker's public key" in raised["message"]
         else:
-            assert "is not the engine whose key you pinned" in raised["message"]
+            assert "hung up on this worker's CURVE handshake, which pins" in raised["message"]
         assert queue.stats()["consumed"] == [0]
 
 

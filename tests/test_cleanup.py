@@ -1,0 +1,243 @@
+"""Names left by processes that exited: SIGTERM with install_signal_cleanup() leaves none,
+``fastdeploy-sync clean`` removes what SIGKILL/SIGTERM left and never a live owner's or
+another user's names. Real engine and worker processes; every wait is bounded."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import posix_ipc
+import pytest
+
+from fastdeploy_sync import envs
+
+from workers import wait_until
+
+PROCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cleanup_procs.py")
+
+
+def _names(name):
+    """Every file of queue ``name`` in /dev/shm and in the ipc directory."""
+    return sorted(glob.glob(f"/dev/shm/*fdsync.{name}.*")
+                  + glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{name}-*")))
+
+
+def _expected(name):
+    """What a live TP=2 group with a shared batch holds (the batch's name has the engine's
+    pid: matched by prefix)."""
+    shm = [f"/dev/shm/fdsync.{name}.dp0", f"/dev/shm/fdsync.{name}.dp0.acks",
+           f"/dev/shm/sem.fdsync.{name}.dp0.w0", f"/dev/shm/sem.fdsync.{name}.dp0.w1"]
+    ipc = [os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp0.ipc"),
+           os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp0.put.ipc")]
+    return shm + ipc
+
+
+class Group:
+    """An engine and two worker processes of queue ``name``."""
+
+    def __init__(self, name, handler):
+        extra = ["--handler"] if handler else []
+        self.name = name
+        self.procs = {}
+        try:
+            self.procs["engine"] = self._start("engine", extra)
+            self._ready("engine")
+            for rank in ("rank0", "rank1"):
+                self.procs[rank] = self._start(rank, extra)
+            for rank in ("rank0", "rank1"):
+                self._ready(rank)
+            # both ranks received both batches: the shared batch exists, nothing was taken
+            assert wait_until(lambda: set(_expected(name)) <= set(_names(name))
+                              and any(".dp0.b" in n for n in _names(name)), 20), _names(name)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _start(self, role, extra):
+        return subprocess.Popen([sys.executable, PROCS, role, self.name, *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def _ready(self, role):
+        p = self.procs[role]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()  # the child prints "ready" or dies (EOF)
+            if line.strip() == "ready":
+                return
+            if not line:
+                break
+        raise AssertionError(f"{role} not ready: {p.poll()} {p.stderr.read() if p.poll() is not None else ''}")
+
+    def signal(self, signum):
+        for p in self.procs.values():
+            p.send_signal(signum)
+        return {role: p.wait(timeout=30) for role, p in self.procs.items()}
+
+    def kill(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+            p.stdout.close()
+            p.stderr.close()
+
+
+def _clean(*argv):
+    return subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "clean", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_sigterm_with_the_handler_installed_leaves_nothing(name):
+    group = Group(name, handler=True)
+    try:
+        codes = group.signal(signal.SIGTERM)
+    finally:
+        group.kill()
+    assert codes == {"engine": 128 + signal.SIGTERM, "rank0": 128 + signal.SIGTERM,
+                     "rank1": 128 + signal.SIGTERM}, codes
+    assert _names(name) == []
+
+
+def test_clean_removes_what_sigterm_left(name):
+    """Without the handler SIGTERM's default action kills at once: the names stay, status
+    calls them stale, clean --dry-run lists them, clean removes every one."""
+    group = Group(name, handler=False)
+    try:
+        codes = group.signal(signal.SIGTERM)
+    finally:
+        group.kill()
+    assert set(codes.values()) == {-signal.SIGTERM}
+    left = _names(name)
+    assert set(_expected(name)) <= set(left) and any(".dp0.b" in n for n in left), left
+    dry = _clean(name, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert _names(name) == left  # nothing changed
+    for path in left:
+        assert f"stale    {path}" in dry.stdout, (path, dry.stdout)
+    done = _clean(name)
+    assert done.returncode == 0, done.stderr
+    assert f"removed {len(left)} stale name(s) of {name!r}" in done.stdout, done.stdout
+    assert _names(name) == []
+
+
+def test_clean_removes_a_killed_group_and_refuses_a_live_ones_names(name):
+    killed, live = name + "k", name
+    dead = Group(killed, handler=False)
+    try:
+        dead.signal(signal.SIGKILL)
+    finally:
+        dead.kill()
+    assert set(_expected(killed)) <= set(_names(killed))
+    group = Group(live, handler=True)
+    try:
+        before = _names(live)
+        out = _clean(live)
+        assert out.returncode == 0, out.stderr
+        assert _names(live) == before, out.stdout  # a live group's names are never removed
+        for path in before:
+            assert f"in use   {path}" in out.stdout, (path, out.stdout)
+        assert "removed 0 stale name(s)" in out.stdout
+        # the live group still works: its engine answers and its segment is intact
+        status = subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "status", live],
+                                capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0 and "tp_size=2" in status.stdout, status.stdout
+        out = _clean(killed)
+        assert out.returncode == 0, out.stderr
+        assert _names(killed) == [], out.stdout
+        assert _names(live) == before
+    finally:
+        codes = group.signal(signal.SIGTERM)
+        group.kill()
+    assert set(codes.values()) == {128 + signal.SIGTERM}
+    assert _names(live) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file of another uid")
+def test_another_users_names_are_never_touched(name):
+    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0", posix_ipc.O_CREX, mode=0o600, size=4096)
+    sem = posix_ipc.Semaphore(f"/fdsync.{name}.dp0.w0", posix_ipc.O_CREX, mode=0o600)
+    try:
+        os.fchown(seg.fd, 4242, 4242)
+        os.chown(f"/dev/shm/sem.fdsync.{name}.dp0.w0", 4242, 4242)
+        out = _clean(name)
+        assert out.returncode == 0, out.stderr
+        assert f"not ours /dev/shm/fdsync.{name}.dp0 " in out.stdout, out.stdout
+        assert f"not ours /dev/shm/sem.fdsync.{name}.dp0.w0 " in out.stdout, out.stdout
+        assert "owned by uid 4242" in out.stdout
+        assert os.path.exists(f"/dev/shm/fdsync.{name}.dp0")
+        assert os.path.exists(f"/dev/shm/sem.fdsync.{name}.dp0.w0")
+    finally:
+        seg.close_fd()
+        posix_ipc.unlink_shared_memory(seg.name)
+        sem.close()
+        posix_ipc.unlink_semaphore(f"/fdsync.{name}.dp0.w0")
+
+
+def test_a_segment_being_created_is_kept_until_it_is_old(name):
+    """A creator writes the owner pid right after creating: a segment without it is kept
+    while it is young, and counts as stale once it has not changed for CREATING_GRACE_S."""
+    from fastdeploy_sync.cleanup import CREATING_GRACE_S
+
+    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.acks", posix_ipc.O_CREX, mode=0o600,
+                                 size=4096)
+    seg.close_fd()
+    path = f"/dev/shm/fdsync.{name}.dp0.acks"
+    try:
+        out = _clean(name)
+        assert "in use   " + path in out.stdout and "being created" in out.stdout, out.stdout
+        assert os.path.exists(path)
+        old = time.time() - CREATING_GRACE_S - 5
+        os.utime(path, (old, old))
+        out = _clean(name)
+        assert "removed  " + path in out.stdout and "owner never written" in out.stdout, out.stdout
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            posix_ipc.unlink_shared_memory(f"/fdsync.{name}.dp0.acks")
+
+
+def test_importing_the_library_takes_no_signal_and_no_prometheus():
+    # compared with what the process had before the import: a shell running this suite in
+    # the background hands its children SIGINT ignored
+    code = ("import signal, sys; before = [signal.getsignal(s) for s in (signal.SIGTERM, "
+            "signal.SIGINT)]; import fastdeploy_sync; "
+            "print([signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before, "
+            "before[0] is signal.SIG_DFL, 'prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True", "False"], out.stdout + out.stderr
+
+
+def test_install_signal_cleanup_chains_the_previous_handler(tmp_path):
+    marker = tmp_path / "previous-ran"
+    code = f"""
+import signal, sys, time
+def previous(signum, frame):
+    open({str(marker)!r}, "w").write(str(signum))
+signal.signal(signal.SIGTERM, previous)
+from fastdeploy_sync import install_signal_cleanup
+restore = install_signal_cleanup()
+restore()
+assert signal.getsignal(signal.SIGTERM) is previous
+install_signal_cleanup()
+try:
+    print("ready", flush=True)
+    time.sleep(60)
+finally:
+    print("unwound", flush=True)
+"""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        rest, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert marker.read_text() == str(int(signal.SIGTERM))
+    assert rest.strip() == "unwound"  # finally blocks ran: normal interpreter shutdown

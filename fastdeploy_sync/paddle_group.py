@@ -51,6 +51,8 @@ fleet's init) before building a TaskClient with ``coordinator="paddle"``.
 
 import hashlib
 import os
+
+import numpy as np
 import queue
 import re
 import secrets
@@ -211,6 +213,14 @@ class PaddleTPGroup:
         tensor = paddle.to_tensor([mine], dtype="int64")
         self._all_reduce(tensor, dist.ReduceOp.MAX, None, "building the group")
         self.incarnation = int(tensor.numpy()[0])
+        # One tensor for every step, written and read through a numpy view of its memory:
+        # gloo's all-reduce of a freshly made tensor cost ~370 µs more than of a reused one
+        # here (2 ranks on loopback: 570 vs 200 µs p50), about twice the collective itself.
+        self._step_tensor = paddle.to_tensor([0, 0], dtype="int64")
+        try:
+            self._step_view = np.from_dlpack(self._step_tensor)
+        except Exception:  # a paddle or numpy without DLPack: a fresh tensor per step
+            self._step_view = None
 
     def publish_received(self, seq):
         self._received = seq
@@ -254,9 +264,15 @@ class PaddleTPGroup:
             offer = self._offer[1] if self._offer and self._offer[0] == gen else self._consumed
         else:
             offer = self._received
-        tensor = self._paddle.to_tensor([offer, self._consumed], dtype="int64")
-        self._all_reduce(tensor, self._dist.ReduceOp.MIN, timeout, f"barrier {gen}")
-        upto, self._min_consumed = (int(x) for x in tensor.numpy())
+        view = self._step_view
+        if view is not None:
+            view[0], view[1] = offer, self._consumed
+            self._all_reduce(self._step_tensor, self._dist.ReduceOp.MIN, timeout, "barrier", gen)
+            upto, self._min_consumed = int(view[0]), int(view[1])
+        else:
+            tensor = self._paddle.to_tensor([offer, self._consumed], dtype="int64")
+            self._all_reduce(tensor, self._dist.ReduceOp.MIN, timeout, "barrier", gen)
+            upto, self._min_consumed = (int(x) for x in tensor.numpy())
         # every rank has taken the same (consumed is equal everywhere), so "from" agrees
         self._decision = (gen, self._consumed, upto) if upto > self._consumed else None
         self.gen = gen
@@ -278,7 +294,9 @@ class PaddleTPGroup:
 
     # -- the collective, bounded and in the library's terms ------------------------------
 
-    def _all_reduce(self, tensor, op, timeout, what):
+    def _all_reduce(self, tensor, op, timeout, what, gen=None):
+        if gen is not None:
+            what = f"{what} {gen}"
         if self._broken is not None:
             raise type(self._broken)(
                 f"TP rank {self.tp_rank} on {self._node}: {what} refused: this paddle TP "

@@ -662,6 +662,13 @@ class EngineWorkerQueue:
         timeout = envs.connect_timeout_s() if connect_timeout is None else float(connect_timeout)
         group = self._choose_coordinator(endpoint or self._name)
         self.coordinator = "shm" if group == "shm" else "paddle"
+        if self.coordinator == "paddle":
+            from .paddle_group import PaddleTPGroup
+
+            # all_client_read is _PaddleBoard's: the step's collective needs the offer only
+            group = PaddleTPGroup(self.num_client, self.client_id,
+                                  group=None if group == "paddle" else group,
+                                  track_consumed=False)
         self._client = TaskClient(self._name, self.num_client, self.client_id, dp_id=dp_id,
                                   endpoint=endpoint, external_barrier=group == "shm",
                                   coordinator=group, keys_dir=keys_dir)

@@ -181,9 +181,13 @@ class PaddleTPGroup:
     ``GLOO_TIMEOUT_S`` of each other) that agrees on ``incarnation``: a random non-zero
     63-bit int chosen by rank 0, identical on every rank, different for every construction.
     Raises ``PeerLostError``/``BarrierTimeoutError`` as ``barrier()`` does.
+
+    ``track_consumed=False`` reduces the offer alone (one int64 instead of two, ~25 µs
+    less per step here) for a caller that does not use ``all_consumed()`` (it then always
+    says False): the FastDeploy drop-in, whose ``all_client_read`` is decided otherwise.
     """
 
-    def __init__(self, tp_size: int, tp_rank: int, group=None):
+    def __init__(self, tp_size: int, tp_rank: int, group=None, track_consumed: bool = True):
         import paddle
         import paddle.distributed as dist
 
@@ -216,7 +220,8 @@ class PaddleTPGroup:
         # One tensor for every step, written and read through a numpy view of its memory:
         # gloo's all-reduce of a freshly made tensor cost ~370 µs more than of a reused one
         # here (2 ranks on loopback: 570 vs 200 µs p50), about twice the collective itself.
-        self._step_tensor = paddle.to_tensor([0, 0], dtype="int64")
+        self._track_consumed = bool(track_consumed)
+        self._step_tensor = paddle.to_tensor([0, 0] if track_consumed else [0], dtype="int64")
         try:
             self._step_view = np.from_dlpack(self._step_tensor)
         except Exception:  # a paddle or numpy without DLPack: a fresh tensor per step
@@ -241,7 +246,7 @@ class PaddleTPGroup:
         self._consumed = seq
 
     def all_consumed(self, seq):
-        return self._min_consumed >= seq
+        return self._track_consumed and self._min_consumed >= seq
 
     def barrier(self, timeout=None, service=None, check=None):
         """One ``all_reduce(MIN)`` across the TP ranks; blocks until every rank joins it.
@@ -265,7 +270,11 @@ class PaddleTPGroup:
         else:
             offer = self._received
         view = self._step_view
-        if view is not None:
+        if view is not None and not self._track_consumed:
+            view[0] = offer
+            self._all_reduce(self._step_tensor, self._dist.ReduceOp.MIN, timeout, "barrier", gen)
+            upto = int(view[0])
+        elif view is not None:
             view[0], view[1] = offer, self._consumed
             self._all_reduce(self._step_tensor, self._dist.ReduceOp.MIN, timeout, "barrier", gen)
             upto, self._min_consumed = int(view[0]), int(view[1])

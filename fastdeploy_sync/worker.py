@@ -67,6 +67,8 @@ def _make_group(name, dp_id, tp_size, tp_rank, coordinator):
 
     if coordinator == "paddle":
         return PaddleTPGroup(tp_size, tp_rank)
+    if isinstance(coordinator, PaddleTPGroup):  # built by the caller (its own options)
+        return coordinator
     if isinstance(coordinator, str):
         raise ValueError(f"coordinator={coordinator!r}: expected 'shm', 'paddle' or a "
                          f"paddle.distributed group")

@@ -21,7 +21,7 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
     engine's producer (FastDeploy's ``client_id=0`` instance in ``start_queue_service``);
     it puts into the server's queue of group ``local_data_parallel_id`` directly.
   * ``is_server=False`` anywhere else: TP rank ``client_id`` of DP group
-    ``local_data_parallel_id``, a ``TaskClient(external_barrier=True)``.
+    ``local_data_parallel_id``, a ``TaskClient`` (``external_barrier=True`` on one node).
   * ``is_server=False`` with ``role="engine"`` (or ``FD_SYNC_QUEUE_ROLE=engine`` in that
     process's environment) in another process of the server's node (FastDeploy's
     per-DP-rank engine processes): a ``TaskProducer`` on the server's queue of group
@@ -29,8 +29,9 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
     arguments for such a client are the same as a TP rank 0's, so the role must be said:
     without it the client is taken for a worker. Give it the server's ``max_inflight``.
   ``role="engine"`` / ``role="worker"`` overrides the guess.
-  The TP ranks of one DP group must share a node (their coordination is node-local
-  shared memory, as ``TaskClient``'s default coordinator); the engine may be elsewhere.
+  The TP ranks of one DP group may share a node (coordination through node-local shared
+  memory) or span nodes (through paddle.distributed; see "Across nodes" below); the
+  engine may be elsewhere.
 
 Addresses. ``address[0] == "0.0.0.0"`` means one node (FastDeploy's convention): group i
 is served on the private ``ipc://`` endpoint of name ``fdq<port>`` and dp_id i (no TCP
@@ -57,21 +58,40 @@ j-th ``get_tasks()`` takes decision j (see ``TaskClient``, ``external_barrier``)
 rank takes the same batches at the same step provided every rank calls ``get_tasks()``
 the same number of times, which FastDeploy's loop does (all ranks call it iff the signal
 rank 0 set before the barrier is set). Our ``barrier()`` is not required. The caller's
-contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` every step before the
-barrier, and each step has a second sync point after the signal is read (the model
+contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` or ``num_tasks()``
+every step before the barrier (either latches; a decision any rank began reading is never
+re-latched, so a later ``num_tasks()`` that only reads is harmless), and each step has a second sync point after the signal is read (the model
 step's TP collective, or the idle branch's barrier); without the latter rank 0 can set
 the next step's signal before a slow rank read this step's, and the loop races on its own
 signal. A rank that then calls ``get_tasks()`` more often than rank 0 announced raises
-``ProtocolError`` (see ``_GroupBoard.last_reader``).
+``ProtocolError`` naming the rule and the fix (see ``_GroupBoard.last_reader``).
+
+Across nodes. With an address other than ``0.0.0.0`` and paddle.distributed initialised,
+the workers find out with one all_gather at construction whether their TP group's ranks
+share a node (``FD_SYNC_TP_COORDINATOR=auto``, the default; ``shm``/``paddle`` force it).
+A spanning group follows FastDeploy's ``nnode > 1`` loop: ``read_finish_flag.get()`` is
+the step's one paddle all-reduce and returns 1 on every rank iff the group takes a batch
+this step (see ``_ReadFinishFlag``, ``_PaddleBoard``).
+
+Pipelining. The engine side's ``exist_tasks()`` is "``put_tasks()`` would wait"
+(``num_tasks() >= max_inflight``): FastDeploy's meaning at the default ``max_inflight=1``;
+a server built with ``max_inflight=k`` lets FastDeploy's unchanged engine loop put k
+batches ahead. The worker loop already takes a list of batches per ``get_tasks()`` in put
+order (the last ``bsz`` is the newest allocation), so FastDeploy's scheduler, which
+allocates at put time, stays right.
+
+Losing the worker group. The engine side's ``exist_tasks()``/``put_tasks()``/
+``num_tasks()`` raise ``GroupLostError`` (ranks, why, ``.unfinished`` batches) within the
+heartbeat bound when the group is lost, until a new group is connected (``_GroupWatch``).
 
 Where FastDeploy's semantics are not kept (each would break step consistency or
 security, or is not part of the task path):
   * A rank cannot re-read the current batch: ``get_tasks()`` is a take, not a peek; a
     rank calling it more often than its peers gets ``ProtocolError`` (at TP > 1, on its
     next call) instead of diverging.
-  * ``exist_tasks()`` is derived, not a stored flag: on the engine, "some batch is not
-    yet taken by every rank"; on worker rank 0, "every rank holds a batch not yet taken"
-    (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
+  * ``exist_tasks()`` is derived, not a stored flag: on the engine, "``max_inflight``
+    batches are not yet taken by every rank"; on worker rank 0, "every rank holds a batch
+    not yet taken" (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
     ``set_exist_tasks(False)`` with batches pending raises ``ValueError`` (use
     ``clear_data()``).
   * ``clear_data()`` on the engine retires the pending batches consistently (below); on

@@ -31,7 +31,13 @@ import os
 import threading
 import time
 
-import numpy as np
+# One BLAS thread per process, as the profiler runs its children: the simulated model step
+# stands for a GPU launch and wait, and multithreaded BLAS spinning on 2 shared cores would
+# starve every other process (measured: the sync drop-in fell to 40-60 batches/s).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
 
 EXIST, EMPTY = 1, 0
 STOP = "stop"
@@ -50,6 +56,9 @@ class _FDManagerAdapter:
 
     def exist_tasks(self):
         return self.q.exist_tasks()
+
+    def num_tasks(self):
+        return self.q.num_tasks()
 
     def get_tasks(self):
         return self.q.get_tasks()

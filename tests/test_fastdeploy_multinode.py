@@ -71,7 +71,8 @@ def start_node(node, ranks):
                             start_new_session=True)
 
 
-def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeout=150):
+def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeout=150,
+                  every_control=0):
     """``layout``: node index of each TP rank (same for every DP group). Runs FastDeploy's
     engine loop per DP group in this process (the engine's node) and returns the ranks'
     reports by (dp, rank)."""
@@ -86,9 +87,11 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
             for r in range(tp):
                 per_node.setdefault(layout[r], []).append(dict(
                     world_rank=d * tp + r, endpoints=endpoints, tp=tp, dp=d, rank=r,
-                    address=address, name=name, shape=shape, sync=sync))
+                    address=address, name=name, shape=shape, sync=sync,
+                    deadline_s=timeout - 20))
         nodes = [start_node(f"fdnode{i}", ranks) for i, ranks in sorted(per_node.items())]
-        put = {d: batches(d, n) for d in range(dp)}
+        put = {d: batches(d, n, every_control=every_control, array_len=8 if n > 1000 else 64)
+               for d in range(dp)}
         errors = []
 
         def engine(d):

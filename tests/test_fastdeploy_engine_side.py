@@ -93,13 +93,15 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
             engine.num_tasks()
         unfinished = [b.tasks for b in info.value.unfinished]
         assert batches(0, 4)[3][0][0]["id"] in [u[0][0]["id"] for u in unfinished], unfinished
-        # the survivor of the old group stops on its own (its barrier or engine error)
-        while True:
-            kind, rank, payload = results.get(timeout=60)
-            if kind == "error":
-                break
+        # the survivor of the old group: killed too (a process killed inside the loop's
+        # multiprocessing barrier can leave its lock held, and the survivor would wait on
+        # it forever); the new group's rank 0 reclaims the old group's shared memory
+        os.kill(pids[1 - killed], signals.SIGKILL)
         # recovery: a new group; once it is connected the engine loop works again
-        keep2, _ = _start_group(procs, results, address, name, tp)
+        # the new group reports on its own queue (the old survivor may still have said
+        # something on the first before it was killed)
+        results2 = SPAWN.Queue()
+        keep2, _ = _start_group(procs, results2, address, name, tp)
         _wait_connected(engine, tp)
         for b in batches(0, 2):
             while engine.exist_tasks():
@@ -108,7 +110,7 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
         engine.put_tasks(STOP, timeout=10)
         got = {}
         while len(got) < tp:
-            kind, rank, payload = results.get(timeout=60)
+            kind, rank, payload = results2.get(timeout=60)
             assert kind == "ok", payload
             got[rank] = payload
         assert got[0] == got[1]

@@ -9,6 +9,7 @@ process killed by SIGKILL, or by SIGTERM's default action, runs none of that and
   ``/dev/shm/fdsync.NAME.dpN.acks``       the engine's ack board
   ``/dev/shm/fdsync.NAME.dpN.fd``         the drop-in's group board (+ ``sem.….fd.lock``)
   ``/dev/shm/fdsync.NAME.dpN.b<K>.<pid>`` a large batch the engine ``pid`` shared
+  ``/dev/shm/fdsync.NAME.dpN.bp<K>.<pid>`` the pool the engine ``pid`` writes them into
   ``IPC_DIR/fdsync-NAME-dpN.ipc``         the engine's socket file (``.put.ipc``: its
                                           producer endpoint)
 
@@ -54,10 +55,10 @@ _SHM_DIR = "/dev/shm"
 # this long after its last change.
 CREATING_GRACE_S = 60.0
 
-# fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>]; NAME may contain dots: the greedy NAME takes the
-# last ".dpN" that a known suffix follows.
+# fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>|.bp<K>.<pid>]; NAME may contain dots: the greedy
+# NAME takes the last ".dpN" that a known suffix follows.
 _SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
-                         r"(?P<kind>|\.acks|\.fd|\.b\d+\.(?P<pid>\d+))\Z")
+                         r"(?P<kind>|\.acks|\.fd|\.bp?\d+\.(?P<pid>\d+))\Z")
 _SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)(?P<kind>\.w\d+|\.fd\.lock)\Z")
 _SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put)\.ipc\Z")
 

@@ -12,8 +12,10 @@ in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
 
 Node-local engines put the data region of a large batch in shared memory instead of a
 frame (``payload_shm``): ``encode_parts()`` collects the buffers without copying them,
-the engine writes them once into the segment, and the worker hands its read-only mapping
-to ``decode_payload()`` as the data frame (same checks, same checksum).
+the engine writes them once (``EncodedPayload.write_data``), and the worker hands its
+read-only mapping to ``decode_payload()`` as the data frame (the same structure checks;
+the message's checksum covers the body and the reference to the shared bytes, see
+``payload_shm``).
 
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
@@ -34,10 +36,13 @@ choosing can still crash the worker or run code in it (``scripts/fuzz_codec.py
 authenticate peers with ZeroMQ CURVE, ipc sockets are protected by file permissions.
 """
 
-import array
+import copyreg
+import io
+import itertools
 import pickle
 import struct
 
+import numpy as np
 import xxhash
 
 from .errors import ProtocolError
@@ -84,7 +89,7 @@ HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = se
 #            frames[1] = the queue name
 DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
 #           payload (encode_payload), or [body, reference] when a node-local engine put
-#           the arrays in shared memory (payload_shm; check covers the shared bytes)
+#           the arrays in shared memory (payload_shm; check covers body and reference)
 ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
 WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)
@@ -190,6 +195,10 @@ MAX_BUFFERS = 1 << 16
 _LENGTH = struct.Struct("<Q")
 _PICKLE5_PREFIX = b"\x80\x05"  # PROTO 5, the first opcode of every body encode_payload makes
 _PICKLE_STOP = b"."  # STOP, its last
+_ZEROS = bytes(64)  # an alignment gap is shorter than _ALIGN
+# write_data copies buffers of at least this size with numpy (GIL released); below it the
+# per-call cost of a numpy copy (~2 µs) outweighs the GIL time it would free.
+_GIL_FREE_COPY_BYTES = 1 << 20
 
 
 class EncodedPayload:
@@ -203,6 +212,9 @@ class EncodedPayload:
 
     The buffers alias the caller's objects: copy them (``frames()``, ``write_data()``)
     before the caller may mutate or free what was passed to ``encode_parts()``.
+
+    ``data_hash()`` hashes the data region as the copy will hold it (for node-local
+    shared memory, whose bytes do not travel in a frame, see ``payload_shm``).
     """
 
     __slots__ = ("body", "buffers", "layout", "offsets", "data_size")
@@ -213,29 +225,43 @@ class EncodedPayload:
 
     def write_data(self, dest) -> None:
         """Copy every buffer to its offset in ``dest`` (a writable buffer of at least
-        ``data_size`` bytes): the one copy of the batch. The alignment gaps are not
-        written (fresh shared memory is already zero-filled)."""
+        ``data_size`` bytes, such as a reused shared-memory region) and zero the alignment
+        gaps between them: the one copy of the batch, after which ``dest`` holds exactly
+        the bytes ``data_hash()`` describes. Buffers of 1 MiB and more are copied by numpy,
+        which releases the GIL while it copies (a memoryview assignment would hold it for
+        the whole copy: ~4 ms per 64 MiB here, long enough to delay the engine's I/O
+        thread); smaller ones by memoryview assignment, which costs less per call."""
         view = memoryview(dest).cast("B")
-        for (start, length), raw in zip(self.layout, self.buffers):
-            view[start:start + length] = raw
-        view.release()
-
-    def checksum(self) -> int:
-        """``payload_checksum(self.frames())``, computed from the caller's buffers without
-        building the data frame (the hash is streamed: the alignment gaps hash as the zero
-        bytes the data region holds there). Valid only while the caller leaves the arrays
-        unchanged, as the copy is."""
-        if not self.buffers:
-            return _checksum([memoryview(self.body)])
-        hasher = xxhash.xxh3_64()
-        for view in (memoryview(self.body), memoryview(self.offsets)):
-            hasher.update(_LENGTH.pack(view.nbytes))
-            hasher.update(view)
-        hasher.update(_LENGTH.pack(self.data_size))
+        if view.nbytes < self.data_size:
+            raise ValueError(f"{view.nbytes}-byte destination for a {self.data_size}-byte "
+                             f"data region")
+        array = None
         end = 0
         for (start, length), raw in zip(self.layout, self.buffers):
             if start > end:
-                hasher.update(bytes(start - end))
+                view[end:start] = _ZEROS[:start - end]
+            if length >= _GIL_FREE_COPY_BYTES:
+                if array is None:
+                    array = np.frombuffer(view, dtype=np.uint8)
+                np.copyto(array[start:start + length], np.frombuffer(raw, dtype=np.uint8))
+            else:
+                view[start:start + length] = raw
+            end = start + length
+        del array
+        view.release()
+
+    def data_hash(self) -> int:
+        """xxh3_64 of the data region (``frames()[2]``, or what ``write_data`` writes), never
+        0, streamed from the caller's buffers without building the region: the alignment
+        gaps hash as the zero bytes the region holds there. Valid only while the caller
+        leaves the arrays unchanged, as the copy is. 0 when there are no buffers."""
+        if not self.buffers:
+            return 0
+        hasher = xxhash.xxh3_64()
+        end = 0
+        for (start, length), raw in zip(self.layout, self.buffers):
+            if start > end:
+                hasher.update(_ZEROS[:start - end])
             hasher.update(raw)
             end = start + length
         return hasher.intdigest() or 1
@@ -258,6 +284,51 @@ class EncodedPayload:
         return [self.body, self.offsets, b"".join(pieces)]
 
 
+def _reduce_ndarray(arr):
+    """How the encoder pickles a plain ``numpy.ndarray``.
+
+    numpy's own protocol-5 reduction rebuilds every array through
+    ``numpy._core.numeric._frombuffer``, a Python function (``frombuffer`` then
+    ``reshape``): ~1.1 µs per array to encode and ~1.2 µs to decode, which made up most
+    of a 64-request batch's encode and decode time. Here a 1-d array (token ids) is
+    rebuilt by ``numpy.frombuffer(buffer, dtype)`` alone, one C call, and an n-d array by
+    ``_array``; either is a view of the out-of-band buffer (read-only when the buffer is),
+    its dtype (and shape) taken from the pickle body. Like numpy's own path it goes
+    through ``numpy.frombuffer``, which refuses a dtype flagged as holding Python objects
+    and a buffer that is not a whole number of items (``ValueError``; decode turns it
+    into ``ProtocolError``): ``numpy.ndarray(shape, dtype, buffer)``, one call too, would
+    build an object array over raw bytes, read as pointers when touched. (A dtype whose
+    pickled state was corrupted can carry wrong flags and pass that check, here as
+    before: what the body checksum is for; ``scripts/fuzz_codec.py --recompute-checksum``
+    measures that residual risk.) Arrays this does not cover (below ``OOB_MIN_BYTES``, not C-contiguous, holding Python objects, or of a
+    dtype the buffer protocol cannot export, such as datetime64) keep numpy's
+    reduction."""
+    if arr.nbytes >= OOB_MIN_BYTES and arr.flags.c_contiguous and not arr.dtype.hasobject:
+        try:
+            buffer = pickle.PickleBuffer(arr)
+        except (ValueError, TypeError, BufferError):
+            return arr.__reduce_ex__(5)
+        if arr.ndim == 1:
+            return np.frombuffer, (buffer, arr.dtype)
+        return _array, (buffer, arr.dtype, arr.shape)
+    return arr.__reduce_ex__(5)
+
+
+def _array(buffer, dtype, shape):
+    """Decode side of ``_reduce_ndarray`` for n-d arrays: the buffer as ``dtype`` items
+    (``numpy.frombuffer``: no Python objects, a whole number of items), in ``shape``
+    (``ValueError`` when the count differs)."""
+    return np.frombuffer(buffer, dtype).reshape(shape)
+
+
+def _dispatch_table():
+    """copyreg's reductions (read at every call: a registration made at any time counts)
+    plus ``_reduce_ndarray``, unless the application registered its own for ndarray."""
+    table = copyreg.dispatch_table.copy()
+    table.setdefault(np.ndarray, _reduce_ndarray)
+    return table
+
+
 def encode_parts(obj) -> EncodedPayload:
     """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
 
@@ -266,19 +337,31 @@ def encode_parts(obj) -> EncodedPayload:
     ``MAX_DATA_BYTES``); the data region is left for the caller to fill, into a frame
     (``EncodedPayload.frames()``) or into shared memory (``payload_shm``).
     """
-    buffers = []
+    buffers, layout = [], []
+    size = 0
 
     def keep_out_of_band(pickle_buffer):
+        # lays the buffer out as it comes (one pass: a second loop over 64 buffers cost
+        # ~16 µs of a 64-request batch's encode)
+        nonlocal size
         raw = pickle_buffer.raw()
-        if raw.nbytes < OOB_MIN_BYTES:
+        length = raw.nbytes
+        if length < OOB_MIN_BYTES:
             return True  # in-band
+        start = (size + _ALIGN - 1) & -_ALIGN
         buffers.append(raw)
+        layout.append((start, length))
+        size = start + length
         return False
 
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep_out_of_band)
+    pickler.dispatch_table = _dispatch_table()
     try:
-        body = pickle.dumps(obj, protocol=5, buffer_callback=keep_out_of_band)
+        pickler.dump(obj)
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise TypeError(f"task batch is not picklable: {exc}") from exc
+    body = out.getvalue()
     if len(body) > MAX_BODY_BYTES:
         raise ValueError(
             f"task batch pickles to {len(body)} bytes, more than codec.MAX_BODY_BYTES "
@@ -289,18 +372,11 @@ def encode_parts(obj) -> EncodedPayload:
     if len(buffers) > MAX_BUFFERS:
         raise ValueError(f"task batch holds {len(buffers)} arrays of {OOB_MIN_BYTES} bytes or "
                          f"more, more than codec.MAX_BUFFERS ({MAX_BUFFERS}); split the batch")
-    offsets = array.array("q")
-    layout = []
-    size = 0
-    for raw in buffers:
-        start = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        layout.append((start, raw.nbytes))
-        offsets.extend((start, raw.nbytes))
-        size = start + raw.nbytes
     if size > MAX_DATA_BYTES:
         raise ValueError(f"task batch's arrays take {size} bytes, more than "
                          f"codec.MAX_DATA_BYTES ({MAX_DATA_BYTES}); split the batch")
-    return EncodedPayload(body, buffers, layout, offsets.tobytes(), size)
+    offsets = struct.pack(f"<{2 * len(layout)}q", *itertools.chain.from_iterable(layout))
+    return EncodedPayload(body, buffers, layout, offsets, size)
 
 
 def encode_payload(obj) -> list:

@@ -36,7 +36,6 @@ I/O thread touches the socket.
 
 import bisect
 import collections
-import itertools
 import json
 import logging
 import os
@@ -48,9 +47,10 @@ import weakref
 
 import zmq
 
-from . import codec, envs, payload_shm
+from . import codec, envs
 from .ack_board import AckBoard
 from .auth import ServerAuth
+from .batch_encoder import BatchEncoder
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
 from .liveness import CONNECTED, NEVER, Heartbeat, RankLink
 from .logs import RateLimitedLog
@@ -173,13 +173,6 @@ class TaskQueue:
         self._not_full = threading.Condition(self._mutex)
         self._next_seq = 1
         self._retained = collections.OrderedDict()  # global seq -> (payload frames, checksum)
-        # Batches whose arrays sit in shared memory (payload_shm): global seq -> its
-        # SharedPayload, guarded by _mutex like _retained and released whenever its seq
-        # leaves _retained (consumed, retired, closed). _shm_names: every
-        # shared name not yet unlinked (for the finalizer, which must not reference self).
-        self._shared = {}
-        self._shm_names = set()
-        self._shared_numbers = itertools.count(1)
         self._base = 0  # the global seq before the current group's first batch
         self._consumed = [0] * tp_size  # highest global seq acknowledged by each rank
         self._group = None  # the _Group being served, None before the first / after a retire
@@ -215,8 +208,10 @@ class TaskQueue:
         if self._auth is not None:
             self._auth.apply(self._sock)
         self._ipc_path = ipc_path(endpoint)
-        # Node-local ranks map large batches from shared memory; tcp ranks cannot.
-        self._shm_min_bytes = envs.shm_payload_min_bytes() if self._ipc_path else None
+        # The put path's encoding, and the shared memory its batches hold (node-local
+        # ranks map large batches from shared memory; tcp ranks cannot).
+        self._encoder = BatchEncoder(name, dp_id, tp_size, node_local=bool(self._ipc_path),
+                                     max_message_bytes=self._max_batch_bytes)
         self._board = None
         try:
             if self._ipc_path:
@@ -228,7 +223,7 @@ class TaskQueue:
                     raise EndpointInUseError(f"TaskQueue {name!r} dp_id={dp_id}: {exc}") from None
                 # no live engine holds the name (the board says so): what shared batches
                 # are left of this name were a killed engine's
-                payload_shm.reclaim_stale(name, dp_id)
+                self._encoder.reclaim_stale()
             self._sock.bind(endpoint)
             if self._ipc_path:
                 secure_socket_file(self._ipc_path)
@@ -267,7 +262,7 @@ class TaskQueue:
         # Process exit without close(): still remove the names others would trip on.
         self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
                                            self._board.name if self._board else None,
-                                           self._put_path, self._shm_names)
+                                           self._put_path)
         # I/O thread only:
         self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
         self._parked = []  # HELLOs of a new group waiting for the old one to go: (since, identity, header, name)
@@ -294,15 +289,17 @@ class TaskQueue:
         ``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (default 1 MiB) is copied once into shared memory,
         which every rank maps read-only (``payload_shm``); only the pickle body and a small
         reference travel over the socket, so the message limit applies to them and the
-        arrays are bounded by ``codec.MAX_DATA_BYTES``. Either way the arrays are copied
-        once before this returns: mutating them afterwards does not change the batch.
+        arrays are bounded by ``codec.MAX_DATA_BYTES``. When shared memory has no room
+        (``/dev/shm`` small or full) the batch goes over the socket instead, never refused
+        for it (``batch_encoder``). Either way the arrays are copied once before this
+        returns: mutating them afterwards does not change the batch.
 
         Blocks while ``max_inflight`` batches are not yet consumed by every rank.
         ``timeout`` (seconds, None = forever): raises ``TimeoutError`` naming the ranks that
         are behind and their state; the batch is then not enqueued. Raises ``ClosedError``
         after ``close()`` and ``TaskSyncError`` (chained) if the I/O thread failed.
         """
-        frames, check, shared = self._encode(tasks)
+        batch = self._encoder.encode(tasks)
         deadline = None if timeout is None else time.monotonic() + timeout
         backoff = _BOARD_POLL_MIN_S
         try:
@@ -322,14 +319,11 @@ class TaskQueue:
                     self._not_full.wait(remaining)
                 seq = self._next_seq
                 self._next_seq += 1
-                self._retained[seq] = (frames, check)
+                self._retained[seq] = (batch.frames, batch.checksum)
                 self._put_times[seq] = time.monotonic()
-                if shared is not None:
-                    self._shared[seq] = shared
+                self._encoder.keep(seq, batch)
         except BaseException:
-            if shared is not None:  # not enqueued: nobody will ever map it
-                self._shm_names.discard(shared.name)
-                shared.release()
+            self._encoder.discard(batch)  # not enqueued: nobody will ever map it
             raise
         self._wake.wake()
         return seq
@@ -384,6 +378,7 @@ class TaskQueue:
             group = self._group
         out["group"] = f"{group.incarnation:016x}" if group else None
         out["ranks"] = self.ranks()
+        out.update(self._encoder.stats())  # shm_*: which path large batches took
         return out
 
     def status(self) -> dict:
@@ -442,8 +437,7 @@ class TaskQueue:
         self._wake.close()
         if self._board is not None:
             self._board.close()
-        for seq in list(self._shared):  # the I/O thread has stopped: nothing sends them now
-            self._release_shared(seq)
+        self._encoder.close()  # the I/O thread has stopped: nothing sends them now
         unlink_quietly(self._ipc_path)
         unlink_quietly(self._put_path)
         self._finalizer.detach()
@@ -498,73 +492,8 @@ class TaskQueue:
                     self._delivery[bisect.bisect_left(DELIVERY_BOUNDS_S, now - put_at)] += 1
                     self._delivery[-1] += now - put_at
                 self._retained.pop(s, None)
-                self._release_shared(s)  # every rank mapped it when it received it
+                self._encoder.release(s)  # every rank mapped it when it received it
             self._not_full.notify_all()
-
-    def _encode(self, tasks):
-        """``(frames, checksum, SharedPayload or None)`` for one batch; any thread, no lock.
-
-        The caller's arrays are copied exactly once: into one data frame (socket path) or
-        into a fresh shared-memory segment (node-local batches above the threshold)."""
-        parts = codec.encode_parts(tasks)
-        threshold = self._shm_min_bytes
-        if threshold is not None and parts.buffers and parts.data_size >= threshold:
-            return self._encode_shared(parts)
-        frames = parts.frames()
-        self._check_message_size(frames)
-        return frames, codec.payload_checksum(frames), None
-
-    def _encode_shared(self, parts):
-        # The message carries [body, reference]; the checksum covers what the worker
-        # decodes (body, offsets, the shared bytes), exactly as for the socket path.
-        name = payload_shm.payload_name(self.name, self.dp_id, next(self._shared_numbers))
-        ref = payload_shm.pack_ref(name, parts.data_size, parts.offsets)
-        frames = [parts.body, ref]
-        self._check_message_size(frames)
-        try:
-            shared = payload_shm.SharedPayload.create(name, parts.data_size)
-        except FileExistsError:
-            raise EndpointInUseError(
-                f"TaskQueue {self.name} dp_id={self.dp_id}: shared batch {name} exists: "
-                f"another TaskQueue of this name lives in this process; close it "
-                f"first") from None
-        self._shm_names.add(name)
-        try:
-            for (start, _), raw in zip(parts.layout, parts.buffers):
-                shared.write(start, raw)
-            shared.seal()
-            # from the caller's buffers (cache-warm), not read back from the segment
-            check = parts.checksum()
-        except BaseException:
-            self._shm_names.discard(name)
-            shared.release()
-            raise
-        return frames, check, shared
-
-    def _check_message_size(self, frames):
-        size = sum(len(f) for f in frames)
-        if size > self._max_batch_bytes:
-            raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
-                             f"the {self._max_batch_bytes}-byte limit workers accept "
-                             f"(FD_SYNC_MAX_MESSAGE_MB, set it on the engine and the workers)")
-
-    def _release_shared(self, seq):
-        """Unlink batch ``seq``'s shared memory, if it has any (under ``_mutex``, or once
-        the I/O thread has stopped). Ranks that still view it keep valid memory."""
-        shared = self._shared.pop(seq, None)
-        if shared is not None:
-            self._shm_names.discard(shared.name)
-            shared.release()
-
-    @staticmethod
-    def _decode_retained(frames, shared):
-        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only
-        and, for a shared batch (``shared``: its SharedPayload), views of the engine's
-        mapping, which they keep alive."""
-        if shared is None:
-            return codec.decode_payload(frames)
-        _, _, offsets = payload_shm.unpack_ref(frames[1])
-        return codec.decode_payload([frames[0], offsets, shared.map()])
 
     def _describe_backlog(self) -> str:
         last = self._next_seq - 1
@@ -976,7 +905,7 @@ class TaskQueue:
             self._put_times.clear()  # never delivered to every rank: not a delivery
             self._retirements[next((k for w, k in RETIREMENT_KINDS if w in reason), "other")] += 1
             # taken out now: batches put after this lock is released belong to the next group
-            dropped = {seq: self._shared.pop(seq) for seq in list(self._shared)}
+            dropped = self._encoder.drop_all()
             self._base = self._next_seq - 1
             self._consumed = [self._base] * self.tp_size
             self._group, self._previous = None, group
@@ -995,16 +924,13 @@ class TaskQueue:
         try:
             for seq, frames, taken_by in unfinished:
                 try:
-                    tasks = self._decode_retained(frames, dropped.get(seq))
+                    tasks = self._encoder.decode_retained(frames, dropped.get(seq))
                 except ProtocolError as exc:  # cannot happen for our own bytes; never lose the seq
                     tasks = exc
                 lost.append(LostBatch(seq, tasks, taken_by))
         finally:
-            # Nothing retained any more: unlink (the LostBatch arrays keep their pages);
-            # this group's ranks that have not mapped a batch yet are being told it is lost.
-            for shared in dropped.values():
-                self._shm_names.discard(shared.name)
-                shared.release()
+            # Nothing retained any more: free its shared memory (see BatchEncoder.forget).
+            self._encoder.forget(dropped)
         now = time.monotonic()
         event = GroupLost(group.incarnation, reason, time.time(),
                           [link.snapshot(now) for link in group.links], lost)
@@ -1225,10 +1151,8 @@ class TaskProducer:
                     f"have been enqueued")
 
 
-def _remove_names(ipc_file, board_name, put_file=None, shm_names=()):
+def _remove_names(ipc_file, board_name, put_file=None):
     unlink_quietly(ipc_file)
     unlink_quietly(put_file)
     if board_name:
         unlink_segment(board_name)
-    for name in list(shm_names):  # shared batches still retained when the process exits
-        unlink_segment(name)

@@ -196,6 +196,7 @@ class TaskClient:
         # Attached by the receiver when the engine welcomes it: the engine exists then.
         self._board = None
         self._board_wanted = ipc_path(self.endpoint) is not None
+        self._payload_reader = None  # shared-memory batches (_decode_shared), receiver only
         who = f"TaskClient rank {tp_rank} of {name!r} dp_id={dp_id}"
         path = ipc_path(self.endpoint)
         if path is not None:
@@ -707,18 +708,20 @@ class TaskClient:
         self._group.publish_received(seq)  # after the slot: whoever sees it can take it
 
     def _decode_shared(self, body, ref, check):
-        """Decode a batch whose arrays the engine wrote into node-local shared memory: map
-        it read-only and hand its slices to the unpickler (zero-copy; the arrays keep the
-        mapping alive after the engine unlinks it). The checksum covers the shared bytes
-        and is verified, as for the socket path, before anything is unpickled."""
+        """Decode a batch whose arrays the engine wrote into node-local shared memory
+        (``payload_shm.PayloadReader``): checked as for the socket path before anything is
+        mapped or unpickled, then decoded zero-copy from a read-only mapping. The arrays
+        keep the mapping alive; when the last of a pool batch's arrays is freed, this
+        rank tells the engine (one store into the pool's header), which only then may
+        reuse that memory."""
         if ipc_path(self.endpoint) is None:
             raise ProtocolError(f"rank {self.tp_rank} of {self.name!r}: a shared-memory batch "
                                 f"from {self.endpoint}, which is not node-local")
-        name, size, offsets = payload_shm.unpack_ref(ref.buffer)
-        mapped = payload_shm.map_payload(name, size,
-                                         payload_shm.payload_prefix(self.name, self.dp_id))
+        if self._payload_reader is None:
+            self._payload_reader = payload_shm.PayloadReader(self.name, self.dp_id,
+                                                             self.tp_size, self.tp_rank)
         self._counters["shared_batches"] += 1
-        return codec.decode_payload([body, offsets, mapped.view], check)
+        return self._payload_reader.decode(body.buffer, ref.buffer, check)
 
     def _engine_error(self, header, frames):
         reason = (bytes(frames[1].buffer[:4096]).decode("utf-8", "replace") if len(frames) > 1

@@ -369,6 +369,93 @@ def bench_profiler_overhead(blocks=200, steps=2000):
     return np.asarray(plain_means), np.asarray(profiled_means)
 
 
+def delivery_rank(name, tp, rank, n, out):
+    """Take ``n`` batches (rank 0 blocks in wait_for_tasks, the others in the barrier) and
+    report, per seq, when this rank's receiver got the frames and when it published that
+    it holds the decoded batch (CLOCK_MONOTONIC, shared by the processes)."""
+    received, published = {}, {}
+    with TaskClient(name, tp, rank, async_prefetch=True) as client:
+        group = client._group
+        publish, on_data = group.publish_received, client._on_data
+
+        def timed_publish(seq):
+            published[seq] = ns()
+            publish(seq)
+
+        def timed_on_data(header, frames):
+            received[header.seq] = ns()
+            on_data(header, frames)
+
+        group.publish_received, client._on_data = timed_publish, timed_on_data
+        client.barrier(timeout=60)  # every rank is up
+        out.put(("ready", rank, None))
+        taken = 0
+        while taken < n:
+            if rank == 0:
+                client.wait_for_tasks(1.0)
+            client.barrier(timeout=60)
+            tasks, _ = client.get_tasks()
+            taken += len(tasks)
+            del tasks
+    out.put(("times", rank, (received, published)))
+
+
+def bench_delivery(n, tp=2):
+    """Put -> every rank holds a 64 x 512 batch, over the socket and through the
+    shared-memory pool, puts alternating between the two queues (2-5 ms apart, the ranks
+    idle in between). Per row: {"held", "put", "transport", "decode"} arrays, us."""
+    batch = make_requests()
+    modes = (("socket (256 KiB < FD_SYNC_SHM_PAYLOAD_MIN_KB)", "1024"),
+             ("shared-memory pool (FD_SYNC_SHM_PAYLOAD_MIN_KB=64)", "64"))
+    queues, procs, outs = {}, [], {}
+    try:
+        for label, threshold in modes:
+            os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = threshold  # read by TaskQueue()
+            name = "bd" + uuid.uuid4().hex[:8]
+            queues[label] = TaskQueue(name, tp, max_inflight=4)
+            outs[label] = SPAWN.Queue()
+            for rank in range(tp):
+                p = SPAWN.Process(target=delivery_rank, args=(name, tp, rank, n, outs[label]))
+                p.start()
+                procs.append(p)
+        os.environ.pop("FD_SYNC_SHM_PAYLOAD_MIN_KB", None)
+        for label in queues:
+            for _ in range(tp):
+                kind, rank, payload = outs[label].get(timeout=120)
+        time.sleep(0.3)
+        rng = random.Random(1)
+        started = {label: {} for label in queues}
+        returned = {label: {} for label in queues}
+        for i in range(n):
+            for label, queue in queues.items():
+                time.sleep(0.002 + rng.random() * 0.003)
+                t0 = ns()
+                seq = queue.put_tasks(batch, timeout=30)
+                returned[label][seq] = ns()
+                started[label][seq] = t0
+        rows = {}
+        for label in queues:
+            times = {}
+            for _ in range(tp):
+                kind, rank, payload = outs[label].get(timeout=120)
+                times[rank] = payload
+            seqs = sorted(started[label])[10:]  # the first batches map the pool, warm caches
+            last = {s: max(range(tp), key=lambda r: times[r][1][s]) for s in seqs}
+            rows[label] = {
+                "held": [times[last[s]][1][s] - started[label][s] for s in seqs],
+                "put": [returned[label][s] - started[label][s] for s in seqs],
+                "transport": [times[last[s]][0][s] - returned[label][s] for s in seqs],
+                "decode": [times[last[s]][1][s] - times[last[s]][0][s] for s in seqs]}
+        return rows
+    finally:
+        for queue in queues.values():
+            queue.close(timeout=10)
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+
+
 # -- report ----------------------------------------------------------------------------------
 
 def line(label, samples, ref=None):
@@ -383,7 +470,7 @@ def line(label, samples, ref=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=5000)
-    ap.add_argument("--sections", default="1,2,3,4,5,6",
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7",
                     help="comma-separated section numbers to run (default: all)")
     ap.add_argument("--metrics-hz", type=float, default=0,
                     help="scrape a metrics collector on each engine queue of sections 1-3 "
@@ -397,7 +484,8 @@ def main():
           f"{os.cpu_count()} cores, {n} iterations; perf_counter_ns overhead "
           f"{timer_overhead():.2f} us (included below)"
           + (f"; metrics scraped {args.metrics_hz:g}/s" if args.metrics_hz else ""))
-    sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6]
+    sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6,
+                _section_7]
     for k, section in enumerate(sections, 1):
         if k in want:
             section(n)
@@ -465,5 +553,41 @@ def _section_6(n):
           f"p25-p75 {np.percentile(diff, 25) / 1e3:.2f}-{np.percentile(diff, 75) / 1e3:.2f} us")
 
 
+
+def _section_7(n):
+    print("\n7. put -> every rank holds a batch of 64 requests x 512 int64 token ids, TP=2 "
+          "(engine in this process; ranks idle, rank 0 in wait_for_tasks)")
+    n = max(n // 25, 100)
+    rows = bench_delivery(n)
+    for label, parts in rows.items():
+        line(label, parts["held"])
+        print(f"  {'':<46} of which, p50: put_tasks {pct(parts['put'], 50):7.1f} us, "
+              f"then until the last rank's receiver has the frames "
+              f"{pct(parts['transport'], 50):7.1f} us, its check+decode+publish "
+              f"{pct(parts['decode'], 50):7.1f} us")
+    enc = bench_encode_parts()
+    print(f"  {'':<46} in this process alone, p50: encode {enc['encode']:.1f} us "
+          f"({enc['encode after idle']:.1f} us after 3 ms asleep, as between the puts above), "
+          f"checksum {enc['checksum']:.1f} us, decode {enc['decode']:.1f} us")
+
+
+def bench_encode_parts(iters=500):
+    """The engine's and a rank's CPU work for the 64 x 512 batch, without wake-ups."""
+    batch = make_requests()
+    frames = codec.encode_payload(batch)
+    check = codec.payload_checksum(frames)
+    after_idle = []
+    for _ in range(100):  # what the puts above pay: caches cooled by 3 ms of other work
+        time.sleep(0.003)
+        t0 = ns()
+        codec.encode_payload(batch)
+        after_idle.append(ns() - t0)
+    return {"encode after idle": pct(after_idle, 50),
+            "encode": pct(timed_calls(lambda: codec.encode_payload(batch), iters, 50), 50),
+            "checksum": pct(timed_calls(lambda: codec.payload_checksum(frames), iters, 50), 50),
+            "decode": pct(timed_calls(lambda: codec.decode_payload(frames, check), iters, 50), 50)}
+
+
 if __name__ == "__main__":
     main()
+

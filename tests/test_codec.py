@@ -3,6 +3,7 @@ process (a decoding bug shows as a failed test, not as a dead test runner)."""
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -237,3 +238,94 @@ def test_fuzz_mutated_batches_in_a_child_process():
     # the mutations really change the input: only the rare no-op (a frame swapped with
     # itself, two flips of one byte that cancel) may decode
     assert counts["protocol_error"] >= 0.9 * inputs, counts
+
+
+class _Tagged(np.ndarray):
+    """An ndarray subclass: it keeps numpy's own reduction (and its type)."""
+
+
+@pytest.mark.parametrize("array,out_of_band", [
+    (np.arange(4096, dtype=np.int64).reshape(8, 16, 32), True),
+    (np.linspace(0, 1, 3000, dtype=np.float32), True),
+    (np.arange(2000) % 3 == 0, True),  # bool
+    (np.arange(600, dtype=">i4"), True),  # non-native byte order
+    (np.zeros(200, dtype=[("id", "<i8"), ("score", "<f4")]), True),  # structured
+    (np.arange(300).astype("datetime64[s]"), False),  # no buffer export: numpy's own, in band
+    (np.asfortranarray(np.arange(4096, dtype=np.int64).reshape(64, 64)), True),  # numpy's own
+    (np.arange(8192, dtype=np.int64)[::2], False),  # strided: numpy's own, in band
+    (np.arange(2048, dtype=np.int64).view(_Tagged), False),  # subclass: numpy's own, in band
+], ids=["int64-3d", "float32", "bool", "big-endian", "structured", "datetime", "fortran",
+        "strided", "subclass"])
+def test_arrays_of_every_kind_round_trip_exactly(array, out_of_band):
+    frames, got = checked_round_trip(array)
+    assert len(frames) == (3 if out_of_band else 1)
+    assert type(got) is type(array)
+    assert got.dtype == array.dtype and got.shape == array.shape
+    np.testing.assert_array_equal(got, array)
+    if out_of_band:  # the same memory order (an in-band strided array comes back packed)
+        assert got.flags.f_contiguous == array.flags.f_contiguous
+        assert got.flags.c_contiguous == array.flags.c_contiguous
+        # a read-only view of the received data frame
+        assert not got.flags.writeable
+        assert np.shares_memory(got, np.frombuffer(frames[2], dtype=np.uint8))
+
+
+def test_plain_arrays_are_rebuilt_by_one_c_call():
+    """A large C-contiguous 1-d ndarray pickles as ``numpy.frombuffer(buffer, dtype)`` (one
+    C call to decode), not through numpy's Python-level ``_frombuffer``."""
+    body = codec.encode_payload(fastdeploy_batch())[0]
+    assert b"frombuffer" in body and b"_frombuffer" not in body
+    # an object array cannot travel out of band: numpy's own reduction, in band
+    objects = np.array([{"x": 1}, None] * 600, dtype=object)
+    frames, decoded = checked_round_trip(objects)
+    assert len(frames) == 1 and list(decoded) == list(objects)
+
+
+def test_an_application_reduction_for_ndarray_is_respected(monkeypatch):
+    import copyreg
+
+    def as_list(arr):
+        return np.array, (arr.tolist(),)
+
+    monkeypatch.setitem(copyreg.dispatch_table, np.ndarray, as_list)
+    frames, decoded = checked_round_trip(np.arange(4096, dtype=np.int64))
+    assert len(frames) == 1  # the application's reduction pickles in band
+    np.testing.assert_array_equal(decoded, np.arange(4096))
+    assert decoded.flags.writeable
+
+
+def test_a_body_whose_shape_needs_more_than_its_buffer_is_a_protocol_error():
+    frames = codec.encode_payload(np.arange(4096, dtype=np.int64).reshape(64, 64))
+    # an authenticated sender's body asking for more elements than the buffer holds
+    # (the checksum recomputed): numpy refuses, decode raises ProtocolError, nothing crashes
+    body = frames[0].replace(b"K@K@\x86", b"K\x80K@\x86")  # shape (64, 64) -> (128, 64)
+    assert body != frames[0]
+    bad = [body, frames[1], frames[2]]
+    with pytest.raises(ProtocolError, match="does not decode"):
+        codec.decode_payload(bad, codec.payload_checksum(bad))
+
+
+class _ObjectsOverBytes:
+    """Pickles as the encoder's reconstructors called with a dtype of Python objects over an
+    out-of-band buffer of plain int64 (what a buggy authenticated sender could send)."""
+
+    def __init__(self, dtype, ndim):
+        self.dtype, self.ndim = np.dtype(dtype), ndim
+
+    def __reduce__(self):
+        data = pickle.PickleBuffer(np.arange(4096, dtype=np.int64))
+        if self.ndim == 1:
+            return np.frombuffer, (data, self.dtype)
+        return codec._array, (data, self.dtype, (64, 32))
+
+
+@pytest.mark.parametrize("dtype", [object, [("id", "<i8"), ("obj", "O")]],
+                         ids=["object", "structured-with-objects"])
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_an_out_of_band_array_of_python_objects_is_refused(dtype, ndim):
+    """Bytes are never read as pointers: the reconstructors refuse an out-of-band array of
+    Python objects, and decode raises ProtocolError (numpy.ndarray would build one)."""
+    frames = codec.encode_payload(_ObjectsOverBytes(dtype, ndim))
+    assert len(frames) == 3  # the buffer did travel out of band
+    with pytest.raises(ProtocolError, match="does not decode"):
+        codec.decode_payload(frames, codec.payload_checksum(frames))

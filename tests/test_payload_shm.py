@@ -1,7 +1,10 @@
-"""Large batches through node-local shared memory (payload_shm): identical on every rank,
-read-only, in order; names unlinked once consumed, at close and after a killed engine;
-views outlive the names; tcp never uses it."""
+"""Large batches through node-local shared memory (payload_shm, batch_encoder): identical
+on every rank, read-only, in order; the pool's regions reused only once every rank freed
+its arrays; batches that do not fit take a segment of their own or the socket; names
+unlinked at close, after a retired group and after a killed engine; views outlive the
+names; tcp never uses it."""
 
+import gc
 import glob
 import os
 import signal
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue, codec, payload_shm
+from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue, codec, payload_shm
 
 from workers import _report_errors, collect, wait_until
 
@@ -51,38 +54,43 @@ def shm_names(name):
     return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"))
 
 
-def _take(client, n, deadline_s=60.0):
-    got = []
+def pool_names(name):
+    return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.bp*"))
+
+
+def segment_names(name):
+    return sorted(set(shm_names(name)) - set(pool_names(name)))
+
+
+def shm_stats(queue):
+    return {k: v for k, v in queue.stats().items() if k.startswith("shm_")}
+
+
+def _take_described(client, n, deadline_s=60.0, hold=()):
+    """Take n batches, describing each as it is taken and freeing its arrays at once,
+    except those whose id is in ``hold`` (returned as {id: batch})."""
+    got, held = [], {}
     deadline = time.monotonic() + deadline_s
     while len(got) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {client.tp_rank}: took {len(got)}/{n} batches")
         tasks = client.sync_step(timeout=30)
-        got.extend(tasks)
-        if not tasks:
-            time.sleep(0.0005)
-    return got
+        while tasks:
+            batch = tasks.pop(0)
+            got.append(describe(batch))
+            if batch[0] in hold:
+                held[batch[0]] = batch
+            del batch  # freed now: its region may be reused
+        time.sleep(0.0005)
+    return got, held
 
 
 @_report_errors
 def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None):
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint) as client:
         out.put(("ready", rank, None))
-        got = _take(client, n)
-        out.put(("taken", rank, ([describe(b) for b in got],
-                                 client.stats().get("shared_batches", 0))))
-
-
-@_report_errors
-def hold_first_view(out, rank, name, tp, n):
-    """Take n batches, keep batch 0's arrays, wait until the engine unlinked its segment,
-    then read them."""
-    with TaskClient(name, tp, rank) as client:
-        got = _take(client, n)
-        held = got[0]
-        del got
-        gone = wait_until(lambda: not glob.glob(f"/dev/shm/fdsync.{name}.dp0.b1.*"), 20)
-        out.put(("held", rank, (gone, describe(held))))
+        got, _ = _take_described(client, n)
+        out.put(("taken", rank, (got, client.stats().get("shared_batches", 0))))
 
 
 @pytest.mark.parametrize("tp,async_prefetch", [(2, True), (2, False), (4, True), (4, False)],
@@ -98,10 +106,13 @@ def test_batches_above_and_below_the_threshold_arrive_identical(name, procs, res
             queue.put_tasks(make_batch(i), timeout=30)
         taken = collect(results, "taken", tp)
         assert wait_until(lambda: queue.num_tasks() == 0, 10)
-        assert shm_names(name) == []  # consumed by every rank: unlinked
+        # one pool for the group, no segment of their own: every shared batch fit in it
+        assert len(pool_names(name)) == 1 and segment_names(name) == []
+        assert shm_stats(queue)["shm_pool_batches"] == n // 2
     for rank, (batches, shared) in taken.items():
         assert batches == [expected(i) for i in range(n)], f"rank {rank}"
         assert shared == n // 2, f"rank {rank} mapped {shared} shared batches"
+    assert shm_names(name) == []  # close() unlinked the pool
 
 
 def test_default_threshold_and_off(name, procs, results, monkeypatch):
@@ -116,45 +127,143 @@ def test_default_threshold_and_off(name, procs, results, monkeypatch):
         with TaskQueue(name, 1) as queue:
             procs(take_and_describe, results, 0, name, 1, 1, True)
             queue.put_tasks(big, timeout=10)
-            assert len(shm_names(name)) == shared_expected
+            assert len(pool_names(name)) == shared_expected
             (batches, shared), = collect(results, "taken", 1).values()
         assert batches == [(0, "big", [(xxhash.xxh3_64_hexdigest(big[1]["arrays"][0].tobytes()),
                                         "<i8", (1 << 17,), False)])]
         assert shared == shared_expected
 
 
-def test_a_view_outlives_the_segment_name(name, procs, results, small_threshold):
+@_report_errors
+def hold_batch_zero(out, rank, name, tp, phases, control):
+    """Take ``phases`` rounds of batches (each round's count from the test), freeing every
+    batch at once except, on rank 1, batch 0, which it holds until told to free it; then
+    report that batch's description as read at the end."""
+    with TaskClient(name, tp, rank) as client:
+        held_batches = {}
+        for phase, n in enumerate(phases):
+            got, held = _take_described(client, n, hold=(0,) if rank == 1 else ())
+            held_batches.update(held)
+            del held
+            out.put((f"phase{phase}", rank, got))
+            if phase == 0 and rank == 1:
+                assert control.get(timeout=60) == "free"
+                still = describe(held_batches.pop(0))
+                gc.collect()
+                out.put(("freed", rank, still))
+
+
+def test_a_region_is_reused_only_once_every_rank_freed_its_arrays(name, procs, results,
+                                                                   small_threshold,
+                                                                   monkeypatch):
+    """A 1 MiB pool holds ~7 of these batches. Rank 1 keeps batch 0's arrays while 20
+    more shared batches go through: the ring cannot pass that region, so no batch is
+    written over it (rank 1 reads it unchanged at the end) and the batches that find
+    the ring full take segments of their own. Once rank 1 frees the arrays, the next
+    20 batches all reuse the pool."""
+    import multiprocessing
+
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")
+    control = multiprocessing.get_context("spawn").Queue()
+    first = [2 * i for i in range(21)]  # all above the threshold
+    second = [2 * i for i in range(21, 41)]
+    try:
+        with TaskQueue(name, 2, max_inflight=2) as queue:
+            for rank in range(2):
+                procs(hold_batch_zero, results, rank, name, 2, (len(first), len(second)),
+                      control)
+            for i in first:
+                queue.put_tasks(make_batch(i), timeout=30)
+            phase0 = collect(results, "phase0", 2)
+            after_first = shm_stats(queue)
+            assert 2 <= after_first["shm_pool_batches"] < len(first)
+            assert after_first["shm_segment_batches"] == len(first) - after_first["shm_pool_batches"]
+            control.put("free")
+            still = collect(results, "freed", 1)[1]
+            for i in second:
+                queue.put_tasks(make_batch(i), timeout=30)
+            phase1 = collect(results, "phase1", 2)
+            after_second = shm_stats(queue)
+        for rank in range(2):
+            assert phase0[rank] == [expected(i) for i in first], f"rank {rank}"
+            assert phase1[rank] == [expected(i) for i in second], f"rank {rank}"
+        assert still == expected(0)  # held through 20 batches: never written over
+        assert after_second["shm_pool_batches"] - after_first["shm_pool_batches"] == len(second)
+        assert after_second["shm_segment_batches"] == after_first["shm_segment_batches"]
+    finally:
+        control.close()
+        control.join_thread()
+
+
+@_report_errors
+def hold_until_queue_closed(out, rank, name, tp, n):
+    with TaskClient(name, tp, rank) as client:
+        got, held = _take_described(client, n, hold=(0,))
+        gone = wait_until(lambda: not glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"), 30)
+        out.put(("held", rank, (gone, describe(held[0]))))
+
+
+def test_a_view_outlives_the_pools_name(name, procs, results, small_threshold):
     tp, n = 2, 4
-    with TaskQueue(name, tp, max_inflight=n) as queue:
+    queue = TaskQueue(name, tp, max_inflight=n)
+    try:
         for rank in range(tp):
-            procs(hold_first_view, results, rank, name, tp, n)
+            procs(hold_until_queue_closed, results, rank, name, tp, n)
         for i in range(n):
-            queue.put_tasks(make_batch(2 * i), timeout=30)  # all above the threshold
-        # the engine folds the ranks' acknowledgements in (and unlinks) when asked
-        assert wait_until(lambda: queue.num_tasks() == 0 and not shm_names(name), 30), \
-            f"left: {shm_names(name)}, {queue.num_tasks()} in flight"
-        held = collect(results, "held", tp)
+            queue.put_tasks(make_batch(2 * i), timeout=30)
+        assert wait_until(lambda: queue.num_tasks() == 0, 30)
+    finally:
+        queue.close(timeout=5)  # unlinks the pool while the ranks hold batch 0's arrays
+    held = collect(results, "held", tp)
     for rank, (gone, batch) in held.items():
-        assert gone, f"rank {rank} still saw batch 0's segment"
+        assert gone, f"rank {rank} still saw the pool's name"
         assert batch == expected(0), f"rank {rank} read changed memory"
+
+
+def test_batches_larger_than_the_pool_or_with_no_pool_take_a_segment_of_their_own(
+        name, procs, results, small_threshold, monkeypatch):
+    """The pool (1 MiB here) takes what fits; a 2 MiB batch gets its own segment, which is
+    unlinked once consumed. FD_SYNC_SHM_POOL_MB=off: every shared batch gets its own."""
+    big = (0, {"prompt": "big", "arrays": [np.arange(1 << 18, dtype=np.int64)]})  # 2 MiB
+    for pool_mb, expect in (("1", {"shm_pool_batches": 1, "shm_segment_batches": 1}),
+                            ("off", {"shm_segment_batches": 2})):
+        monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", pool_mb)
+        with TaskQueue(name, 2) as queue:
+            for rank in range(2):
+                procs(take_and_describe, results, rank, name, 2, 2, True)
+            queue.put_tasks(make_batch(0), timeout=10)
+            queue.put_tasks(big, timeout=10)
+            taken = collect(results, "taken", 2)
+            assert wait_until(lambda: queue.num_tasks() == 0, 10)
+            assert segment_names(name) == []  # consumed: unlinked
+            stats = shm_stats(queue)
+            assert {k: stats.get(k, 0) for k in expect} == expect, stats
+            assert stats.get("shm_socket_fallbacks", 0) == 0
+        for rank, (batches, shared) in taken.items():
+            assert batches[0] == expected(0) and batches[1][0] == 0, f"rank {rank}"
+            assert shared == 2
 
 
 @_report_errors
 def engine_that_gets_killed(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
-    queue = TaskQueue(name, 2, max_inflight=n)
+    os.environ["FD_SYNC_SHM_POOL_MB"] = "1"
+    queue = TaskQueue(name, 2, max_inflight=n + 1)
     for i in range(n):
         queue.put_tasks(make_batch(2 * i), timeout=10)  # no worker: all stay retained
+    # larger than the pool: a segment of its own
+    queue.put_tasks((99, [np.zeros(1 << 18, dtype=np.int64)]), timeout=10)
     out.put(("put", rank, os.getpid()))
     time.sleep(60)
 
 
-def test_a_killed_engines_batches_are_reclaimed(name, procs, doomed):
+def test_a_killed_engines_pool_and_segments_are_reclaimed(name, procs, doomed):
     n = 3
     engine = procs(engine_that_gets_killed, doomed, 0, name, n)
     collect(doomed, "put", 1, timeout=30)
     left = shm_names(name)
-    assert len(left) == n and all(path.endswith(f".{engine.pid}") for path in left), left
+    assert len(pool_names(name)) == 1 and len(segment_names(name)) == 1, left
+    assert all(path.endswith(f".{engine.pid}") for path in left), left
     os.kill(engine.pid, signal.SIGKILL)
     engine.join(timeout=10)
     assert shm_names(name) == left  # nobody removed them: SIGKILL runs no finalizer
@@ -163,12 +272,23 @@ def test_a_killed_engines_batches_are_reclaimed(name, procs, doomed):
     # the name fixture checks that nothing else of the name is left either
 
 
+def test_a_live_pool_is_never_reclaimed(name, small_threshold):
+    """reclaim_stale skips a pool whose owner's lock is held, whatever its pid says."""
+    with TaskQueue(name, 2) as queue:
+        queue.put_tasks(make_batch(0), timeout=10)
+        (pool,) = pool_names(name)
+        assert payload_shm.reclaim_stale(name, 0) == []
+        assert pool_names(name) == [pool]
+
+
 @_report_errors
 def engine_that_exits_without_close(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
-    queue = TaskQueue(name, 2, max_inflight=n)
+    os.environ["FD_SYNC_SHM_POOL_MB"] = "1"
+    queue = TaskQueue(name, 2, max_inflight=n + 1)
     for i in range(n):
         queue.put_tasks(make_batch(2 * i), timeout=10)
+    queue.put_tasks((99, [np.zeros(1 << 18, dtype=np.int64)]), timeout=10)
     out.put(("put", rank, shm_names(name)))
     # returns without close(): the interpreter's exit runs the queue's finalizer
 
@@ -176,26 +296,34 @@ def engine_that_exits_without_close(out, rank, name, n):
 def test_an_engine_that_exits_without_close_leaves_nothing(name, procs, results):
     engine = procs(engine_that_exits_without_close, results, 0, name, 2)
     (left,) = collect(results, "put", 1, timeout=30).values()
-    assert len(left) == 2
+    assert len(left) == 2  # the pool and one segment
     engine.join(timeout=20)
     assert engine.exitcode == 0
     assert shm_names(name) == []
 
 
-def test_close_unlinks_unconsumed_batches(name, small_threshold):
+def test_close_unlinks_unconsumed_batches(name, small_threshold, monkeypatch):
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")
     queue = TaskQueue(name, 2, max_inflight=4)
     for i in range(3):
         queue.put_tasks(make_batch(2 * i), timeout=10)
-    assert len(shm_names(name)) == 3
-    assert queue.close(timeout=0.1) == [1, 2, 3]
+    queue.put_tasks((99, [np.zeros(1 << 18, dtype=np.int64)]), timeout=10)
+    assert len(pool_names(name)) == 1 and len(segment_names(name)) == 1
+    assert queue.close(timeout=0.1) == [1, 2, 3, 4]
     assert shm_names(name) == []
 
 
-def test_a_timed_out_put_leaves_no_segment(name, small_threshold):
+def test_a_timed_out_put_gives_its_region_back(name, small_threshold, monkeypatch):
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")
     with TaskQueue(name, 2, max_inflight=1) as queue:
         queue.put_tasks(make_batch(0), timeout=10)
-        with pytest.raises(TimeoutError):
-            queue.put_tasks(make_batch(2), timeout=0.05)
+        held = shm_stats(queue)["shm_pool_held_bytes"]
+        for _ in range(20):  # more than the pool holds, were the regions not given back
+            with pytest.raises(TimeoutError):
+                queue.put_tasks(make_batch(2), timeout=0.01)
+        stats = shm_stats(queue)
+        assert stats["shm_pool_held_bytes"] == held
+        assert stats["shm_pool_batches"] == 21 and stats.get("shm_segment_batches", 0) == 0
         assert len(shm_names(name)) == 1
 
 
@@ -213,42 +341,98 @@ def test_tcp_never_uses_shared_memory(name, procs, results, small_threshold):
         assert shared == 0
 
 
+def _pool_batch(name, pool, i, data_hash=True):
+    """Write batch ``i`` into a region of ``pool``; return (frames, check, region)."""
+    parts = codec.encode_parts(make_batch(i))
+    region = pool.allocate(parts.data_size)
+    region.write_payload(parts)
+    ref = payload_shm.pack_ref(pool.name, parts.data_size, parts.offsets, stamp=region.stamp,
+                               start=region.start,
+                               data_hash=parts.data_hash() if data_hash else 0)
+    assert parts.data_hash() == xxhash.xxh3_64(parts.frames()[2]).intdigest()
+    return [parts.body, ref], codec.payload_checksum([parts.body, ref]), region
+
+
 def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
-    parts = codec.encode_parts(make_batch(0))
-    seg = payload_shm.payload_name(name, 0, 1)
-    shared = payload_shm.SharedPayload.create(seg, parts.data_size)
+    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
     try:
-        for (start, _), raw in zip(parts.layout, parts.buffers):
-            shared.write(start, raw)
-        shared.seal()
-        check = parts.checksum()
-        assert check == codec.payload_checksum(parts.frames())  # streamed == framed
-        ref = payload_shm.pack_ref(seg, parts.data_size, parts.offsets)
-        got_name, size, offsets = payload_shm.unpack_ref(ref)
-        mapped = payload_shm.map_payload(got_name, size, payload_shm.payload_prefix(name, 0))
-        tasks = codec.decode_payload([parts.body, offsets, mapped.view], check)
+        frames, check, region = _pool_batch(name, pool, 0)
+        reader = payload_shm.PayloadReader(name, 0, 2, 1)
+        tasks = reader.decode(*frames, check)
         assert describe(tasks) == expected(0)
         with pytest.raises(ValueError):  # read-only all the way down
             tasks[1]["arrays"][0][0] = 1
-        # another queue's prefix, a wrong size, a truncated or foreign reference
+        body, ref = frames
+
+        def decode(body, ref, check=None, tp=2, queue=name):
+            check = codec.payload_checksum([body, ref]) if check is None else check
+            return payload_shm.PayloadReader(queue, 0, tp, 0).decode(body, ref, check)
+
+        def ref_with(**changes):
+            r = payload_shm.unpack_ref(ref)
+            fields = dict(stamp=r.stamp, start=r.start, data_hash=r.data_hash)
+            fields.update({k: v for k, v in changes.items() if k in fields})
+            return payload_shm.pack_ref(changes.get("name", r.name), changes.get("size", r.size),
+                                        bytes(r.offsets), **fields)
+
+        # the checksum covers body and reference: a flipped byte in either is caught first
+        for bad_body, bad_ref in ((body[:-2] + b"\x00.", ref), (body, ref[:-1] + b"X")):
+            with pytest.raises(ProtocolError, match="checksum mismatch"):
+                decode(bad_body, bad_ref, check)
+        # (a sender that recomputes the checksum) another queue's name, a region outside
+        # the pool, a stamp the region does not hold, a group of another size, a truncated
+        # or foreign reference
         with pytest.raises(ProtocolError, match="outside this queue"):
-            payload_shm.map_payload(seg, size, payload_shm.payload_prefix(name + "x", 0))
-        with pytest.raises(ProtocolError, match="reference says"):
-            payload_shm.map_payload(seg, size + 1, payload_shm.payload_prefix(name, 0))
+            decode(body, ref, queue=name + "x")
+        with pytest.raises(ProtocolError, match="outside its"):
+            decode(body, ref_with(start=(1 << 20) - 64))
+        with pytest.raises(ProtocolError, match="holds stamp"):
+            decode(body, ref_with(stamp=region.stamp + 1))
+        with pytest.raises(ProtocolError, match="tp_size"):
+            decode(body, ref, tp=4)
         for bad in (ref[:-1], ref[:10], b"XXXX" + ref[4:]):
             with pytest.raises(ProtocolError):
-                payload_shm.unpack_ref(bad)
-        # the checksum covers the shared bytes: one flipped byte is caught before unpickling
-        pos = parts.layout[1][0]
-        shared_rw = payload_shm.SharedPayload(seg, size, os.open(f"/dev/shm{seg}", os.O_RDWR))
-        shared_rw.write(pos, bytes([mapped.view[pos] ^ 1]))
-        shared_rw.seal()
-        with pytest.raises(ProtocolError, match="checksum mismatch"):
-            codec.decode_payload([parts.body, offsets, mapped.view], check)
+                decode(body, bad)
+        # the shared bytes: one flipped byte is caught by their hash before unpickling
+        data = pool._data
+        pos = region.start + 3
+        data[pos] ^= 1
+        with pytest.raises(ProtocolError, match="hash to"):
+            decode(body, ref)
+        data[pos] ^= 1
+        assert describe(decode(body, ref)) == expected(0)
+        # a segment of its own that is gone: the group was retired or the queue closed
+        with pytest.raises(GroupLostError):
+            decode(body, ref_with(name=payload_shm.payload_name(name, 0, 7), stamp=0, start=0))
     finally:
-        shared.release()
+        pool.close()
     assert shm_names(name) == []
     assert describe(tasks)[2][0][0] == expected(0)[2][0][0]  # still mapped after the unlink
+
+
+def test_a_rank_releases_a_region_when_its_last_array_is_freed(name):
+    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    try:
+        frames, check, region = _pool_batch(name, pool, 0, data_hash=False)
+        pool.kept(region)
+        pool.consumed(region)
+        readers = [payload_shm.PayloadReader(name, 0, 2, rank) for rank in range(2)]
+        decoded = [reader.decode(*frames, check) for reader in readers]
+        arrays = decoded[1][1]["arrays"]
+        del decoded[1]
+        gc.collect()
+        assert pool.allocate(pool.data_size) is None  # both ranks still hold arrays
+        del decoded[0]
+        gc.collect()
+        assert pool.allocate(pool.data_size) is None  # rank 1 holds two arrays
+        arrays.pop()
+        gc.collect()
+        assert pool.allocate(pool.data_size) is None  # and still one
+        del arrays
+        gc.collect()
+        assert pool.allocate(pool.data_size) is not None  # every rank freed everything
+    finally:
+        pool.close()
 
 
 @_report_errors
@@ -256,15 +440,16 @@ def take_then_hang(out, rank, name, tp, n):
     from fastdeploy_sync import Heartbeat
 
     with TaskClient(name, tp, rank, heartbeat=Heartbeat(0.2, 1.0)) as client:
-        _take(client, n)
+        _take_described(client, n)
         out.put(("took", rank, os.getpid()))
         time.sleep(60)
 
 
-def test_a_retired_groups_shared_batches_come_back_and_are_unlinked(name, procs, doomed,
-                                                                   small_threshold):
+def test_a_retired_groups_shared_batches_come_back_and_its_pool_is_unlinked(
+        name, procs, doomed, small_threshold, monkeypatch):
     from fastdeploy_sync import Heartbeat
 
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")
     with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
         worker = procs(take_then_hang, doomed, 0, name, 1, 1)
         queue.put_tasks(make_batch(0), timeout=10)
@@ -272,8 +457,118 @@ def test_a_retired_groups_shared_batches_come_back_and_are_unlinked(name, procs,
         os.kill(worker.pid, signal.SIGKILL)
         queue.put_tasks(make_batch(2), timeout=10)  # never taken: the group is dead
         queue.put_tasks(make_batch(3), timeout=10)  # below the threshold
+        queue.put_tasks((4, {"prompt": "own segment", "arrays": [np.ones(1 << 18)]}),
+                        timeout=10)  # larger than the pool
         event = queue.group_events.get(timeout=15)
-        assert [b.seq for b in event.unfinished] == [2, 3]
+        assert [b.seq for b in event.unfinished] == [2, 3, 4]
         assert shm_names(name) == []  # retired: nothing retained, nothing named
-        # decoded from the unlinked segment, which the arrays keep mapped
-        assert [describe(b.tasks) for b in event.unfinished] == [expected(2), expected(3)]
+        # decoded from the unlinked pool and segment, which the arrays keep mapped
+        lost = [b.tasks for b in event.unfinished]
+        assert [describe(t) for t in lost[:2]] == [expected(2), expected(3)]
+        assert lost[2][1]["arrays"][0].sum() == 1 << 18
+        # the next group's first shared batch gets a new pool
+        queue.put_tasks(make_batch(6), timeout=10)
+        assert len(pool_names(name)) == 1 and shm_stats(queue)["shm_pools_created"] == 2
+
+
+@pytest.mark.parametrize("setting,hashed", [(None, False), ("1", True)],
+                         ids=["default-unhashed", "FD_SYNC_SHM_CHECKSUM=1"])
+def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_threshold,
+                                                 monkeypatch, setting, hashed):
+    """By default the reference carries no hash of the shared bytes (body and reference
+    are checked); FD_SYNC_SHM_CHECKSUM=1 hashes them. Batches arrive identical either way."""
+    if setting is None:
+        monkeypatch.delenv("FD_SYNC_SHM_CHECKSUM", raising=False)
+    else:
+        monkeypatch.setenv("FD_SYNC_SHM_CHECKSUM", setting)
+    seen = []
+    import fastdeploy_sync.batch_encoder as be
+
+    real = be.payload_shm.pack_ref
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["data_hash"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(be.payload_shm, "pack_ref", spy)
+    with TaskQueue(name, 2, max_inflight=4) as queue:
+        for rank in range(2):
+            procs(take_and_describe, results, rank, name, 2, 4, True)
+        for i in range(4):
+            queue.put_tasks(make_batch(i), timeout=30)
+        taken = collect(results, "taken", 2)
+    assert len(seen) == 2 and all((h != 0) == hashed for h in seen), seen
+    for rank, (batches, shared) in taken.items():
+        assert batches == [expected(i) for i in range(4)] and shared == 2
+
+
+@_report_errors
+def mutate_references(out, rank, name, inputs, seed):
+    """Decode ``inputs`` mutations of a pool batch's body and reference, the checksum
+    recomputed each time (what a buggy sender could produce): count the outcomes."""
+    import random
+
+    rng = random.Random(seed)
+    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    outcomes = {"decoded": 0, "ProtocolError": 0, "GroupLostError": 0}
+    try:
+        (body, ref), _, _ = _pool_batch(name, pool, 0, data_hash=rng.random() < 0.5)
+        reader = payload_shm.PayloadReader(name, 0, 2, 1)
+        for _ in range(inputs):
+            mutated = bytearray(ref)
+            kind = rng.random()
+            if kind < 0.5:  # flip bytes anywhere: header fields, offsets, name
+                for _ in range(rng.randint(1, 4)):
+                    mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
+            elif kind < 0.8:  # a plausible field with a hostile value
+                field = rng.choice((8, 20, 24, 32, 40, 48, 56))
+                value = rng.choice((0, 1, -1, 1 << 20, (1 << 63) - 1, -(1 << 63),
+                                    rng.randrange(-(1 << 40), 1 << 40)))
+                mutated[field:field + 8] = value.to_bytes(8, "little", signed=True)
+            else:  # cut or extend
+                mutated = mutated[:rng.randrange(len(mutated))] if rng.random() < 0.5 else \
+                    mutated + bytes(rng.randrange(1, 64))
+            frames = [body, bytes(mutated)]
+            try:
+                reader.decode(*frames, codec.payload_checksum(frames))
+                outcomes["decoded"] += 1
+            except (ProtocolError, GroupLostError) as exc:
+                outcomes[type(exc).__name__] += 1
+    finally:
+        pool.close()
+    out.put(("outcomes", rank, outcomes))
+
+
+def test_mutated_references_are_refused_cleanly(name, procs, results):
+    """Decoding stays total on the shared-memory path too: 3000 mutated references with
+    a recomputed checksum, in a child process, give ProtocolError or GroupLostError (or
+    decode a batch with different array contents), never another exception, a crash or
+    a large allocation."""
+    inputs = 3000
+    child = procs(mutate_references, results, 0, name, inputs, 20261124)
+    outcomes = collect(results, "outcomes", 1, timeout=120)[0]
+    child.join(timeout=30)
+    assert child.exitcode == 0, f"the decoding child exited with {child.exitcode}"
+    assert sum(outcomes.values()) == inputs, outcomes
+    assert outcomes["ProtocolError"] > inputs // 2, outcomes
+
+
+def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name, monkeypatch):
+    """_retire decodes the retired group's batches outside the engine's mutex; a put
+    timing out in another thread meanwhile discards the last pending region of that pool,
+    which closes it. The LostBatch decode must still find the bytes."""
+    from fastdeploy_sync.batch_encoder import BatchEncoder
+
+    monkeypatch.setenv("FD_SYNC_SHM_PAYLOAD_MIN_KB", str(THRESHOLD_KB))
+    encoder = BatchEncoder(name, 0, 2, node_local=True, max_message_bytes=1 << 30)
+    try:
+        kept = encoder.encode(make_batch(0))
+        encoder.keep(1, kept)
+        pending = encoder.encode(make_batch(2))  # a put still waiting for room
+        dropped = encoder.drop_all()  # the group is retired
+        encoder.discard(pending)  # the waiting put times out: the retired pool is idle
+        assert pool_names(name) == []  # ... and unlinked
+        assert describe(encoder.decode_retained(kept.frames, dropped[1])) == expected(0)
+        encoder.forget(dropped)
+    finally:
+        encoder.close()

@@ -1,7 +1,11 @@
-"""``fastdeploy-sync profile`` end to end: real engine and worker processes, every mode.
+"""``fastdeploy-sync profile`` end to end (real engine and worker processes, every mode, both
+step kinds) and its report on synthetic runs.
 
-Asserts what is not a timing: every batch delivered, ranks agree, the JSON holds every
-figure, the PNG is written, and the async prefetch thread burns ~no CPU while idle."""
+End to end asserts what is not a timing: every batch delivered, ranks agree, the JSON holds
+every figure with its definition, the PNG is written, one definition of delivery in the
+terminal, the JSON and the plot, a verdict count that matches the rows. The synthetic runs
+test the verdict logic itself: an interval across the target is inconclusive, one far on
+either side met or MISSED, and runs drawn from the same machine never flip met <-> MISSED."""
 
 import glob
 import importlib.util
@@ -9,13 +13,17 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
+import numpy as np
 import pytest
 
 from fastdeploy_sync.envs import ipc_dir
 
 PROFILE = [sys.executable, "-m", "fastdeploy_sync.cli", "profile", "--no-progress"]
 STATS = {"p50_us", "p99_us", "mean_us", "max_us", "count"}
+HAS_PADDLE = importlib.util.find_spec("paddle") is not None
+MODES = ("async", "sync", "fd-manager")
 
 
 def _run(args, timeout=300):
@@ -26,53 +34,93 @@ def _ours():
     return set(glob.glob("/dev/shm/*prof*")) | set(glob.glob(os.path.join(ipc_dir(), "fdsync-prof*")))
 
 
-def test_profile_all_modes(tmp_path):
+def _figure(f, interval=True):
+    assert set(f) == {"value", "interval"}, f
+    assert isinstance(f["value"], float)
+    if interval:
+        low, high = f["interval"]
+        assert low <= high
+
+
+def test_profile_all_modes_both_step_kinds(tmp_path):
     before = _ours()
     json_path, png_path = tmp_path / "profile.json", tmp_path / "profile.png"
-    steps, rounds = 240, 2
-    out = _run(["--mode", "all", "--steps", str(steps), "--rounds", str(rounds),
-                "--idle-steps", "400", "--rate", "100", "--json", str(json_path),
-                "--plot", str(png_path)])
+    steps, rounds, idle = 100, 5, 150
+    kinds = ["python", "paddle"] if HAS_PADDLE else ["python"]
+    out = _run(["--steps", str(steps), "--rounds", str(rounds), "--idle-steps", str(idle),
+                "--step", ",".join(kinds), "--json", str(json_path), "--plot", str(png_path)])
     assert out.returncode == 0, out.stdout + out.stderr
-    for heading in ("noise verdict:", "task sync on the critical path", "effect on the worker loop",
-                    "targets", "definitions:"):
-        assert heading in out.stdout
-
     summary = json.loads(json_path.read_text())
-    assert summary["parameters"]["modes"] == ["async", "sync", "fd-manager"]
-    assert summary["parameters"]["steps"] == steps and summary["parameters"]["tp"] == 2
-    assert set(summary["modes"]) == {"none", "async", "sync", "fd-manager"}
-    for mode in ("async", "sync", "fd-manager"):
-        m = summary["modes"][mode]
-        assert set(m["sync_per_step_us"]) == STATS
-        assert m["sync_per_step_us"]["count"] == steps
-        assert set(m["sync_by_section_us"]) == {"check", "barrier", "take"}
-        assert len(m["sync_per_step_by_rank_us"]) == 2
-        assert len(m["sync_samples_rank0_us"]) == steps
-        # every batch the engine put reached every rank, identically, once
-        assert m["batches"]["put"] > 0, mode
-        assert m["batches"]["taken_per_rank"] == [m["batches"]["put"]] * 2, mode
-        assert m["batches"]["all_delivered"] and m["ranks_agree"], (mode, m["problems"])
-        assert m["delivery_latency_ms"]["count"] == m["batches"]["put"]
-        assert set(m["inflation_pct"]) == {"mean", "sync", "rest", "noise", "conclusive",
-                                           "verdict", "per_round", "median_of_rounds"}
-        assert len(m["inflation_pct"]["per_round"]) == rounds
-        assert len(m["delivery_samples_ms"]) == m["batches"]["put"]
-        assert len(m["idle"]["worker_cpu_pct"]) == 2
-        assert m["vs_fd_manager"]["p50_us"] is not None
-    assert summary["modes"]["none"]["step_time_ms"]["count"] == steps
-    noise = summary["noise"]
-    assert len(noise["reference_round_means_ms"]) == rounds
-    assert {"quiet", "verdict", "reference_spread_pct", "calibration_mismatch",
-            "contention_factor"} <= set(noise)
-    assert set(summary["definitions"]) >= {"inflation_pct", "sync_pct", "rest_pct", "noise_pct"}
-    assert {t["target"] for t in summary["targets"]} >= {"async sync p50 <= 30 us",
-                                                         "async idle worker CPU <= 1 %"}
+    from fastdeploy_sync.profiling import plot, report
 
-    # The no-GIL-hog property, robustly: the prefetch thread is blocked in poll while idle,
-    # so over ~0.5 s of idle iterations it used (next to) no CPU at all.
-    assert max(summary["modes"]["async"]["idle"]["prefetch_thread_cpu_pct"]) < 2.0
-    assert summary["modes"]["sync"]["idle"]["prefetch_thread_cpu_pct"] == [None, None]
+    assert summary["schema"] == report.SCHEMA
+    p = summary["parameters"]
+    assert p["modes"] == list(MODES) and p["step_kinds"] == kinds and p["tp"] == 2
+    assert set(p["units_per_step"]) == set(kinds)
+    assert summary["intervals"]["rounds"] == rounds and summary["intervals"]["level"] == 0.95
+    assert summary["definitions"] == report.DEFINITIONS
+    for kind in kinds:
+        k = summary["step_kinds"][kind]
+        assert set(k["modes"]) == {"none", *MODES}
+        for mode in ("none", *MODES):
+            m = k["modes"][mode]
+            intr = m["interruption"]
+            for name in ("off_cpu_us", "run_queue_us", "gil_wait_us", "other_us"):
+                _figure(intr[name])
+            _figure(intr["involuntary_switches_per_step"])
+            assert intr["gil_wait_us"]["value"] >= 0 and intr["run_queue_us"]["value"] >= 0
+            assert m["step_ms"]["count"] == steps
+            if mode == "none":
+                continue
+            _figure(intr["gil_wait_added_pct"])
+            assert set(m["critical_path_us"]) == STATS
+            assert m["critical_path_us"]["count"] == steps
+            assert set(m["critical_path_by_section_us"]) == {"check", "barrier", "take"}
+            assert len(m["critical_path_by_rank_us"]) == 2
+            assert len(m["critical_path_samples_us"]) == steps
+            for name in ("critical_path_p50_us", "inflation_pct", "critical_path_share_pct",
+                         "model_slowdown_pct", "delivery_p50_ms"):
+                _figure({k: v for k, v in m[name].items() if k != "per_round"})
+            assert len(m["inflation_pct"]["per_round"]) == rounds
+            # every batch the engine put reached every rank, identically, once, in every
+            # round (the fd-manager queue is one queue reused by all its segments)
+            assert m["batches"]["put"] > 0, (kind, mode)
+            assert m["batches"]["taken_per_rank"] == [m["batches"]["put"]] * 2, (kind, mode)
+            assert m["batches"]["all_delivered"] and m["ranks_agree"], (kind, mode, m["problems"])
+            assert m["delivery_ms"]["count"] == m["batches"]["put"]
+            assert len(m["delivery_samples_ms"]) == m["batches"]["put"]
+            assert 0 <= m["delivery_boundaries"]["share_first"] <= 1
+            assert m["delivery_boundaries"]["mean"] >= 1
+    assert summary["correct"] is True
+    idle_modes = summary["idle"]["modes"]
+    assert set(idle_modes) == {"none", *MODES}
+    assert idle_modes["none"]["iterations"] == idle
+    # The no-GIL-hog property, robustly: the prefetch thread is blocked in poll while idle
+    # (30 iterations, ~35 ms, per round: a heartbeat or a late WELCOME in a window is
+    # well under the bound).
+    assert max(idle_modes["async"]["prefetch_thread_cpu_pct"]) < 2.0
+    assert idle_modes["sync"]["prefetch_thread_cpu_pct"] == [None, None]
+
+    # One verdict per target row, and the header counts exactly those words.
+    targets = summary["targets"]
+    assert len(targets) == 6 * len(kinds) + 1
+    for t in targets:
+        assert t["verdict"] in ("met", "MISSED", "inconclusive"), t
+    counts = summary["verdicts"]
+    for word in ("met", "MISSED", "inconclusive"):
+        assert counts[word] == sum(t["verdict"] == word for t in targets)
+        assert f"{counts[word]} {word}" in counts["header"]
+    assert counts["header"] in out.stdout
+
+    # One definition of delivery in the terminal, the JSON and the plot.
+    assert report.DELIVERY in out.stdout
+    assert summary["definitions"]["delivery"].startswith(report.DELIVERY)
+    assert any(report.DELIVERY in title for title in plot.panel_titles(summary))
+    for heading in ("critical path per step", "interruption of the model step",
+                    "effect on the loop", "targets (95% interval", "definitions:"):
+        assert heading in out.stdout
+    for name, text in report.DEFINITIONS.items():
+        assert f"  {name}: {text}" in out.stdout
 
     png = png_path.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -80,14 +128,17 @@ def test_profile_all_modes(tmp_path):
 
 
 def test_profile_token_lists_tp1(tmp_path):
-    """TP=1 (no barrier at all) with token ids as Python lists, one mode."""
+    """TP=1 (no barrier at all) with token ids as Python lists, one mode, one step kind."""
     json_path = tmp_path / "p.json"
-    out = _run(["--mode", "sync", "--tp", "1", "--tokens", "list", "--steps", "100",
-                "--rounds", "1", "--idle-steps", "0", "--batch", "8", "--json", str(json_path)])
+    out = _run(["--mode", "sync", "--tp", "1", "--step", "python", "--tokens", "list",
+                "--steps", "100", "--rounds", "1", "--idle-steps", "0", "--batch", "8",
+                "--json", str(json_path)])
     assert out.returncode == 0, out.stdout + out.stderr
-    m = json.loads(json_path.read_text())["modes"]["sync"]
+    summary = json.loads(json_path.read_text())
+    m = summary["step_kinds"]["python"]["modes"]["sync"]
     assert m["ranks_agree"] and m["batches"]["all_delivered"] and m["batches"]["put"] > 0
-    assert "idle" not in m
+    assert summary["idle"] is None and summary["targets"] == []
+    assert m["critical_path_p50_us"]["interval"] is None  # one round: no interval
 
 
 def test_profile_cpus_pins_the_engine_and_each_rank(tmp_path):
@@ -95,33 +146,73 @@ def test_profile_cpus_pins_the_engine_and_each_rank(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     engine_cpu, rank_cpu = cores[0], cores[-1]
     json_path = tmp_path / "p.json"
-    out = _run(["--mode", "sync", "--tp", "1", "--steps", "40", "--rounds", "1",
-                "--idle-steps", "0", "--batch", "4", "--cpus", f"{engine_cpu},{rank_cpu}",
-                "--json", str(json_path)])
+    out = _run(["--mode", "sync", "--tp", "1", "--step", "python", "--steps", "40",
+                "--rounds", "1", "--idle-steps", "0", "--batch", "4", "--cpus",
+                f"{engine_cpu},{rank_cpu}", "--json", str(json_path)])
     assert out.returncode == 0, out.stdout + out.stderr
     p = json.loads(json_path.read_text())["parameters"]
     assert p["cpus"] == [engine_cpu, rank_cpu]
     assert p["engine_cpus"] == [engine_cpu]
-    assert [c["cpus"] for c in p["calibration"]] == [[rank_cpu]]
+    assert [c["cpus"] for c in p["calibration"]["python"]] == [[rank_cpu]]
     assert "pinned: engine cpu" in out.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("paddle") is None, reason="paddle not installed")
-def test_profile_paddle_step(tmp_path):
-    json_path = tmp_path / "p.json"
-    out = _run(["--mode", "async", "--step", "paddle", "--steps", "60", "--rounds", "1",
-                "--idle-steps", "0", "--json", str(json_path)])
-    assert out.returncode == 0, out.stdout + out.stderr
-    summary = json.loads(json_path.read_text())
-    assert all(c["kind"] == "paddle" and c["units"] >= 1 for c in summary["parameters"]["calibration"])
-    assert summary["modes"]["async"]["ranks_agree"]
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/<pid>/task/<tid>/children")
+def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
+    """The fd-manager's server stops answering (SIGSTOP) before the run ends: the workers'
+    manager clients then hang while closing, and the runner kills them after its exit
+    bound. Their model collective's shared memory must be gone all the same (a worker
+    closed it last, after the manager client, and a killed run left it in /dev/shm)."""
+    import signal
+    import uuid
+
+    from fastdeploy_sync.profiling import runner
+
+    monkeypatch.setattr(runner, "_EXIT_TIMEOUT_S", 5.0)
+    options = runner.ProfileOptions(mode="fd-manager", step_kinds=["python"], steps=20,
+                                    rounds=1, idle_steps=0).validate()
+    run_name = f"prof{uuid.uuid4().hex[:10]}"
+    procs = runner._Processes(options, run_name)
+    stopped = []
+    try:
+        procs.expect([procs.engine], "ready", 120)
+        calibration = procs.expect(procs.workers, "calibrated", 120)
+        procs.send(procs.workers, ("units", {"python": calibration[0]["python"]["units"]}))
+        segment = runner._run_segment(procs, options, f"{run_name}s0", "fd-manager", "python",
+                                      "load", 0, 20, None)
+        assert segment["put"] > 0
+        stopped = _children(procs.procs[procs.engine].pid)  # the manager's server process
+        assert stopped, "the engine has no manager process"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        assert glob.glob(f"/dev/shm/*{run_name}m*")  # the collective exists until the exit
+    finally:
+        procs.close()
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not glob.glob(f"/dev/shm/*{run_name}*")
 
 
 @pytest.mark.parametrize("args, message", [
     (["--steps", "3", "--rounds", "5"], "--steps 3: expected >= --rounds (5)"),
+    (["--idle-steps", "3", "--rounds", "5"], "--idle-steps 3: expected 0 or >= --rounds (5)"),
     (["--tp", "0"], "--tp 0: expected 1..16"),
     (["--rate", "-1"], "--rate -1.0: expected >= 0"),
     (["--step-ms", "0"], "--step-ms 0.0: expected > 0"),
+    (["--step", "python,gpu"], "--step python,gpu: expected one or more of"),
+    (["--step", "python,python"], "each once"),
     (["--cpus", "0,0"], "--cpus 0,0: expected 3 cores"),
     (["--cpus", "0,0,99999"], "--cpus: core 99999 is not available"),
     (["--cpus", "a,b"], "expected comma-separated core numbers"),
@@ -131,129 +222,246 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
-# -- the report on a synthetic run (no processes, no timings) -----------------------------------
+def test_help_states_the_run_time_and_the_step_kinds():
+    out = subprocess.run(PROFILE[:-1] + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "A default run takes about" in text and "RUNTIME" not in text
+    assert "python,paddle" in text
 
-def _fake_raw(ref_round_ms=(2.0, 2.0), extra_ms=None, sync_ms=None, steps=40, tp=2,
-              unit_us=(10.0, 10.0), idle=True):
-    """A raw result shaped like ``run_profile``'s: every mode's step is the reference's
-    round mean plus ``extra_ms[mode]``, of which ``sync_ms[mode]`` is task sync."""
-    import numpy as np
 
+# -- the report on synthetic runs (no processes; every figure known in advance) -------------
+
+def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us=None,
+              round_noise=0.0, step_ms=2.0, delivery_ms=None, idle_cpu=None, seed=0,
+              model_factor=None, runq_us=20.0):
+    """A raw result shaped like ``run_profile``'s. Per mode: critical path ``crit_us`` per
+    step, GIL wait ``gil_us`` per model step, delivery ``delivery_ms``; every round's times
+    scaled by ``1 + round_noise * N(0, 1)`` (a shared machine moving whole rounds), plus
+    5 % step-to-step jitter; the model step of a mode takes ``model_factor[mode]`` times
+    the calibrated length (1)."""
     from fastdeploy_sync.profiling.runner import ProfileOptions
 
-    extra_ms = extra_ms or {"async": 0.02, "sync": 0.1, "fd-manager": 1.0}
-    sync_ms = sync_ms or {"async": 0.01, "sync": 0.05, "fd-manager": 0.8}
-    rounds = len(ref_round_ms)
-    options = ProfileOptions(steps=steps * rounds, rounds=rounds,
-                             idle_steps=100 if idle else 0).validate()
-    ms = lambda v, n: np.full(n, int(v * 1e6), dtype=np.int64)  # noqa: E731
+    rng = np.random.default_rng(seed)
+    crit_us = {"async": 10.0, "sync": 100.0, "fd-manager": 1000.0, **(crit_us or {})}
+    gil_us = {"none": 0.0, "async": 5.0, "sync": 0.0, "fd-manager": 0.0, **(gil_us or {})}
+    delivery_ms = {"async": 3.0, "sync": 4.0, "fd-manager": 5.0, **(delivery_ms or {})}
+    idle_cpu = {"none": 1.0, "async": 1.5, "sync": 3.0, "fd-manager": 5.0, **(idle_cpu or {})}
+    options = ProfileOptions(steps=steps * rounds, rounds=rounds, idle_steps=10 * rounds,
+                             step_kinds=list(kinds), step_ms=step_ms, tp=tp).validate()
+    modes = ["none"] + options.modes
     segments = []
-
-    def worker(mode, phase, rnd, rank, n, puts):
-        step = ref_round_ms[rnd] + (extra_ms.get(mode, 0.0) if phase == "load" else 0.0)
-        sync = sync_ms.get(mode, 0.0)
-        w = {"mode": mode, "phase": phase, "round": rnd, "rank": rank, "steps": n,
-             "iter_ns": ms(step, n), "compute_ns": ms(step - sync, n),
-             "collective_ns": ms(0.0, n), "drain_steps": 0, "cpu_s": 1.0, "wall_s": 2.0,
-             "prefetch_cpu_s": 0.001 if mode == "async" else None,
-             "taken": [(i, i, 0, int(3e6)) for i in range(puts)],
-             "sync_ns": None if mode == "none" else
-             {k: ms(sync / 3, n) for k in ("check", "barrier", "take")} | {"step": ms(sync, n)}}
-        return w
-
-    for phase, rnds, n in (("load", range(rounds), steps), ("idle", [0] if idle else [], 100)):
-        for rnd in rnds:
-            for mode in ["none"] + options.modes:
-                puts = 0 if mode == "none" or phase == "idle" else 10
-                segments.append({"mode": mode, "phase": phase, "round": rnd, "steps": n,
-                                 "name": "x", "put": puts,
+    for rnd in range(rounds):
+        scale = max(0.2, 1 + round_noise * rng.standard_normal())
+        for kind in kinds:
+            for mode in modes:
+                put = 0 if mode == "none" else 20
+                workers = []
+                for rank in range(tp):
+                    jitter = 1 + 0.05 * rng.standard_normal(steps)
+                    factor = (model_factor or {}).get(mode, 1.0)
+                    model = (step_ms * 1e6 * factor * scale * jitter).astype(np.int64)
+                    crit_mean = 0.0 if mode == "none" else crit_us[mode] * 1e3 * scale
+                    crit = (crit_mean * jitter).astype(np.int64)
+                    gil = (gil_us[mode] * 1e3 * scale * jitter).astype(np.int64)
+                    runq = (runq_us * 1e3 * scale * jitter).astype(np.int64)
+                    vol = (gil > 0).astype(np.int64)
+                    interruption = {
+                        "wall_ns": model, "cpu_ns": model - runq - gil, "off_cpu_ns": runq + gil,
+                        "runq_ns": runq, "gil_ns": gil, "other_ns": np.zeros(steps, np.int64),
+                        "gil_upper_ns": np.where(vol > 0, runq + gil, 0),
+                        "involuntary": np.ones(steps, np.int64), "voluntary": vol}
+                    iter_ns = model + crit
+                    start = rnd * 10**9
+                    starts = start + np.concatenate([[0], np.cumsum(iter_ns)[:-1]])
+                    dl = delivery_ms.get(mode, 0) * 1e6 * scale
+                    taken = []
+                    for bid in range(put):
+                        step = 2 + 2 * bid
+                        take_ns = int(starts[step])
+                        taken.append((step, bid, take_ns - int(dl), take_ns))
+                    workers.append({
+                        "mode": mode, "kind": kind, "phase": "load", "round": rnd, "rank": rank,
+                        "steps": steps, "start_ns": start, "iter_ns": iter_ns,
+                        "compute_ns": model, "collective_ns": np.zeros(steps, np.int64),
+                        "interruption": interruption, "taken": taken, "drain_steps": 0,
+                        "cpu_s": 0.5, "wall_s": 1.0,
+                        "prefetch_cpu_s": 0.01 if mode == "async" else None,
+                        "sync_ns": None if mode == "none" else
+                        {"check": crit // 3, "barrier": crit // 3, "take": crit - 2 * (crit // 3),
+                         "step": crit}})
+                segments.append({"mode": mode, "kind": kind, "phase": "load", "round": rnd,
+                                 "steps": steps, "name": "x", "put": put,
                                  "engine_putting": None if mode == "none" else
-                                 {"put": puts, "cpu_s": 0.1, "wall_s": 1.0},
-                                 "engine": {},
-                                 "workers": [worker(mode, phase, rnd, r, n, puts)
-                                             for r in range(tp)]})
-    from dataclasses import asdict
+                                 {"put": put, "cpu_s": 0.1, "wall_s": 1.0},
+                                 "engine": {}, "workers": workers})
+        for mode in modes:
+            cpu = idle_cpu[mode] / 100 * max(0.2, 1 + round_noise * rng.standard_normal())
+            segments.append({"mode": mode, "kind": None, "phase": "idle", "round": rnd,
+                             "steps": 10, "name": "x", "put": 0, "engine_putting": None,
+                             "engine": {}, "workers": [
+                                 {"mode": mode, "kind": None, "phase": "idle", "round": rnd,
+                                  "rank": r, "steps": 10, "cpu_s": cpu, "wall_s": 1.0,
+                                  "prefetch_cpu_s": 0.0 if mode == "async" else None,
+                                  "taken": [], "interruption": None} for r in range(tp)]})
+    calibration = {k: [{"kind": k, "step_ms": step_ms, "units": 200, "unit_us": 10.0,
+                        "cpus": [0]} for _ in range(tp)] for k in kinds}
     return {"options": asdict(options), "run_name": "fake", "started": 0.0, "elapsed_s": 1.0,
-            "calibration": [{"kind": "python", "step_ms": 2.0, "units": 200, "unit_us": u,
-                             "cpus": [0]} for u in unit_us],
-            "units": 200, "engine_cpus": [0], "segments": segments}
+            "calibration": calibration, "units": {k: 200 for k in kinds}, "engine_cpus": [0],
+            "collective_spin_us": 50.0, "segments": segments}
 
 
-def test_report_noise_verdict_and_definitions_quiet_run():
+def _verdicts(summary):
+    return {(t["step_kind"], t["target"]): t["verdict"] for t in summary["targets"]}
+
+
+def test_verdict_words_follow_the_interval():
+    from fastdeploy_sync.profiling.intervals import verdict
+
+    assert verdict([10.0, 20.0], 30.0, "below") == "met"
+    assert verdict([35.0, 50.0], 30.0, "below") == "MISSED"
+    assert verdict([25.0, 35.0], 30.0, "below") == "inconclusive"  # across the target
+    assert verdict([25.0, 30.0], 30.0, "below") == "inconclusive"  # touching is not excluding
+    assert verdict([21.0, 40.0], 20.0, "above") == "met"
+    assert verdict([5.0, 19.0], 20.0, "above") == "MISSED"
+    assert verdict([15.0, 25.0], 20.0, "above") == "inconclusive"
+    assert verdict(None, 20.0, "above") == "inconclusive"
+
+
+def test_report_far_from_every_target_gives_met_or_missed():
     from fastdeploy_sync.profiling import report
 
-    summary = report.summarize(_fake_raw())
-    noise = summary["noise"]
-    assert noise["quiet"] and noise["reference_spread_pct"] == 0.0
-    assert noise["calibration_mismatch"] == 1.0 and noise["contention_factor"] == 1.0
-    assert set(summary["definitions"]) >= {"inflation_pct", "sync_pct", "rest_pct", "noise_pct"}
-    fd = summary["modes"]["fd-manager"]["inflation_pct"]
-    # inflation = sync + rest exactly, all in % of the reference's mean step (2 ms)
-    assert abs(fd["mean"] - 50.0) < 1e-6 and abs(fd["sync"] - 40.0) < 1e-6
-    assert abs(fd["sync"] + fd["rest"] - fd["mean"]) < 1e-9
-    assert fd["conclusive"] and fd["noise"] == 0.0
-    target = next(t for t in summary["targets"] if "inflation" in t["target"])
-    assert target["verdict"] == "met" and target["met"] is True  # async +1 %, no noise
+    raw = _fake_raw(crit_us={"async": 10.0}, gil_us={"async": 5.0}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[("python", "async critical path p50 <= 30 us")] == "met"
+    assert words[("python", "async critical path p50 >= 20x below fd-manager's")] == "met"
+    assert words[("python", "async critical path p50 >= 5x below sync mode's")] == "met"
+    assert words[("python", "async GIL wait added <= 3 % of none's step")] == "met"
+    assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "met"
+    assert words[(None, "async idle worker CPU <= 1 % of a core")] == "MISSED"  # 1.5 %
+
+    raw = _fake_raw(crit_us={"async": 60.0}, gil_us={"async": 200.0},
+                    delivery_ms={"async": 8.0}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[("python", "async critical path p50 <= 30 us")] == "MISSED"
+    assert words[("python", "async GIL wait added <= 3 % of none's step")] == "MISSED"  # 10 %
+    assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "MISSED"
+
+
+def test_report_gil_wait_is_judged_on_both_bounds():
+    """GIL wait 0.25 % of the step (lower bound) in steps that also spent 5 % in the run
+    queue: the upper bound crosses the 3 % target, so the row cannot say met."""
+    from fastdeploy_sync.profiling import report
+
+    row = "async GIL wait added <= 3 % of none's step"
+    quiet = _verdicts(report.summarize(_fake_raw(gil_us={"async": 5.0}, runq_us=2.0)))
+    busy = report.summarize(_fake_raw(gil_us={"async": 5.0}, runq_us=100.0))
+    assert quiet[("python", row)] == "met"
+    t = next(t for t in busy["targets"] if t["target"] == row)
+    assert t["measured"] < 1.0 < 3.0 < t["interval"][1] and t["verdict"] == "inconclusive"
+
+
+def test_report_an_interval_across_the_target_is_inconclusive_with_the_interval():
+    from fastdeploy_sync.profiling import report
+
+    # 30 us exactly at the target, rounds moving +-20 %: the interval holds 30.
+    summary = report.summarize(_fake_raw(crit_us={"async": 30.0}, round_noise=0.2, seed=3))
+    row = next(t for t in summary["targets"] if t["target"] == "async critical path p50 <= 30 us")
+    low, high = row["interval"]
+    assert low < 30.0 < high and row["verdict"] == "inconclusive" and row["met"] is None
     text = report.format_table(summary)
-    assert "noise verdict: quiet" in text and "definitions:" in text and "inconclusive (noise" not in text
+    line = next(x for x in text.splitlines() if "async critical path p50 <= 30 us" in x)
+    assert line.rstrip().endswith("inconclusive") and f"[{low:.2f}, {high:.2f}] us" in line
+
+
+def test_report_inflation_is_inconclusive_when_the_model_step_ran_faster_than_in_none():
+    """Async's model step 20 % shorter than in the loop without task sync, in every round:
+    task sync cannot cause that, so a "met" from the inflation alone would be wrong."""
+    from fastdeploy_sync.profiling import report
+
+    summary = report.summarize(_fake_raw(model_factor={"async": 0.8}, round_noise=0.05))
+    row = next(t for t in summary["targets"] if "inflation" in t["target"])
+    assert row["interval"][1] < 3.0  # the interval alone would say met
+    assert row["verdict"] == "inconclusive" and "faster than in none" in row["reason"]
+    assert any("step-time inflation inconclusive" in n for n in summary["notes"])
+    normal = report.summarize(_fake_raw(round_noise=0.05))
+    row = next(t for t in normal["targets"] if "inflation" in t["target"])
+    assert row["verdict"] == "met" and row["reason"] is None
+
+
+def test_report_too_few_rounds_gives_no_interval_and_no_met_or_missed():
+    from fastdeploy_sync.profiling import report
+
+    summary = report.summarize(_fake_raw(rounds=3, crit_us={"async": 1.0}))
+    assert all(t["interval"] is None and t["verdict"] == "inconclusive" for t in summary["targets"])
+    assert "no intervals" in summary["verdicts"]["header"]
+
+
+def test_report_same_machine_twice_never_flips_met_and_missed():
+    """Runs drawn from one machine (the same effects, rounds moving +-15 %), several rows
+    sitting right at their targets, where a verdict from the point estimate alone flips from
+    run to run: for every row, no two runs say met and MISSED; near a target, runs say
+    inconclusive instead."""
+    from fastdeploy_sync.profiling import report
+
+    words = {}
+    for seed in range(12):
+        raw = _fake_raw(seed=seed, round_noise=0.15,
+                        crit_us={"async": 29.5, "sync": 150.0, "fd-manager": 600.0},
+                        gil_us={"async": 60.0}, delivery_ms={"async": 4.0, "sync": 4.0})
+        for row, word in _verdicts(report.summarize(raw)).items():
+            words.setdefault(row, set()).add(word)
+    for row, seen in words.items():
+        assert not {"met", "MISSED"} <= seen, (row, seen)
+    assert sum("inconclusive" in seen for seen in words.values()) >= 3
+
+
+def test_report_header_counts_the_rows_and_modes_are_never_column_names():
+    from fastdeploy_sync.profiling import report
+
+    summary = report.summarize(_fake_raw(kinds=("python", "numpy"), round_noise=0.1))
+    text = report.format_table(summary)
+    header = summary["verdicts"]["header"]
+    assert text.splitlines()[1] == header
+    for word in ("met", "MISSED", "inconclusive"):
+        assert f"{sum(t['verdict'] == word for t in summary['targets'])} {word}" in header
+    # column headings are the lines that start with "mode": no mode name among them
+    for line in text.splitlines():
+        if line.strip().startswith("mode "):
+            assert not any(f" {m}" in line.replace("mode ", "", 1) for m in
+                           ("none", "async", "sync", "fd-manager")), line
+    assert "== python step:" in text and "== numpy step:" in text
     json.dumps(summary)  # JSON-ready
 
 
-def test_report_says_inconclusive_when_noise_exceeds_the_effect():
+def test_report_explains_async_delivery_from_the_figures():
     from fastdeploy_sync.profiling import report
 
-    # The reference moved 2.0 -> 2.4 ms between rounds (+-9 %), the ranks' calibrations
-    # differ 2x: a 2 % (async) effect is not resolved, nor is the 3 % target.
-    summary = report.summarize(_fake_raw(ref_round_ms=(2.0, 2.4), unit_us=(10.0, 20.0),
-                                         extra_ms={"async": 0.044, "sync": 0.1,
-                                                   "fd-manager": 2.0}))
-    noise = summary["noise"]
-    assert not noise["quiet"] and noise["verdict"].startswith("NOISY")
-    assert abs(noise["reference_spread_pct"] - 100 * 0.2 / 2.2) < 1e-6
-    assert noise["calibration_mismatch"] == 2.0
-    a = summary["modes"]["async"]["inflation_pct"]
-    assert not a["conclusive"] and a["noise"] >= noise["reference_spread_pct"]
-    assert summary["modes"]["fd-manager"]["inflation_pct"]["conclusive"]
-    target = next(t for t in summary["targets"] if "inflation" in t["target"])
-    assert target["met"] is None and target["verdict"].startswith("inconclusive (noise +-")
-    text = report.format_table(summary)
-    assert "noise verdict: NOISY" in text and "inconclusive (noise +-" in text
-    assert "ranks' calibrations differ 2.00x" in text
+    slow = report.summarize(_fake_raw(delivery_ms={"async": 8.0, "sync": 4.0}))
+    note = next(n for n in slow["notes"] if n.startswith("python: async delivered"))
+    assert "slower than sync" in note
+    fast = report.summarize(_fake_raw(delivery_ms={"async": 2.0, "sync": 4.0}))
+    note = next(n for n in fast["notes"] if n.startswith("python: async delivered"))
+    assert "faster than sync" in note and "GIL" not in note
 
 
-def test_report_flags_a_step_faster_than_the_reference_as_inconsistent():
-    from fastdeploy_sync.profiling import report
+def test_plot_has_a_row_per_step_kind_and_the_targets(tmp_path):
+    from fastdeploy_sync.profiling import plot, report
 
-    # async's steps 20 % shorter than the no-sync loop's with no noise at all: impossible
-    # for task sync to cause, so the noise estimate is wrong and nothing is resolved.
-    summary = report.summarize(_fake_raw(extra_ms={"async": -0.4, "sync": 0.1,
-                                                   "fd-manager": 1.0}))
-    a = summary["modes"]["async"]["inflation_pct"]
-    assert a["verdict"].startswith("inconsistent") and not a["conclusive"]
-    target = next(t for t in summary["targets"] if "inflation" in t["target"])
-    assert target["met"] is None and target["verdict"].startswith("inconclusive: inconsistent")
-
-
-def test_plot_has_the_delivery_idle_and_correctness_panels(tmp_path):
-    from fastdeploy_sync.profiling import report
-
-    raw = _fake_raw()
-    summary = report.summarize(raw)
-    fig = report.figure(summary, raw)
+    summary = report.summarize(_fake_raw(kinds=("python", "numpy")))
+    fig = plot.figure(summary)
     try:
         titles = [ax.get_title() for ax in fig.axes]
-        assert titles == list(report.PANEL_TITLES)
-        delivery = fig.axes[titles.index(report.PANEL_TITLES[2])]
+        assert titles == plot.panel_titles(summary)
+        assert sum(report.DELIVERY in t for t in titles) == 2  # one delivery panel per kind
+        delivery = fig.axes[1]
         assert len(delivery.lines) == 3  # one CDF per mode
-        idle = fig.axes[titles.index(report.PANEL_TITLES[4])]
-        assert len(idle.patches) == 8  # worker + thread bar for none and the three modes
-        table = fig.axes[titles.index(report.PANEL_TITLES[5])].tables[0]
-        cells = {t.get_text() for t in (c.get_text() for c in table.get_celld().values())}
-        # 2 rounds x 10 batches per mode
-        assert {"async", "sync", "fd-manager", "20", "20/20", "yes", "OK"} <= cells, cells
-        assert "noise verdict: quiet" in fig._suptitle.get_text()
+        table = fig.axes[-1].tables[0]
+        cells = {c.get_text().get_text() for c in table.get_celld().values()}
+        assert {"met", "MISSED"} <= cells
+        assert summary["verdicts"]["header"] in fig._suptitle.get_text()
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
-    report.plot(summary, raw, tmp_path / "p.png")
+    report.plot(summary, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,6 +38,17 @@ own barrier default), and the wake-up skew it leaves is charged to the next barr
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
 does when nothing runs.
+
+A worker builds and calibrates one model step per step kind of the run (``--step``), and
+each load segment names the kind it runs. Around the model step's work (not its collective,
+which blocks on purpose) every rank measures how long its event-loop thread was kept off
+the CPU and why (``interruption.ThreadInterruption``: run queue, GIL wait, context
+switches), in every mode, the reference included, so the meter's ~6 us cancels out.
+
+The fd-manager queue is built once per run and reused by every fd-manager segment: building
+one costs ~3 s here (each of its manager proxies opens a connection whose handshake waits
+on TCP delayed acknowledgements), which FastDeploy pays once per server, not per batch. A
+segment ends with every batch read by every rank, the state a new queue starts in.
 """
 
 import os
@@ -51,6 +62,7 @@ from .fd_baseline import FDManagerQueue
 from ..tp_group import ShmTPGroup
 from ..worker import TaskClient
 from ..step_profiler import StepProfiler
+from .interruption import ThreadInterruption
 from .workload import ModelStep, RequestPool
 
 __all__ = ["MODES", "REFERENCE", "engine_main", "worker_main", "FDManagerSteps"]
@@ -103,11 +115,13 @@ def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None
     """The engine process: opens each segment's queue, puts batches at a rate, closes it.
     ``cpu``: the core to pin it to (``--cpus``), or None.
 
-    Commands: ("ready", {"cpus"}) first; ("open", {"mode", "name"}) -> ("opened", address); ("go", rate) -> puts until
-    ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"}); ("close") -> ("closed", stats);
-    ("exit"). ``cpu_s`` is the engine process's CPU time (all its threads) while putting.
+    Commands: ("ready", {"cpus"}) first; ("open", {"mode", "name"}) -> ("opened", address);
+    ("go", rate) -> puts until ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"});
+    ("close") -> ("closed", stats); ("exit"). ``cpu_s`` is the engine process's CPU time
+    (all its threads) while putting. The fd-manager queue is opened once and kept until
+    "exit" (see the module docstring); "close" then only waits until every rank read.
     """
-    queue = None
+    queue = fd_queue = None
     try:
         cpus = pin_to(cpu)
         pool = RequestPool(batch, prompt_len, tokens)
@@ -115,16 +129,25 @@ def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None
         while True:
             cmd, arg = _recv(conn)
             if cmd == "open":
-                queue, address = _open_engine_queue(arg, tp_size, max_inflight)
-                conn.send(("opened", address))
+                if arg["mode"] == "fd-manager":
+                    if fd_queue is None:
+                        fd_queue = FDManagerQueue(is_server=True, tp_size=tp_size)
+                    queue = fd_queue
+                    conn.send(("opened", fd_queue.address))
+                else:
+                    queue = TaskQueue(arg["name"], tp_size, max_inflight=max_inflight)
+                    conn.send(("opened", None))
             elif cmd == "go":
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 n = _put_at_rate(queue, pool, arg, conn)
                 conn.send(("stopped", {"put": n, "cpu_s": time.process_time() - cpu0,
                                        "wall_s": time.perf_counter() - wall0}))
             elif cmd == "close":
-                conn.send(("closed", _close_engine_queue(queue)))
+                stats = _drain_engine_queue(queue)
+                if queue is not fd_queue:
+                    queue.close()
                 queue = None
+                conn.send(("closed", stats))
             elif cmd == "exit":
                 return
             else:
@@ -132,15 +155,8 @@ def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None
     except BaseException:
         _report_failure(conn, "engine")
     finally:
-        if queue is not None:
-            queue.close()
-
-
-def _open_engine_queue(spec, tp_size, max_inflight):
-    if spec["mode"] == "fd-manager":
-        queue = FDManagerQueue(is_server=True, tp_size=tp_size)
-        return queue, queue.address
-    return TaskQueue(spec["name"], tp_size, max_inflight=max_inflight), None
+        for q in {id(q): q for q in (queue, fd_queue) if q is not None}.values():
+            q.close()
 
 
 def _put_at_rate(queue, pool, rate, conn) -> int:
@@ -171,14 +187,13 @@ def _put_at_rate(queue, pool, rate, conn) -> int:
         due = max(due + period, time.perf_counter())
 
 
-def _close_engine_queue(queue) -> dict:
-    """Wait (bounded) until every rank has consumed everything, then close; return stats."""
+def _drain_engine_queue(queue) -> dict:
+    """Wait (bounded) until every rank has consumed everything; return the queue's stats."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while queue.num_tasks() and time.monotonic() < deadline:
         time.sleep(0.005)
     left = queue.num_tasks()
     stats = queue.stats() if isinstance(queue, TaskQueue) else {}
-    queue.close()
     stats["unconsumed_at_close"] = left
     return stats
 
@@ -224,26 +239,33 @@ class FDManagerSteps:
 
 
 class TPModel:
-    """A TP rank's simulated model step: the calibrated work, then the model's collective.
+    """A TP rank's simulated model steps: the calibrated work of each step kind, then the
+    model's collective.
 
-    ``step()`` is the load phase's model step; it records how long the work and the
-    collective wait took into the arrays ``begin(n)`` allocated (steps past ``n``, i.e.
-    the drain, are not recorded). ``idle()`` is the idle phase's 1 ms sleep.
+    ``use(kind, n)`` selects the kind for a segment and allocates room for ``n`` steps;
+    ``step()`` is the load phase's model step: it records how long the work and the
+    collective wait took and the work's interruption (steps past ``n``, i.e. the drain, are
+    not recorded). ``idle()`` is the idle phase's 1 ms sleep.
     """
 
-    def __init__(self, model, collective):
-        self.model, self.collective = model, collective
-        self.begin(0)
+    def __init__(self, models, collective):
+        self.models, self.collective = models, collective
+        self.meter = ThreadInterruption()
+        self.use(None, 0)
 
-    def begin(self, n):
+    def use(self, kind, n):
+        self.model = None if kind is None else self.models[kind]
         self.compute_ns = np.zeros(n, dtype=np.int64)
         self.collective_ns = np.zeros(n, dtype=np.int64)
+        self.meter.start(n)
         self._i = 0
 
     def step(self):
-        now = time.perf_counter_ns
+        now, meter = time.perf_counter_ns, self.meter
         t0 = now()
+        meter.begin()
         self.model()
+        meter.end()
         t1 = now()
         if self.collective is not None:
             self.collective.barrier(BARRIER_TIMEOUT_S)
@@ -257,28 +279,36 @@ class TPModel:
     def idle():
         time.sleep(IDLE_SLEEP_S)
 
+    def close(self):
+        self.meter.close()
 
-def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, cpu=None,
+
+def worker_main(conn, run_name, tp_size, tp_rank, step_kinds, step_ms, progress, cpu=None,
                 spin_us=COLLECTIVE_SPIN_US):
-    """One TP rank: calibrates the model step, then runs the segments the runner sends.
-    ``cpu``: the core to pin it to (``--cpus``), or None; the calibration it reports holds
-    the cores it runs on (``"cpus"``). ``spin_us``: the model collective's spin.
+    """One TP rank: calibrates a model step of each of ``step_kinds``, then runs the
+    segments the runner sends. ``cpu``: the core to pin it to (``--cpus``), or None; the
+    calibration it reports holds the cores it runs on (``"cpus"``). ``spin_us``: the model
+    collective's spin.
 
-    Commands: ("units", n) once, after it reported its calibration; then ("segment", spec)
-    -> ("ready") ... ("go") ... ("measured") ... ("drain", n) -> ("result", dict); ("exit").
-    ``progress`` (a shared int) is rank 0's step count in the current segment, for the
-    runner's progress bar.
+    Commands: ("units", {kind: n}) once, after it reported its calibrations
+    ({kind: calibration}); then ("segment", spec) -> ("ready") ... ("go") ... ("measured")
+    ... ("drain", n) -> ("result", dict); ("exit"). ``progress`` (a shared int) is rank 0's
+    step count in the current segment, for the runner's progress bar.
     """
-    collective = None
+    collective = tp_model = None
+    kept = {}  # the fd-manager client, kept across segments (see the module docstring)
     try:
         cpus = pin_to(cpu)  # before calibrating: the calibration must run where the steps do
-        model = ModelStep(step_kind, step_ms)
+        models = {kind: ModelStep(kind, step_ms) for kind in step_kinds}
         if tp_size > 1:
             collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
                                     spin_us=spin_us)
-        conn.send(("calibrated", {**model.calibrate(), "cpus": cpus}))
-        _, model.units = _recv(conn, "units")
-        tp_model = TPModel(model, collective)
+        conn.send(("calibrated", {kind: {**m.calibrate(), "cpus": cpus}
+                                  for kind, m in models.items()}))
+        _, units = _recv(conn, "units")
+        for kind, n in units.items():
+            models[kind].units = n
+        tp_model = TPModel(models, collective)
         while True:
             cmd, spec = _recv(conn)
             if cmd == "exit":
@@ -286,48 +316,62 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kind, step_ms, progress, 
             if cmd != "segment":
                 raise ControlError(f"unknown command {cmd!r}")
             conn.send(("result", _run_segment(conn, spec, tp_size, tp_rank, tp_model,
-                                              progress)))
+                                              progress, kept)))
     except BaseException:
         _report_failure(conn, f"worker rank {tp_rank}")
     finally:
+        # Shared memory first: it outlives a process that is killed before it finishes
+        # (the fd-manager client's close makes several manager round trips).
         if collective is not None:
             collective.close()
+        if tp_model is not None:
+            tp_model.close()
+        for steps in kept.values():
+            steps.close()
 
 
-def _open_steps(spec, tp_size, tp_rank):
+def _open_steps(spec, tp_size, tp_rank, kept):
     mode = spec["mode"]
     if mode == REFERENCE:
         return None
     if mode == "fd-manager":
-        return FDManagerSteps(spec["address"], tp_size, tp_rank)
+        steps = kept.get("fd-manager")
+        if steps is None:
+            steps = kept["fd-manager"] = FDManagerSteps(spec["address"], tp_size, tp_rank)
+        steps.profiler.reset()
+        return steps
     return TaskClient(spec["name"], tp_size, tp_rank, async_prefetch=(mode == "async"),
                       profile=True)
 
 
-def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress) -> dict:
-    steps = _open_steps(spec, tp_size, tp_rank)
+def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict:
+    steps = _open_steps(spec, tp_size, tp_rank, kept)
     load = spec["phase"] == "load"
-    tp_model.begin(spec["steps"] if load else 0)
+    tp_model.use(spec["kind"], spec["steps"] if load else 0)
     try:
         conn.send(("ready", None))
         _recv(conn, "go")
         taken = []
         cpu0, wall0 = time.process_time(), time.perf_counter()
         thread0 = _prefetch_cpu(steps)
-        iter_ns = _run_steps(steps, tp_size, tp_rank, tp_model.step if load else tp_model.idle,
-                             spec["steps"], taken, progress)
+        start_ns, iter_ns = _run_steps(steps, tp_size, tp_rank,
+                                       tp_model.step if load else tp_model.idle, spec["steps"],
+                                       taken, progress)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         thread_cpu = None if thread0 is None else _prefetch_cpu(steps) - thread0
         sync_ns = None if steps is None else steps.profiler.samples()
+        interruption = tp_model.meter.arrays() if load else None
         conn.send(("measured", None))
         _, total = _recv(conn, "drain")
         drain_steps = _drain(steps, tp_size, tp_rank, tp_model.step, spec["steps"], taken, total)
     finally:
-        if steps is not None:
+        if steps is not None and steps is not kept.get("fd-manager"):
             steps.close()
-    return {"mode": spec["mode"], "phase": spec["phase"], "round": spec["round"],
-            "rank": tp_rank, "steps": spec["steps"], "iter_ns": iter_ns, "sync_ns": sync_ns,
-            "compute_ns": tp_model.compute_ns, "collective_ns": tp_model.collective_ns,
+    return {"mode": spec["mode"], "kind": spec["kind"], "phase": spec["phase"],
+            "round": spec["round"], "rank": tp_rank, "steps": spec["steps"],
+            "start_ns": start_ns, "iter_ns": iter_ns, "sync_ns": sync_ns,
+            "compute_ns": tp_model.compute_ns,
+            "collective_ns": tp_model.collective_ns, "interruption": interruption,
             "taken": taken, "drain_steps": drain_steps, "cpu_s": cpu, "wall_s": wall,
             "prefetch_cpu_s": thread_cpu}
 
@@ -357,13 +401,15 @@ def _task_step(steps, tp_size, tp_rank, taken):
 
 
 def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
-    """The measured loop, ``n`` steps; returns each iteration's wall time (ns). With
-    ``steps`` None it is the reference: the same loop without task sync."""
+    """The measured loop, ``n`` steps; returns ``(start_ns, iter_ns)``: when the first
+    iteration began and each iteration's wall time (ns); iteration ``i`` begins (its check)
+    at ``start_ns + iter_ns[:i].sum()``. With ``steps`` None it is the reference: the same
+    loop without task sync."""
     now = time.perf_counter_ns
     task_step = None if steps is None else _task_step(steps, tp_size, tp_rank, taken)
     iter_ns = np.zeros(n, dtype=np.int64)
     progress.value = 0
-    t_prev = now()
+    start_ns = t_prev = now()
     for i in range(n):
         if task_step is not None:
             task_step(i)
@@ -374,7 +420,7 @@ def _run_steps(steps, tp_size, tp_rank, work, n, taken, progress):
         if not i & 63:
             progress.value = i
     progress.value = n
-    return iter_ns
+    return start_ns, iter_ns
 
 
 def _drain(steps, tp_size, tp_rank, work, first_step, taken, total) -> int:

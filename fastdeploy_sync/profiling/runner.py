@@ -1,19 +1,25 @@
 """Runs a profile: starts the engine and worker processes, drives interleaved segments,
 collects what they measured. ``report`` turns the result into figures.
 
-The schedule, for ``rounds`` rounds::
+The schedule: ``rounds`` rounds, each of them::
 
-    load phase   round r: every mode once, ``steps / rounds`` steps each, the order rotated
-                 by r; the reference loop (no task sync) is one of the modes. Interleaving
-                 short segments spreads machine drift (other tenants, thermal) over every
-                 mode instead of charging it to whichever ran last.
-    idle phase   every mode once, rate 0, ``idle_steps`` iterations: CPU use while idle.
+    load         for every step kind (the order rotated by the round): every mode once,
+                 ``steps / rounds`` steps each, the order rotated by the round; the reference
+                 loop (no task sync) is one of the modes
+    idle         every mode once, rate 0, ``idle_steps / rounds`` iterations (CPU while idle)
+
+Interleaving short segments spreads machine drift (other tenants, thermal) over every mode
+instead of charging it to whichever ran last, and makes each round a *pair*: the modes of
+one round ran under the same conditions, so ``report`` compares them round by round and
+bootstraps over rounds for its intervals.
 
 The processes stay up for the whole run (each segment opens and closes its own queue and
-clients under a fresh name), so that the paddle import and the step calibration happen once.
+clients under a fresh name; the fd-manager queue is built once, see ``loops``), so that the
+paddle import and the step calibration happen once.
 """
 
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -24,7 +30,7 @@ from typing import Optional
 
 from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
                     engine_main, worker_main)
-from .workload import STEP_KINDS, TOKEN_KINDS
+from .workload import STEP_KINDS, TOKEN_KINDS, default_step_kinds
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile"]
 
@@ -35,6 +41,7 @@ _CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 _START_TIMEOUT_S = 180.0  # process start, imports (paddle: seconds), calibration
 _SEGMENT_TIMEOUT_S = 600.0
 _TICK_S = 0.2  # progress bar refresh while waiting
+_EXIT_TIMEOUT_S = 60.0  # every process's exit, together (measured 2-6 s, more under load)
 
 
 class ProfileError(RuntimeError):
@@ -47,15 +54,15 @@ class ProfileOptions:
 
     mode: str = "all"
     tp: int = 2
-    step: str = "python"
+    step_kinds: Optional[list] = None  # None: default_step_kinds() (python, and paddle if installed)
     step_ms: float = 2.0
     rate: float = 100.0
     batch: int = 64
     prompt_len: int = 512
     tokens: str = "numpy"
-    steps: int = 1000  # load-phase steps per mode (split across the rounds)
-    rounds: int = 5
-    idle_steps: int = 500  # idle-phase iterations per mode; 0 skips the idle phase
+    steps: int = 600  # load-phase steps per mode and step kind (split across the rounds)
+    rounds: int = 10
+    idle_steps: int = 600  # idle-phase iterations per mode (split across the rounds); 0: none
     max_inflight: int = 8
     cpus: Optional[list] = None  # [engine core, rank 0 core, ...] or None: not pinned
     modes: list = field(default_factory=list)  # filled by validate()
@@ -68,8 +75,14 @@ class ProfileOptions:
             self.modes = [self.mode]
         else:
             raise ValueError(f"--mode {self.mode!r}: expected all or one of {', '.join(MODES)}")
+        if self.step_kinds is None:
+            self.step_kinds = default_step_kinds()
+        unknown = [k for k in self.step_kinds if k not in STEP_KINDS]
         checks = [
-            (self.step in STEP_KINDS, f"--step {self.step!r}: expected one of {', '.join(STEP_KINDS)}"),
+            (bool(self.step_kinds) and not unknown and
+             len(set(self.step_kinds)) == len(self.step_kinds),
+             f"--step {','.join(self.step_kinds)}: expected one or more of "
+             f"{', '.join(STEP_KINDS)}, comma-separated, each once"),
             (self.tokens in TOKEN_KINDS, f"--tokens {self.tokens!r}: expected one of {', '.join(TOKEN_KINDS)}"),
             (1 <= self.tp <= 16, f"--tp {self.tp}: expected 1..16"),
             (self.step_ms > 0, f"--step-ms {self.step_ms}: expected > 0"),
@@ -78,12 +91,16 @@ class ProfileOptions:
             (self.prompt_len >= 1, f"--prompt-len {self.prompt_len}: expected >= 1"),
             (self.rounds >= 1, f"--rounds {self.rounds}: expected >= 1"),
             (self.steps >= self.rounds, f"--steps {self.steps}: expected >= --rounds ({self.rounds})"),
-            (self.idle_steps >= 0, f"--idle-steps {self.idle_steps}: expected >= 0"),
+            (self.idle_steps == 0 or self.idle_steps >= self.rounds,
+             f"--idle-steps {self.idle_steps}: expected 0 or >= --rounds ({self.rounds})"),
             (self.max_inflight >= 1, f"--max-inflight {self.max_inflight}: expected >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if "paddle" in self.step_kinds and importlib.util.find_spec("paddle") is None:
+            raise ValueError("--step paddle: paddlepaddle is not installed (pip install "
+                             "paddlepaddle, or the package's test extra)")
         if self.cpus is not None:
             allowed = sorted(os.sched_getaffinity(0))
             if len(self.cpus) != self.tp + 1:
@@ -105,16 +122,21 @@ class ProfileOptions:
         return COLLECTIVE_SPIN_US if own else COLLECTIVE_SPIN_SHARED_US
 
     def schedule(self):
-        """[(mode, phase, round, steps)] in run order."""
+        """[(mode, step kind, phase, round, steps)] in run order (step kind None: idle)."""
         modes = [REFERENCE] + self.modes
-        per_round = self.steps // self.rounds
+        per_round, idle_per_round = self.steps // self.rounds, self.idle_steps // self.rounds
         out = []
         for r in range(self.rounds):
-            k = r % len(modes)
-            out += [(m, "load", r, per_round) for m in modes[k:] + modes[:k]]
-        if self.idle_steps:
-            out += [(m, "idle", 0, self.idle_steps) for m in modes]
+            for kind in _rotated(self.step_kinds, r):
+                out += [(m, kind, "load", r, per_round) for m in _rotated(modes, r)]
+            if idle_per_round:
+                out += [(m, None, "idle", r, idle_per_round) for m in _rotated(modes, r)]
         return out
+
+
+def _rotated(items, r):
+    k = r % len(items)
+    return list(items[k:]) + list(items[:k])
 
 
 @contextlib.contextmanager
@@ -147,7 +169,7 @@ class _Processes:
             for rank in range(options.tp):
                 progress = self.progress if rank == 0 else ctx.RawValue("q", 0)
                 self._start(ctx, f"worker rank {rank}", worker_main, run_name, options.tp, rank,
-                            options.step, options.step_ms, progress, cpus[rank + 1],
+                            options.step_kinds, options.step_ms, progress, cpus[rank + 1],
                             options.collective_spin_us())
 
     def _start(self, ctx, name, target, *args):
@@ -208,14 +230,20 @@ class _Processes:
         return [got[i] for i in who]
 
     def close(self):
+        """Ask every process to exit, wait for all of them together for at most
+        ``_EXIT_TIMEOUT_S``, then kill whatever is left. Exiting takes 2-6 s here (the
+        fd-manager's server shutdown, a worker's manager client, paddle's teardown): a
+        process killed before its cleanup leaves its shared memory behind."""
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 try:
                     conn.send(("exit", None))
                 except (OSError, BrokenPipeError):
                     pass
+        deadline = time.monotonic() + _EXIT_TIMEOUT_S
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
@@ -239,17 +267,19 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
     procs = _Processes(options, run_name)
     try:
         (engine,) = procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
-        calibration = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
+        by_rank = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
+        calibration = {kind: [c[kind] for c in by_rank] for kind in options.step_kinds}
         # One amount of work for every rank (the median rank's calibration): TP ranks run
         # the same model, and unequal steps would show up as barrier waits.
-        units = sorted(c["units"] for c in calibration)[len(calibration) // 2]
+        units = {kind: sorted(c["units"] for c in cs)[len(cs) // 2]
+                 for kind, cs in calibration.items()}
         procs.send(procs.workers, ("units", units))
         segments = []
-        for k, (mode, phase, rnd, steps) in enumerate(schedule):
+        for k, (mode, kind, phase, rnd, steps) in enumerate(schedule):
             if progress_bar is not None:
-                progress_bar.set_description(f"{mode} {phase}")
-            segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, phase, rnd,
-                                         steps, progress_bar))
+                progress_bar.set_description(f"{kind or 'idle'} {mode}")
+            segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, kind, phase,
+                                         rnd, steps, progress_bar))
     finally:
         procs.close()
     return {"options": asdict(options), "run_name": run_name, "started": started,
@@ -258,14 +288,14 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
             "segments": segments}
 
 
-def _run_segment(procs, options, name, mode, phase, rnd, steps, bar):
+def _run_segment(procs, options, name, mode, kind, phase, rnd, steps, bar):
     uses_engine = mode != REFERENCE
     address = None
     if uses_engine:
         procs.send([procs.engine], ("open", {"mode": mode, "name": name}))
         (address,) = procs.expect([procs.engine], "opened", _START_TIMEOUT_S)
-    spec = {"mode": mode, "phase": phase, "round": rnd, "steps": steps, "name": name,
-            "address": address}
+    spec = {"mode": mode, "kind": kind, "phase": phase, "round": rnd, "steps": steps,
+            "name": name, "address": address}
     procs.send(procs.workers, ("segment", spec))
     procs.expect(procs.workers, "ready", _START_TIMEOUT_S)
     if uses_engine:
@@ -295,6 +325,7 @@ def _run_segment(procs, options, name, mode, phase, rnd, steps, bar):
         (engine,) = procs.expect([procs.engine], "closed", _START_TIMEOUT_S)
     if bar is not None:
         bar.update(steps - shown)
-    return {"mode": mode, "phase": phase, "round": rnd, "steps": steps, "name": name,
-            "put": put, "engine_putting": putting, "engine": engine, "workers": workers}
+    return {"mode": mode, "kind": kind, "phase": phase, "round": rnd, "steps": steps,
+            "name": name, "put": put, "engine_putting": putting, "engine": engine,
+            "workers": workers}
 

@@ -8,7 +8,11 @@ the CPU to a background thread must get longer, or the profiler could not see th
 ``numpy``   128x128 float32 matmul + tanh rounds: releases the GIL inside each call and
             takes it back between calls (where a GIL-holding thread would delay it).
 ``paddle``  forwards of a small transformer block on paddle CPU (attention + MLP); each
-            op releases and re-takes the GIL. Imports paddle (~2 s) in the worker.
+            op releases and re-takes the GIL, as a GPU model's kernel launches do (measured
+            with ``scripts/gil_wait_check.py``: a thread holding the GIL 1 ms in every 4
+            delays it 3.5-5.6x as much (lower bounds, two runs) as the ``python`` step, which gives the GIL up only
+            at the interpreter's 5 ms switch interval). Imports paddle (~1.5 s) in the
+            worker, and only there.
 ``sleep``   ``time.sleep(step_ms)``: no CPU, no GIL (the step a GPU kernel launch leaves).
 
 Batches are ``{"batch_id", "put_ns", "requests"}`` with ``requests`` a list of
@@ -16,13 +20,21 @@ FastDeploy-like request dicts whose ``prompt_token_ids`` are int64 numpy arrays,
 lists with ``tokens="list"``.
 """
 
+import importlib.util
 import time
 
 import numpy as np
 
-__all__ = ["STEP_KINDS", "TOKEN_KINDS", "ModelStep", "RequestPool"]
+__all__ = ["STEP_KINDS", "TOKEN_KINDS", "ModelStep", "RequestPool", "default_step_kinds"]
 
 STEP_KINDS = ("python", "numpy", "paddle", "sleep")
+
+
+def default_step_kinds() -> list:
+    """``["python", "paddle"]``, or ``["python"]`` where paddle is not installed: the
+    step that holds the GIL and the one that releases it. Looks paddle up without
+    importing it."""
+    return ["python", "paddle"] if importlib.util.find_spec("paddle") else ["python"]
 TOKEN_KINDS = ("numpy", "list")
 
 # Calibration: time this many rounds of a quarter step each and keep the median. The
@@ -98,7 +110,11 @@ class ModelStep:
         return unit
 
     def _build_paddle(self):
-        import paddle  # only here: importing paddle costs seconds and ~700 MB
+        import warnings
+
+        with warnings.catch_warnings():  # paddle warns on import that ccache is missing
+            warnings.simplefilter("ignore")
+            import paddle  # only here: importing paddle costs seconds and ~700 MB
 
         paddle.set_device("cpu")
         rows, hidden, heads = 16, 128, 4

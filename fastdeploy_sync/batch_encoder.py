@@ -1,0 +1,353 @@
+"""The engine's put path in one call: ``BatchEncoder.encode(tasks)`` pickles a batch,
+decides whether its arrays travel inline (one data frame per rank) or through node-local
+shared memory (``payload_shm``: the queue's pool, a segment of the batch's own, or, when
+neither has room, the socket after all), copies them once, and returns what the engine
+enqueues and sends: the payload frames, their checksum and the shared memory the batch
+holds.
+
+The engine only enqueues and sends. It tells the encoder what becomes of each batch
+(``keep`` once it has a sequence number, ``discard`` if it was never enqueued,
+``release`` once every rank consumed it, ``drop_all``/``forget`` when a worker group is
+retired, ``close``) so that shared memory is reused or freed exactly when no rank can
+need it any more (the pool also waits for every rank's arrays to be freed: see
+``payload_shm``).
+
+Lock invariant: ``_lock`` guards the pools, ``_kept`` (seq -> the shared memory of a
+batch the engine retains) and ``counters``. ``encode`` holds it only to take a region
+(and, once per worker group, to create the pool); the copy runs outside it. The engine
+calls ``keep``, ``release`` and ``drop_all`` under its own mutex, which is always taken
+before this lock, never after.
+"""
+
+import collections
+import itertools
+import logging
+import threading
+import time
+import weakref
+
+from . import codec, envs, payload_shm
+from .errors import EndpointInUseError
+from .logs import RateLimitedLog
+from .shm import unlink_segment
+
+__all__ = ["BatchEncoder", "EncodedBatch"]
+
+log = logging.getLogger(__name__)
+
+# After a pool could not be created (no room, or an error), batches take the other paths
+# for this long before the encoder tries again.
+_POOL_RETRY_S = 60.0
+
+
+class EncodedBatch:
+    """One encoded batch: ``frames`` (what follows the DATA header), ``checksum`` (the
+    header's check) and ``shared`` (the ``payload_shm.PoolRegion`` or
+    ``payload_shm.SharedPayload`` holding its arrays, or None when they travel in
+    ``frames``)."""
+
+    __slots__ = ("frames", "checksum", "shared")
+
+    def __init__(self, frames, checksum, shared):
+        self.frames, self.checksum, self.shared = frames, checksum, shared
+
+
+class BatchEncoder:
+    """Encodes the batches of one queue (``name``/``dp_id``, ``tp_size`` ranks).
+
+    ``node_local``: the queue's ranks are reached over ``ipc://`` and may map this node's
+    shared memory (a ``tcp://`` queue always sends arrays inline). Read here:
+    ``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (batches whose arrays take at least this much go
+    through shared memory), ``FD_SYNC_SHM_POOL_MB`` (the pool's size),
+    ``FD_SYNC_SHM_CHECKSUM`` (whether the shared bytes are hashed and verified by every
+    rank; off by default, see ``payload_shm``).
+    ``max_message_bytes``: the largest message the workers accept.
+
+    ``counters`` (for ``TaskQueue.stats()``): ``shm_pool_batches``,
+    ``shm_segment_batches``, ``shm_socket_fallbacks`` (batches above the threshold that
+    went over the socket: no room in shared memory), ``shm_pools_created``.
+    """
+
+    def __init__(self, name: str, dp_id: int, tp_size: int, *, node_local: bool,
+                 max_message_bytes: int):
+        self.name, self.dp_id, self.tp_size = name, dp_id, tp_size
+        self._max_message_bytes = max_message_bytes
+        # None: never through shared memory
+        self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
+        self._pool_bytes = envs.shm_pool_bytes() if node_local else 0
+        self._hash_shared = envs.shm_checksum()
+        self._lock = threading.Lock()
+        self._pool = None  # the current group's pool, created at its first shared batch
+        self._retired = []  # retired pools a batch of the next group may still sit in
+        self._pool_retry_at = 0.0  # no pool until then (the last attempt failed)
+        self._numbers = itertools.count(1)  # names of pools and segments
+        self._kept = {}  # seq -> PoolRegion or SharedPayload
+        self._closed = False
+        self._log = RateLimitedLog(log, interval=60.0)
+        self.counters = collections.Counter()
+        # every shared name not yet unlinked; the finalizer must not reference self
+        self.names = set()
+        self._finalizer = weakref.finalize(self, _unlink_all, self.names)
+
+    def reclaim_stale(self) -> list:
+        """Remove the shared batches and pools a killed engine of this queue left. Call it
+        once the queue's node-local endpoint is exclusively this engine's."""
+        return payload_shm.reclaim_stale(self.name, self.dp_id)
+
+    # -- the put path --------------------------------------------------------------------
+
+    def encode(self, tasks) -> EncodedBatch:
+        """Pickle ``tasks`` and copy its arrays exactly once: into one data frame, or, for
+        a node-local batch whose arrays take at least the threshold, into shared memory
+        (the pool; else a segment of its own; else, when ``/dev/shm`` has no room, the
+        data frame after all). Any thread. Blocks for the copy, and, at the first shared
+        batch of a worker group, while the pool is created (~0.1 s per 256 MiB here).
+
+        Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
+        message would exceed the workers' limit (or a codec bound); nothing is held then.
+        A failure to use shared memory is never raised: it is logged (at most once a
+        minute per kind) and the batch goes over the socket.
+        """
+        parts = codec.encode_parts(tasks)
+        threshold = self._shm_min_bytes
+        if threshold is not None and parts.buffers and parts.data_size >= threshold:
+            batch = self._encode_shared(parts)
+            if batch is not None:
+                return batch
+        frames = parts.frames()
+        self._check_message_size(frames)
+        return EncodedBatch(frames, codec.payload_checksum(frames), None)
+
+    def _encode_shared(self, parts):
+        """``EncodedBatch`` with the arrays in shared memory, or None (no room: socket).
+        The message carries [body, reference]; its checksum covers both, and the
+        reference carries the hash of the shared bytes (0: not hashed)."""
+        # the body travels over the socket either way: refuse what no path can carry
+        self._check_message_size([parts.body, parts.offsets])
+        target = self._place(parts.data_size)
+        if target is None:
+            return None
+        try:
+            data_hash = parts.data_hash() if self._hash_shared else 0
+            target.write_payload(parts)
+            ref = payload_shm.pack_ref(target.name, parts.data_size, parts.offsets,
+                                       stamp=target.stamp, start=target.start,
+                                       data_hash=data_hash)
+            frames = [parts.body, ref]
+            self._check_message_size(frames)
+            check = codec.payload_checksum(frames)
+        except BaseException:
+            self._discard(target)
+            raise
+        return EncodedBatch(frames, check, target)
+
+    def _place(self, size):
+        """Room for ``size`` bytes: a pool region, a segment of its own, or None."""
+        with self._lock:
+            if self._closed:
+                return None  # the put fails with ClosedError anyway
+            pool = self._current_pool()
+            if pool is not None:
+                region = pool.allocate(size)
+                if region is not None:
+                    self.counters["shm_pool_batches"] += 1
+                    return region
+                held = pool.stats()
+                why = (f"the pool ({pool.data_size >> 20} MiB) holds {held['regions']} "
+                       f"batch(es) not yet consumed and freed by every rank "
+                       f"({held['bytes_held'] >> 20} MiB)" if size <= pool.data_size else
+                       f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
+                       f"FD_SYNC_SHM_POOL_MB)")
+                self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a segment "
+                           "of its own: %s", size / payload_shm.MiB, why)
+            number = next(self._numbers)
+        no_room = payload_shm.fresh_fits(size)
+        if no_room is None:
+            name = payload_shm.payload_name(self.name, self.dp_id, number)
+            try:
+                shared = payload_shm.SharedPayload.create(name, size)
+            except FileExistsError:
+                raise EndpointInUseError(
+                    f"TaskQueue {self.name} dp_id={self.dp_id}: shared batch {name} exists: "
+                    f"another TaskQueue of this name lives in this process; close it "
+                    f"first") from None
+            except OSError as exc:  # ENOSPC: someone else filled /dev/shm meanwhile
+                no_room = f"creating {name} failed: {exc}"
+            else:
+                with self._lock:
+                    self.names.add(name)
+                    self.counters["shm_segment_batches"] += 1
+                return shared
+        with self._lock:
+            self.counters["shm_socket_fallbacks"] += 1
+            self._note("socket", logging.WARNING, "a %.1f MiB batch goes over the socket "
+                       "(one copy per rank) instead of shared memory: %s",
+                       size / payload_shm.MiB, no_room)
+        return None
+
+    def _current_pool(self):
+        """The current group's pool, created now if it has none (under ``_lock``)."""
+        if self._pool is not None or not self._pool_bytes or self._closed:
+            return self._pool
+        now = time.monotonic()
+        if now < self._pool_retry_at:
+            return None
+        self._pool_retry_at = now + _POOL_RETRY_S
+        size, why = payload_shm.pool_size(self._pool_bytes, max(self._shm_min_bytes, 1 << 20))
+        if size == 0:
+            self._note("pool-none", logging.WARNING, "no shared-memory pool (%s; "
+                       "FD_SYNC_SHM_POOL_MB=%d): large batches take a segment of their own "
+                       "or the socket", why, self._pool_bytes >> 20)
+            return None
+        if size < self._pool_bytes:
+            self._note("pool-small", logging.WARNING, "shared-memory pool sized down to "
+                       "%d MiB (FD_SYNC_SHM_POOL_MB=%d): %s", size >> 20, self._pool_bytes >> 20,
+                       why)
+        name = payload_shm.pool_name(self.name, self.dp_id, next(self._numbers))
+        try:
+            self._pool = payload_shm.PayloadPool.create(name, self.tp_size, size)
+        except FileExistsError:
+            raise EndpointInUseError(
+                f"TaskQueue {self.name} dp_id={self.dp_id}: pool {name} exists: another "
+                f"TaskQueue of this name lives in this process; close it first") from None
+        except OSError as exc:
+            self._note("pool-failed", logging.WARNING, "could not create the "
+                       "shared-memory pool %s (%d MiB): %s; retrying in %.0f s", name,
+                       size >> 20, exc, _POOL_RETRY_S)
+            return None
+        self.names.add(name)
+        self.counters["shm_pools_created"] += 1
+        return self._pool
+
+    def _note(self, key, level, msg, *args):
+        self._log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, self.name, self.dp_id, *args)
+
+    def _check_message_size(self, frames):
+        size = sum(len(f) for f in frames)
+        if size > self._max_message_bytes:
+            raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
+                             f"the {self._max_message_bytes}-byte limit workers accept "
+                             f"(FD_SYNC_MAX_MESSAGE_MB, set it on the engine and the workers)")
+
+    # -- what becomes of a batch -----------------------------------------------------------
+
+    def keep(self, seq: int, batch: EncodedBatch) -> None:
+        """The engine enqueued ``batch`` as ``seq``."""
+        shared = batch.shared
+        if shared is None:
+            return
+        with self._lock:
+            self._kept[seq] = shared
+            if isinstance(shared, payload_shm.PoolRegion):
+                shared.pool.kept(shared)
+
+    def discard(self, batch: EncodedBatch) -> None:
+        """``batch`` was never enqueued (put timed out, queue closed): no rank will ever map
+        its shared memory. Any thread."""
+        if batch.shared is not None:
+            self._discard(batch.shared)
+
+    def _discard(self, shared):
+        with self._lock:
+            if isinstance(shared, payload_shm.PoolRegion):
+                shared.pool.discarded(shared)
+                self._close_idle_pools()
+            else:
+                self._unlink(shared)
+
+    def release(self, seq: int) -> None:
+        """Every rank consumed ``seq``. A segment of its own is unlinked (ranks that still
+        view its arrays keep valid memory); a pool region is reused once every rank's
+        arrays of it are freed too."""
+        with self._lock:
+            shared = self._kept.pop(seq, None)
+            if shared is None:
+                return
+            if isinstance(shared, payload_shm.PoolRegion):
+                shared.pool.consumed(shared)
+                if shared.pool.retired:
+                    self._close_idle_pools()
+            else:
+                self._unlink(shared)
+
+    def drop_all(self) -> dict:
+        """The worker group was retired: every kept batch is handed back, ``{seq: shared}``,
+        for ``decode_retained`` and then ``forget``. The group's pool is retired with it:
+        ranks of the old group may still view its regions, so none is reused; the next
+        group's first shared batch creates a new pool."""
+        with self._lock:
+            dropped, self._kept = self._kept, {}
+            if self._pool is not None:
+                self._pool.abandon_kept()
+                self._retired.append(self._pool)
+                self._pool = None
+                self._pool_retry_at = 0.0
+        return dropped
+
+    def forget(self, dropped: dict) -> None:
+        """Free what ``drop_all`` handed back (the decoded ``LostBatch`` arrays keep their
+        pages; the retired group's ranks that had not mapped a batch are told it is
+        lost)."""
+        with self._lock:
+            for shared in dropped.values():
+                if not isinstance(shared, payload_shm.PoolRegion):
+                    self._unlink(shared)
+            self._close_idle_pools()
+
+    @staticmethod
+    def decode_retained(frames, shared):
+        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only
+        and, for a shared batch, views of the engine's mapping, which they keep alive."""
+        if shared is None:
+            return codec.decode_payload(frames)
+        ref = payload_shm.unpack_ref(frames[1])
+        data = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        return codec.decode_payload([frames[0], ref.offsets, data])
+
+    def close(self) -> None:
+        """Unlink every shared name (the queue closed; its I/O thread has stopped): kept
+        batches' segments and every pool. Mappings stay valid while views of them live;
+        a put still copying into a pool finishes into memory that is already unnamed."""
+        with self._lock:
+            self._closed = True
+            for shared in self._kept.values():
+                if not isinstance(shared, payload_shm.PoolRegion):
+                    self._unlink(shared)
+            self._kept.clear()
+            pools = self._retired + ([self._pool] if self._pool is not None else [])
+            self._pool, self._retired = None, []
+            for pool in pools:
+                self._close_pool(pool)
+
+    def stats(self) -> dict:
+        """``counters`` plus the current pool's ``shm_pool_bytes`` and
+        ``shm_pool_held_bytes``."""
+        with self._lock:
+            out = dict(self.counters)
+            if self._pool is not None:
+                held = self._pool.stats()
+                out.update(shm_pool_bytes=held["data_size"], shm_pool_held_bytes=held["bytes_held"])
+        return out
+
+    # -- under _lock -----------------------------------------------------------------------
+
+    def _close_idle_pools(self):
+        """Unlink retired pools (and, after ``close``, any) no rank may still need to open:
+        no batch in them is being written or waits to be consumed."""
+        for pool in list(self._retired):
+            if not pool.busy():
+                self._retired.remove(pool)
+                self._close_pool(pool)
+
+    def _close_pool(self, pool):
+        self.names.discard(pool.name)
+        pool.close()
+
+    def _unlink(self, shared):
+        self.names.discard(shared.name)
+        shared.release()
+
+
+def _unlink_all(names):
+    for name in list(names):  # shared batches and pools left when the process exits
+        unlink_segment(name)

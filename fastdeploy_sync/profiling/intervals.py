@@ -1,0 +1,121 @@
+"""Confidence intervals from paired, interleaved rounds, and the verdict words they allow.
+
+A profile runs every mode once per *round*, the modes of a round back to back (``runner``).
+Machine noise on a shared box moves whole rounds (another tenant starts a build, the
+scheduler moves a process), so the unit of independent evidence is the round, not the
+step: the steps of one round share its conditions. Each figure is therefore a statistic of
+the rounds (the pooled p50 of their steps, a ratio of means, ...), and its interval comes
+from a percentile bootstrap that resamples whole rounds with replacement. A figure that
+compares two modes evaluates both on the *same* resampled rounds (paired), so a round in
+which everything ran slow moves both sides together instead of widening the interval.
+
+Verdicts: ``met`` only when the whole interval lies on the good side of the threshold,
+``MISSED`` only when it lies wholly on the bad side; otherwise ``inconclusive``. With fewer
+than ``MIN_ROUNDS`` rounds there is no interval and every verdict is inconclusive. The
+resampling is seeded: the same run gives the same intervals.
+"""
+
+import numpy as np
+
+__all__ = ["Bootstrap", "verdict", "pooled_median", "pooled_mean", "ragged_median", "LEVEL",
+           "RESAMPLES", "MIN_ROUNDS", "WORDS"]
+
+LEVEL = 0.95
+RESAMPLES = 2000
+MIN_ROUNDS = 5  # a percentile bootstrap over fewer rounds has next to no resolution
+_SEED = 20240617
+_CHUNK = 250  # resamples evaluated at once (bounds the memory of a vectorised statistic)
+WORDS = ("met", "MISSED", "inconclusive")
+
+
+class Bootstrap:
+    """Intervals over ``rounds`` rounds.
+
+    A *statistic* is a function of an integer array ``idx`` of shape ``(n, rounds)``, each
+    row a selection of round indices (with repetition), returning a float array ``(n,)``:
+    the figure computed over the selected rounds. ``estimate(stat)`` evaluates it on every
+    round once; ``interval(stat)`` on ``RESAMPLES`` resamples and returns the central
+    ``LEVEL`` percentile interval, or None with fewer than ``MIN_ROUNDS`` rounds.
+    Statistics that come back NaN in some resamples (a round without any sample) are
+    judged on the others; all NaN gives None.
+    """
+
+    def __init__(self, rounds: int, resamples: int = RESAMPLES, level: float = LEVEL,
+                 seed: int = _SEED):
+        if rounds < 1:
+            raise ValueError(f"rounds={rounds}: expected >= 1")
+        self.rounds, self.resamples, self.level = rounds, resamples, level
+        self.all_rounds = np.arange(rounds)[None, :]
+        # One set of resamples for every statistic of the run: figures compared with each
+        # other (a ratio and its parts, two step kinds) are judged on the same rounds.
+        rng = np.random.default_rng(seed)
+        self.idx = rng.integers(0, rounds, size=(resamples, rounds))
+
+    @property
+    def has_intervals(self) -> bool:
+        return self.rounds >= MIN_ROUNDS
+
+    def estimate(self, stat) -> float:
+        value = float(np.asarray(stat(self.all_rounds), dtype=float)[0])
+        return None if np.isnan(value) else value
+
+    def interval(self, stat):
+        """``[low, high]`` (floats) or None (too few rounds, or no value at all)."""
+        if not self.has_intervals:
+            return None
+        values = np.concatenate([np.asarray(stat(self.idx[k:k + _CHUNK]), dtype=float)
+                                 for k in range(0, self.resamples, _CHUNK)])
+        values = values[~np.isnan(values)]
+        if values.size == 0:
+            return None
+        tail = 100 * (1 - self.level) / 2
+        low, high = np.percentile(values, [tail, 100 - tail])
+        return [float(low), float(high)]
+
+    def figure(self, stat) -> dict:
+        """``{"value", "interval"}`` of one statistic."""
+        return {"value": self.estimate(stat), "interval": self.interval(stat)}
+
+
+def verdict(interval, threshold: float, better: str) -> str:
+    """``met`` / ``MISSED`` / ``inconclusive`` for a target ``value <= threshold``
+    (``better="below"``) or ``value >= threshold`` (``better="above"``): met or MISSED only
+    when ``interval`` excludes the threshold (strictly); None (no interval) is inconclusive."""
+    if better not in ("below", "above"):
+        raise ValueError(f"better={better!r}: expected 'below' or 'above'")
+    if interval is None:
+        return "inconclusive"
+    low, high = interval
+    if better == "below":
+        return "met" if high < threshold else "MISSED" if low > threshold else "inconclusive"
+    return "met" if low > threshold else "MISSED" if high < threshold else "inconclusive"
+
+
+# -- statistics over per-round arrays ------------------------------------------------------
+# ``X`` below is a 2-D float array (rounds, samples per round): every round of a mode has
+# the same number of steps (runner.schedule), so a selection of rounds is a fancy index.
+
+def pooled_median(X):
+    """The median of every sample of the selected rounds, pooled."""
+    X = np.asarray(X, dtype=float)
+    return lambda idx: np.median(X[idx].reshape(len(idx), -1), axis=1)
+
+
+def pooled_mean(X):
+    """The mean of every sample of the selected rounds (rounds are equally long)."""
+    means = np.asarray(X, dtype=float).mean(axis=1)
+    return lambda idx: means[idx].mean(axis=1)
+
+
+def ragged_median(rounds):
+    """The pooled median for rounds with different sample counts (delivery latencies: a
+    round's batches), NaN where the selected rounds hold no sample."""
+    rounds = [np.asarray(r, dtype=float) for r in rounds]
+
+    def stat(idx):
+        out = np.empty(len(idx))
+        for k, row in enumerate(idx):
+            pooled = np.concatenate([rounds[i] for i in row])
+            out[k] = np.median(pooled) if pooled.size else np.nan
+        return out
+    return stat

@@ -1,0 +1,131 @@
+"""ThreadInterruption: the profile's per-step off-CPU / run-queue / GIL-wait split.
+
+Orderings, not timings: a thread that deliberately holds the GIL must show up as GIL wait
+in a pure-Python step (clearly above zero), and without it the GIL wait stays near zero;
+the meter itself must not release the GIL (it would hand a waiting thread a free switch
+and make the measured step friendlier than the real one)."""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastdeploy_sync.profiling.interruption import ThreadInterruption
+
+pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+                                reason="needs Linux /proc/<pid>/task/<tid>/schedstat")
+
+STEPS = 150
+
+
+def _python_work():
+    """~1 ms of bytecode that never releases the GIL and does no I/O."""
+    x = 1
+    for i in range(8000):
+        x = (x * 1103515245 + i) & 0xFFFFFFFF
+    return x
+
+
+def _gil_holder(stop, held_ns):
+    """Sleep 2 ms (GIL released), then spin 1 ms in Python (GIL held), until stopped."""
+    while not stop.is_set():
+        time.sleep(0.002)
+        c0 = time.thread_time_ns()
+        end = time.perf_counter_ns() + 1_000_000
+        while time.perf_counter_ns() < end:
+            pass
+        held_ns.append(time.thread_time_ns() - c0)
+
+
+def _measure(with_holder):
+    meter = ThreadInterruption(STEPS)
+    stop, held = threading.Event(), []
+    holder = threading.Thread(target=_gil_holder, args=(stop, held), daemon=True)
+    if with_holder:
+        holder.start()
+    try:
+        for _ in range(STEPS):
+            meter.begin()
+            _python_work()
+            meter.end()
+    finally:
+        stop.set()
+        if with_holder:
+            holder.join(timeout=10)
+        meter.close()
+    return meter.arrays(), held
+
+
+def test_gil_wait_is_clearly_above_zero_with_a_gil_holding_thread_and_near_zero_without():
+    alone, _ = _measure(with_holder=False)
+    holder, held = _measure(with_holder=True)
+    assert len(held) > 0, "the holder thread never ran"
+    # Without another thread there is nothing to block on: no voluntary switch, so no
+    # GIL wait at all by construction, whatever the machine does.
+    assert alone["voluntary"].sum() == 0
+    assert alone["gil_ns"].sum() == 0
+    # With the holder the step blocked on the GIL, and the blocked time is far above the
+    # zero of the quiet case.
+    assert holder["voluntary"].sum() > 0
+    assert holder["gil_ns"].sum() > 0
+    # The parts add up to the whole in every interval; the upper bound is above the lower.
+    for a in (alone, holder):
+        assert np.array_equal(a["runq_ns"] + a["gil_ns"] + a["other_ns"], a["off_cpu_ns"])
+        assert (a["runq_ns"] >= 0).all() and (a["gil_ns"] >= 0).all()
+        assert (a["gil_upper_ns"] >= a["gil_ns"]).all()
+        assert len(a["wall_ns"]) == STEPS
+    assert alone["gil_upper_ns"].sum() == 0 < holder["gil_upper_ns"].sum()
+
+
+def test_the_meter_does_not_release_the_gil():
+    """A thread that re-takes the GIL whenever it is released: while the main thread runs
+    only the meter, it gets a turn only when the interpreter forces a switch (every
+    switch interval, 5 ms); while the main thread calls os.pread, which releases the GIL,
+    it gets hundreds."""
+    seconds = 0.15
+
+    def turns_while(body):
+        stop, count = threading.Event(), [0]
+
+        def spinner():
+            while not stop.is_set():
+                count[0] += 1
+                time.sleep(0)  # releases the GIL; running again needs it back
+        t = threading.Thread(target=spinner, daemon=True)
+        t.start()
+        time.sleep(0.01)
+        count[0] = 0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            body()
+        n = count[0]
+        stop.set()
+        t.join(timeout=10)
+        return n
+
+    meter = ThreadInterruption(0)
+    fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+    try:
+        with_meter = turns_while(lambda: (meter.begin(), meter.end()))
+        with_os_pread = turns_while(lambda: os.pread(fd, 64, 0))
+    finally:
+        os.close(fd)
+        meter.close()
+    forced_switches = 2 * seconds / sys.getswitchinterval() + 10  # generous: 70 at 5 ms
+    assert with_meter <= forced_switches < with_os_pread, (with_meter, with_os_pread)
+
+
+def test_capacity_bounds_what_is_kept_and_start_resets():
+    meter = ThreadInterruption(3)
+    for _ in range(5):
+        meter.begin()
+        meter.end()
+    a = meter.arrays()
+    assert len(a["wall_ns"]) == 3 and (a["wall_ns"] >= 0).all()
+    meter.start(2)
+    assert len(meter.arrays()["wall_ns"]) == 0
+    meter.close()
+    meter.close()  # idempotent

@@ -149,7 +149,11 @@ def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
         # on a step where the ahead rank is not the slowest)
         errors = [p for kind, p in got.values() if kind == "error" and "ProtocolError" in p]
         assert errors, got
-        assert "call get_tasks() at the same steps" in errors[0]
+        # the message names the loop rule that was broken and how to fix it (the extra
+        # call is either past what rank 0 checked for, or ahead of a peer's calls)
+        assert "Fix the worker loop" in errors[0]
+        assert ("rank 0 has not checked for tasks" in errors[0]
+                or "call get_tasks() at the same steps" in errors[0]), errors[0]
     finally:
         server.cleanup()
 
@@ -228,22 +232,24 @@ def test_ports_and_server_only_port(name, loopback_tcp):
     """FastDeploy's test_queue_exist_tasks_and_ports: a tcp server on port 0 reports its real
     port; a client asking for it gets RuntimeError. Two DP groups use port and port + 1."""
     server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=1,
-                               local_data_parallel_size=2, name=name)
+                               local_data_parallel_size=2)
     try:
         port = server.get_server_port()
         assert port > 0 and server.address == ("127.0.0.1", port)
         assert [q.endpoint for q in server._queues] == [f"tcp://127.0.0.1:{port}",
                                                         f"tcp://127.0.0.1:{port + 1}"]
-        worker = _worker_thread(("127.0.0.1", port), name, local_data_parallel_id=1)
+        # name=None: the worker derives the queue name from the port, as FastDeploy's do
+        worker = _worker_thread(("127.0.0.1", port), None, local_data_parallel_id=1)
         try:
             with pytest.raises(RuntimeError):
                 worker.get_server_port()
             assert not worker.exist_tasks()
-            engine = EngineWorkerQueue(address=("127.0.0.1", port), client_id=0, name=name,
+            engine = EngineWorkerQueue(address=("127.0.0.1", port), client_id=0,
                                        local_data_parallel_id=1)
             with pytest.raises(RuntimeError):
                 engine.get_server_port()
             engine.put_tasks(["dp1"])
+            assert worker._name == server._name == f"fdq{port}"  # workers know the port only
             _until(worker.exist_tasks)
             assert worker.get_tasks() == ([["dp1"]], True)
             assert server.num_connected_clients() == 0  # the server's own group 0

@@ -22,7 +22,6 @@ import argparse
 import multiprocessing as mp
 import os
 import socket
-import threading
 import time
 
 import numpy as np

@@ -3,7 +3,6 @@ its worker group is lost, and recovers when a new group connects."""
 
 import os
 import signal as signals
-import threading
 import time
 
 import pytest

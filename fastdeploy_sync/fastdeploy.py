@@ -41,8 +41,14 @@ host means workers on other machines: group i is served on ``tcp://host:(port + 
 so a server with ``local_data_parallel_size=d`` uses ports port..port+d-1 (with port 0,
 a free port P is picked first and names the queue, ``fdqP``, as the workers, who know
 only the port, derive it; group i binds P + i, which may fail: give a port then).
-Every DP group has its own endpoint, TP-group shared memory and ack board: groups
-sharing one address never see each other's batches or flags.
+A unix socket path (FastDeploy's ``FD_ENGINE_TASK_QUEUE_WITH_SHM=1``:
+``/dev/shm/fd_task_queue_<port>.sock`` on the engine and the workers) also means one
+node: the queue is named ``fdq<port>`` from the number in the file name (so the path and
+``("0.0.0.0", port)`` name the same queue), ``fdq-<file name>`` without one; nothing is
+created at the path itself (a socket in a world-writable directory could be taken over
+by another user: the private ipc directory serves it). Every DP group has its own
+endpoint, TP-group shared memory and ack board: groups sharing one address never see
+each other's batches or flags.
 
 Security. ``authkey`` is accepted for FastDeploy's signature and not used: ``tcp://``
 endpoints authenticate with the library's CURVE keys (``keys_dir=`` or
@@ -115,6 +121,7 @@ until the workers took the marker. ``cleared`` counts, per worker, the batches d
 import hashlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -314,6 +321,34 @@ class _GroupBoard:
     def close(self):
         self._view = None
         self._finalizer()
+
+
+_SOCK_PORT_RE = re.compile(r"(\d+)\.sock\Z")
+_NAME_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _parse_address(address):
+    """``(host, port, path_name)`` of a FastDeploy queue address: a ``(host, port)`` pair,
+    or a unix socket path (FastDeploy's ``FD_ENGINE_TASK_QUEUE_WITH_SHM``:
+    ``/dev/shm/fd_task_queue_<port>.sock``), which is node-local by construction. For a
+    path, ``host`` is the one-node host, ``port`` the number in ``<port>.sock`` (0 if
+    none) and ``path_name`` the file name, safe as a queue name; for a pair it is ''.
+    ``ValueError`` for anything else. Nothing is created at the path: the queue's own
+    private ipc endpoint serves it (see the module docstring)."""
+    if isinstance(address, (str, bytes, os.PathLike)):
+        path = os.fsdecode(address)
+        base = os.path.basename(path)
+        if not base:
+            raise ValueError(f"address={address!r}: a unix socket path needs a file name")
+        match = _SOCK_PORT_RE.search(base)
+        return (SINGLE_NODE_HOST, int(match.group(1)) if match else 0,
+                _NAME_UNSAFE_RE.sub("_", base)[:48])
+    try:
+        host, port = address
+        return str(host), int(port), ""
+    except (TypeError, ValueError):
+        raise ValueError(f"address={address!r}: expected (host, port) or a unix socket "
+                         f"path, as FastDeploy passes") from None
 
 
 def _release_board(seg, sem, owner, shm_name, sem_name):
@@ -565,15 +600,18 @@ class EngineWorkerQueue:
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
                  max_inflight: int = 1, connect_timeout: float = None, name: str = None,
                  role: str = None, keys_dir: str = None):
-        host, port = address[0], int(address[1])
-        self.address = (host, port)
+        host, port, path_name = _parse_address(address)
+        # A path (FastDeploy's FD_ENGINE_TASK_QUEUE_WITH_SHM) stays the path: both sides
+        # of FastDeploy pass the same string, and it is the key of _SERVERS.
+        self.address = os.fspath(address) if path_name else (host, port)
+        self._host, self._port, self._path_name = host, port, path_name
         self.authkey = authkey  # not used: see the module docstring (Security)
         self.is_server = bool(is_server)
         self.num_client = num_client
         self.client_id = client_id
         self.local_data_parallel_size = local_data_parallel_size
         self.local_data_parallel_id = local_data_parallel_id
-        self.is_single_node = host == SINGLE_NODE_HOST
+        self.is_single_node = host == SINGLE_NODE_HOST or bool(path_name)
         if type(max_inflight) is not int or max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
         self.max_inflight = max_inflight
@@ -612,7 +650,7 @@ class EngineWorkerQueue:
             if server is None:
                 # another process of the node owns the server: put through its queue's
                 # producer endpoint
-                self._name = name or f"fdq{port}"
+                self._name = name or self._default_name()
                 wait = envs.connect_timeout_s() if connect_timeout is None else connect_timeout
                 self._producer = TaskProducer(self._name, dp_id=local_data_parallel_id,
                                               timeout=float(wait))
@@ -632,13 +670,21 @@ class EngineWorkerQueue:
 
     # -- construction ------------------------------------------------------------------------
 
+    def _default_name(self, port=None) -> str:
+        """The queue name both sides derive from the address (workers know nothing else):
+        ``fdq<port>``, or for a path address without a port number in it, ``fdq-<file
+        name>``."""
+        if self._path_name and self._port == 0:
+            return f"fdq-{self._path_name}"
+        return f"fdq{self._port if port is None else port}"
+
     def _start_server(self, name, keys_dir):
-        host, port = self.address
+        host, port = self._host, self._port
         dp = self.local_data_parallel_size
         if type(dp) is not int or dp < 1:
             raise ValueError(f"local_data_parallel_size={dp!r}: expected an int >= 1")
         try:
-            if self.is_single_node and port == 0:
+            if self.is_single_node and port == 0 and not self._path_name:
                 # No TCP port is bound for ipc; hold one so the number (and so the name)
                 # is ours alone on this node while the server lives.
                 self._reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -650,7 +696,7 @@ class EngineWorkerQueue:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                     probe.bind((host, 0))
                     port = probe.getsockname()[1]
-            self._name = name or f"fdq{port}"
+            self._name = name or self._default_name(port)
             for i in range(dp):
                 if self.is_single_node:
                     endpoint = None
@@ -666,7 +712,8 @@ class EngineWorkerQueue:
         except BaseException:
             self._close_server(0.0)
             raise
-        self.address = (host, port)
+        if not self._path_name:
+            self.address, self._port = (host, port), port
         self._server = self
         with _SERVERS_LOCK:
             _SERVERS[self.address] = self
@@ -675,9 +722,9 @@ class EngineWorkerQueue:
                  ", ".join(q.endpoint for q in self._queues))
 
     def _start_worker(self, name, keys_dir, connect_timeout):
-        host, port = self.address
+        host, port = self._host, self._port
         dp_id = self.local_data_parallel_id
-        self._name = name or f"fdq{port}"
+        self._name = name or self._default_name()
         endpoint = None if self.is_single_node else f"tcp://{host}:{port + dp_id}"
         timeout = envs.connect_timeout_s() if connect_timeout is None else float(connect_timeout)
         group = self._choose_coordinator(endpoint or self._name)
@@ -803,7 +850,7 @@ class EngineWorkerQueue:
         ``RuntimeError`` elsewhere, as FastDeploy."""
         if not self.is_server:
             raise RuntimeError("Only the server instance can provide the port.")
-        return self.address[1]
+        return self._port
 
     def put_tasks(self, tasks, timeout: float = None) -> None:
         """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP

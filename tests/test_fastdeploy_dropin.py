@@ -13,6 +13,7 @@ FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) 
 """
 
 import threading
+import os
 import time
 
 import pytest
@@ -210,6 +211,44 @@ def test_put_get_num_tasks_and_clear(name):
             worker.cleanup()
     finally:
         server.cleanup()
+
+
+def test_unix_socket_path_addresses(name):
+    """FastDeploy's FD_ENGINE_TASK_QUEUE_WITH_SHM: engine and workers pass the path
+    /dev/shm/fd_task_queue_<port>.sock instead of (host, port). It is node-local, names
+    the same queue as ("0.0.0.0", port), and nothing is created at the path itself."""
+    path = f"/dev/shm/{name}_task_queue.sock"  # no port in it: the queue is named by the file
+    server = EngineWorkerQueue(address=path, is_server=True, num_client=1)
+    try:
+        assert server.address == path and server.is_single_node
+        engine = EngineWorkerQueue(address=path, is_server=False, num_client=1, client_id=0)
+        assert engine.role == "engine"
+        worker = _worker_thread(path, None)
+        try:
+            engine.put_tasks(["via-path"])
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["via-path"]], True)
+            assert not os.path.exists(path)
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+    # a port in the file name: the same queue as the (host, port) form
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        port = server.get_server_port()
+        worker = _worker_thread(f"/dev/shm/fd_task_queue_{port}.sock", name)
+        try:
+            engine = EngineWorkerQueue(address=("0.0.0.0", port), client_id=0, name=name)
+            engine.put_tasks(["via-port"])
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["via-port"]], True)
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+    with pytest.raises(ValueError, match="unix socket path"):
+        EngineWorkerQueue(address=("0.0.0.0",), is_server=True)
 
 
 def test_put_blocks_one_batch_at_a_time(name):

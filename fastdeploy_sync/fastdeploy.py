@@ -999,6 +999,17 @@ class EngineWorkerQueue:
             q.put_tasks(_Clear(), timeout=5.0)  # room reserved: returns at once
             server._last_put_was_clear = True
 
+    @property
+    def task_queues(self) -> list:
+        """The server's ``TaskQueue`` per local DP group (index = ``local_data_parallel_id``),
+        for what the core offers beyond FastDeploy's calls: ``stats()``, ``status()``,
+        ``group_events``, and metrics (``fastdeploy_sync.metrics.register(registry,
+        *server.task_queues)``). An engine client in the server's process sees its server's;
+        an empty list on a worker or an engine client of another process (its server's
+        process exports them)."""
+        server = self._server
+        return list(server._queues) if server is not None else []
+
     def num_connected_clients(self) -> int:
         """Engine side: TP ranks of this DP group connected now (FastDeploy logs its
         ``connected_client_counter``). ``RuntimeError`` on a worker, which cannot know."""

@@ -59,16 +59,34 @@ def _free_ports(n):
 
 def start_node(node, ranks):
     """One simulated node: a private /dev/shm, /tmp and hostname, running ``ranks`` (a list
-    of json argument dicts for tests/fd_node_worker.py) as processes."""
-    cmds = " & ".join(f"{sys.executable} {HERE}/fd_node_worker.py '{json.dumps(a)}'"
-                      for a in ranks)
+    of json argument dicts for tests/fd_node_worker.py) as processes. Returns the node's
+    process and one pipe per rank carrying that rank's report: ranks of one node sharing a
+    stdout interleaved their reports (a RESULT line printed inside another one)."""
+    pipes = [os.pipe() for _ in ranks]
+    cmds = " & ".join(f"{sys.executable} {HERE}/fd_node_worker.py '{json.dumps(a)}' >/dev/fd/{w}"
+                      for a, (_, w) in zip(ranks, pipes))
     # the new hostname must resolve (paddle's store looks it up): a private /etc/hosts
     script = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && "
               f"cp /etc/hosts /tmp/hosts && echo '127.0.0.1 {node}' >> /tmp/hosts && "
               f"mount --bind /tmp/hosts /etc/hosts && hostname {node} && {cmds} & wait")
-    return subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    try:
+        proc = subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", script],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, pass_fds=[w for _, w in pipes])
+    finally:
+        for _, w in pipes:
+            os.close(w)
+    return proc, [r for r, _ in pipes]
+
+
+def _read_all(fd):
+    """Everything written to pipe ``fd`` until every writer closed it (a report is far
+    below the pipe's capacity, so its writer never waits for this reader)."""
+    chunks = []
+    with os.fdopen(fd, "rb") as f:
+        for chunk in iter(lambda: f.read(65536), b""):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeout=150,
@@ -106,9 +124,11 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         for t in threads:
             t.start()
         reports, logs = {}, []
-        for p in nodes:
-            out, err = p.communicate(timeout=timeout)
+        for p, pipes in nodes:
+            _, err = p.communicate(timeout=timeout)
             logs.append(err[-3000:])
+            out = "".join(_read_all(fd) for fd in pipes)
+            pipes.clear()
             for line in out.splitlines():
                 if line.startswith("RESULT "):
                     rep = json.loads(line[len("RESULT "):])
@@ -119,10 +139,12 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         assert len(reports) == tp * dp and not bad, (bad, sorted(reports), logs)
         assert not errors, errors
     finally:
-        for p in nodes:
+        for p, pipes in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait(timeout=10)
+            for fd in pipes:
+                os.close(fd)
         server.cleanup()
     for d in range(dp):
         ref = reports[(d, 0)]["calls"]
@@ -134,19 +156,23 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
     return reports
 
 
-@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
-def test_tp2_across_two_nodes(name, loopback_tcp, sync):
+@pytest.mark.parametrize("shape,sync", [("develop", False), ("develop", True), ("v2x", False),
+                                        ("v2x", True)],
+                         ids=["develop-async", "develop-sync", "v2x-async", "v2x-sync"])
+def test_tp2_across_two_nodes(name, loopback_tcp, shape, sync):
     """Before: the drop-in required a TP group's ranks to share a node (its coordination
     was node-local shared memory), so rank 1 on another node never attached rank 0's
-    segment (TimeoutError after FD_SYNC_ATTACH_TIMEOUT)."""
-    reports = run_multinode(name, 2, 1, 30, [0, 1], sync=sync)
+    segment (TimeoutError after FD_SYNC_ATTACH_TIMEOUT). Both rank-0 checks: develop's
+    exist_tasks() and 2.x's num_tasks() > 0."""
+    reports = run_multinode(name, 2, 1, 30, [0, 1], shape=shape, sync=sync)
     assert {v["coordinator"] for v in reports.values()} == {"paddle"}
     assert {v["node"] for v in reports.values()} == {"fdnode0", "fdnode1"}
 
 
-def test_tp4_across_two_nodes_num_tasks_loop(name, loopback_tcp):
-    """TP=4 with two ranks on each node, FastDeploy 2.x's check (num_tasks() > 0)."""
-    reports = run_multinode(name, 4, 1, 10, [0, 0, 1, 1], shape="v2x")
+@pytest.mark.parametrize("shape", ["develop", "v2x"])
+def test_tp4_across_two_nodes(name, loopback_tcp, shape):
+    """TP=4 with two ranks on each node, develop's check and 2.x's (num_tasks() > 0)."""
+    reports = run_multinode(name, 4, 1, 10, [0, 0, 1, 1], shape=shape)
     assert {v["coordinator"] for v in reports.values()} == {"paddle"}
 
 

@@ -10,6 +10,7 @@ machine does not allow namespaces or paddle is missing."""
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -57,6 +58,25 @@ def _free_ports(n):
             s.close()
 
 
+def _private_tmp():
+    """Shell that mounts a private tmpfs over /tmp, keeping visible what the ranks need
+    that lives under the host's /tmp: this checkout (a CI clone may sit in /tmp; the
+    editable install points into it) and any import path there. The host's /tmp is held
+    through a bind mount under the node's own /dev/shm while those are bound back, then
+    detached, so nothing else of it is reachable."""
+    needed = {os.path.dirname(HERE), *(p for p in sys.path if p)}
+    under = sorted(p for p in needed if p.startswith("/tmp/") and os.path.isdir(p))
+    keep = [p for p in under if not any(p.startswith(q + "/") for q in under)]
+    parts = ["mkdir /dev/shm/.host-tmp", "mount --bind /tmp /dev/shm/.host-tmp",
+             "mount -t tmpfs tmpfs /tmp"]
+    for p in keep:
+        rel = os.path.relpath(p, "/tmp")
+        parts += [f"mkdir -p {shlex.quote(p)}",
+                  f"mount --bind {shlex.quote('/dev/shm/.host-tmp/' + rel)} {shlex.quote(p)}"]
+    parts += ["umount -l /dev/shm/.host-tmp", "rmdir /dev/shm/.host-tmp"]
+    return " && ".join(parts)
+
+
 def start_node(node, ranks):
     """One simulated node: a private /dev/shm, /tmp and hostname, running ``ranks`` (a list
     of json argument dicts for tests/fd_node_worker.py) as processes. Returns the node's
@@ -66,7 +86,7 @@ def start_node(node, ranks):
     cmds = " & ".join(f"{sys.executable} {HERE}/fd_node_worker.py '{json.dumps(a)}' >/dev/fd/{w}"
                       for a, (_, w) in zip(ranks, pipes))
     # the new hostname must resolve (paddle's store looks it up): a private /etc/hosts
-    script = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && "
+    script = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {_private_tmp()} && "
               f"cp /etc/hosts /tmp/hosts && echo '127.0.0.1 {node}' >> /tmp/hosts && "
               f"mount --bind /tmp/hosts /etc/hosts && hostname {node} && {cmds} & wait")
     try:

@@ -157,13 +157,19 @@ def queue_role() -> str:
     return value
 
 
-def tp_coordinator() -> str:
-    """``FD_SYNC_TP_COORDINATOR`` (default ``shm``): how TP ranks agree on each step when
-    ``TaskClient(coordinator=None)``. ``shm``: node-local shared memory. ``paddle``: one
-    paddle.distributed all-reduce per step, for TP groups that span nodes."""
-    value = os.environ.get("FD_SYNC_TP_COORDINATOR", "shm").strip().lower()
-    if value not in ("shm", "paddle"):
-        raise ValueError(f"FD_SYNC_TP_COORDINATOR={value!r}: expected shm or paddle")
+def tp_coordinator(allow_auto: bool = False) -> str:
+    """``FD_SYNC_TP_COORDINATOR`` (``shm``, ``paddle`` or ``auto``): how TP ranks agree on
+    each step. ``shm``: node-local shared memory. ``paddle``: one paddle.distributed
+    all-reduce per step, for TP groups that span nodes. ``auto``: the FastDeploy drop-in
+    (``allow_auto=True``) decides per group: paddle where the group's ranks do not share
+    a node, shm where they do (``fastdeploy``); unset means ``auto`` there.
+    ``TaskClient(coordinator=None)`` reads it with ``allow_auto=False``: unset or ``auto``
+    is ``shm`` (a TaskClient alone cannot see where its peers run)."""
+    value = os.environ.get("FD_SYNC_TP_COORDINATOR", "auto").strip().lower()
+    if value not in ("shm", "paddle", "auto"):
+        raise ValueError(f"FD_SYNC_TP_COORDINATOR={value!r}: expected shm, paddle or auto")
+    if value == "auto" and not allow_auto:
+        return "shm"
     return value
 
 

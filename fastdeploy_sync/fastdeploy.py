@@ -21,7 +21,7 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
     engine's producer (FastDeploy's ``client_id=0`` instance in ``start_queue_service``);
     it puts into the server's queue of group ``local_data_parallel_id`` directly.
   * ``is_server=False`` anywhere else: TP rank ``client_id`` of DP group
-    ``local_data_parallel_id``, a ``TaskClient(external_barrier=True)``.
+    ``local_data_parallel_id``, a ``TaskClient`` (``external_barrier=True`` on one node).
   * ``is_server=False`` with ``role="engine"`` (or ``FD_SYNC_QUEUE_ROLE=engine`` in that
     process's environment) in another process of the server's node (FastDeploy's
     per-DP-rank engine processes): a ``TaskProducer`` on the server's queue of group
@@ -29,8 +29,9 @@ Roles (FastDeploy's constructor arguments do not say which side a client is on):
     arguments for such a client are the same as a TP rank 0's, so the role must be said:
     without it the client is taken for a worker. Give it the server's ``max_inflight``.
   ``role="engine"`` / ``role="worker"`` overrides the guess.
-  The TP ranks of one DP group must share a node (their coordination is node-local
-  shared memory, as ``TaskClient``'s default coordinator); the engine may be elsewhere.
+  The TP ranks of one DP group may share a node (coordination through node-local shared
+  memory) or span nodes (through paddle.distributed; see "Across nodes" below); the
+  engine may be elsewhere.
 
 Addresses. ``address[0] == "0.0.0.0"`` means one node (FastDeploy's convention): group i
 is served on the private ``ipc://`` endpoint of name ``fdq<port>`` and dp_id i (no TCP
@@ -38,9 +39,16 @@ port is bound; with port 0 the server reserves a free port number by holding a b
 unlistening TCP socket on 127.0.0.1 so that two servers never share a name). Any other
 host means workers on other machines: group i is served on ``tcp://host:(port + i)``,
 so a server with ``local_data_parallel_size=d`` uses ports port..port+d-1 (with port 0,
-group 0 picks a free port P and group i binds P + i, which may fail: give a port then).
-Every DP group has its own endpoint, TP-group shared memory and ack board: groups
-sharing one address never see each other's batches or flags.
+a free port P is picked first and names the queue, ``fdqP``, as the workers, who know
+only the port, derive it; group i binds P + i, which may fail: give a port then).
+A unix socket path (FastDeploy's ``FD_ENGINE_TASK_QUEUE_WITH_SHM=1``:
+``/dev/shm/fd_task_queue_<port>.sock`` on the engine and the workers) also means one
+node: the queue is named ``fdq<port>`` from the number in the file name (so the path and
+``("0.0.0.0", port)`` name the same queue), ``fdq-<file name>`` without one; nothing is
+created at the path itself (a socket in a world-writable directory could be taken over
+by another user: the private ipc directory serves it). Every DP group has its own
+endpoint, TP-group shared memory and ack board: groups sharing one address never see
+each other's batches or flags.
 
 Security. ``authkey`` is accepted for FastDeploy's signature and not used: ``tcp://``
 endpoints authenticate with the library's CURVE keys (``keys_dir=`` or
@@ -56,21 +64,40 @@ j-th ``get_tasks()`` takes decision j (see ``TaskClient``, ``external_barrier``)
 rank takes the same batches at the same step provided every rank calls ``get_tasks()``
 the same number of times, which FastDeploy's loop does (all ranks call it iff the signal
 rank 0 set before the barrier is set). Our ``barrier()`` is not required. The caller's
-contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` every step before the
-barrier, and each step has a second sync point after the signal is read (the model
+contract, as in FastDeploy's loop: rank 0 calls ``exist_tasks()`` or ``num_tasks()``
+every step before the barrier (either latches; a decision any rank began reading is never
+re-latched, so a later ``num_tasks()`` that only reads is harmless), and each step has a second sync point after the signal is read (the model
 step's TP collective, or the idle branch's barrier); without the latter rank 0 can set
 the next step's signal before a slow rank read this step's, and the loop races on its own
 signal. A rank that then calls ``get_tasks()`` more often than rank 0 announced raises
-``ProtocolError`` (see ``_GroupBoard.last_reader``).
+``ProtocolError`` naming the rule and the fix (see ``_GroupBoard.last_reader``).
+
+Across nodes. With an address other than ``0.0.0.0`` and paddle.distributed initialised,
+the workers find out with one all_gather at construction whether their TP group's ranks
+share a node (``FD_SYNC_TP_COORDINATOR=auto``, the default; ``shm``/``paddle`` force it).
+A spanning group follows FastDeploy's ``nnode > 1`` loop: ``read_finish_flag.get()`` is
+the step's one paddle all-reduce and returns 1 on every rank iff the group takes a batch
+this step (see ``_ReadFinishFlag``, ``_PaddleBoard``).
+
+Pipelining. The engine side's ``exist_tasks()`` is "``put_tasks()`` would wait"
+(``num_tasks() >= max_inflight``): FastDeploy's meaning at the default ``max_inflight=1``;
+a server built with ``max_inflight=k`` lets FastDeploy's unchanged engine loop put k
+batches ahead. The worker loop already takes a list of batches per ``get_tasks()`` in put
+order (the last ``bsz`` is the newest allocation), so FastDeploy's scheduler, which
+allocates at put time, stays right.
+
+Losing the worker group. The engine side's ``exist_tasks()``/``put_tasks()``/
+``num_tasks()`` raise ``GroupLostError`` (ranks, why, ``.unfinished`` batches) within the
+heartbeat bound when the group is lost, until a new group is connected (``_GroupWatch``).
 
 Where FastDeploy's semantics are not kept (each would break step consistency or
 security, or is not part of the task path):
   * A rank cannot re-read the current batch: ``get_tasks()`` is a take, not a peek; a
     rank calling it more often than its peers gets ``ProtocolError`` (at TP > 1, on its
     next call) instead of diverging.
-  * ``exist_tasks()`` is derived, not a stored flag: on the engine, "some batch is not
-    yet taken by every rank"; on worker rank 0, "every rank holds a batch not yet taken"
-    (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
+  * ``exist_tasks()`` is derived, not a stored flag: on the engine, "``max_inflight``
+    batches are not yet taken by every rank"; on worker rank 0, "every rank holds a batch
+    not yet taken" (a flag read). ``set_exist_tasks(True)`` therefore changes nothing, and
     ``set_exist_tasks(False)`` with batches pending raises ``ValueError`` (use
     ``clear_data()``).
   * ``clear_data()`` on the engine retires the pending batches consistently (below); on
@@ -91,8 +118,10 @@ batches, and nothing cleared is ever returned; the engine's ``exist_tasks()`` st
 until the workers took the marker. ``cleared`` counts, per worker, the batches dropped.
 """
 
+import hashlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -100,8 +129,8 @@ import weakref
 
 from . import envs
 from .engine import TaskProducer, TaskQueue
-from .errors import ClosedError, ProtocolError, TaskSyncError
-from .liveness import CONNECTED
+from .errors import ClosedError, GroupLostError, ProtocolError, TaskSyncError
+from .liveness import CONNECTED, DISCONNECTED
 from .shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
                   open_semaphore, unlink_segment, unlink_semaphore)
 from .tp_group import group_shm_name
@@ -139,7 +168,7 @@ class _Clear:
 
 # -- the group board: all_client_read and read_finish_flag across a TP group -----------------
 
-_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL = range(5)
+_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED = range(6)
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_RING_BASE = 8
 _B_MAGIC_VALUE = 0x46445359_4E434657  # "FDSYNCFW"
@@ -209,9 +238,36 @@ class _GroupBoard:
                                    f"within {timeout:.1f} s: is rank 0 of this DP group running?")
             time.sleep(0.01)
 
+    def _lock(self):
+        try:
+            self._sem.acquire(_LOCK_TIMEOUT_S)
+        except Exception as exc:  # posix_ipc.BusyError
+            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
+                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
+                               f"restart the worker group") from exc
+
+    def latch_unless_read(self, call, latch):
+        """Rank 0: run ``latch()`` (which writes decision ``call``) unless some rank has
+        already begun reading decision ``call``; return its result, or None when refused.
+
+        A decision, once any rank may have read it, never changes: rank 0 may check for
+        tasks again after the caller's barrier (FastDeploy logs ``num_tasks()`` there),
+        and re-latching then would let a slow rank read a larger decision than a fast
+        one. Readers mark the call under the same lock (``last_reader``) before they
+        read, so either the latch is seen by every reader or it does not happen."""
+        self._lock()
+        try:
+            if self._view[_B_SEALED] >= call:
+                return None
+            return latch()
+        finally:
+            self._sem.release()
+
     def last_reader(self, call):
-        """Count this rank's ``call``-th ``get_tasks()``; True on exactly one rank per
-        call, the last to count it. Blocks only on a peer inside the same few stores.
+        """Count this rank's ``call``-th ``get_tasks()`` (call it before reading the
+        decision: it also marks decision ``call`` as read, see ``latch_unless_read``);
+        True on exactly one rank per call, the last to count it. Blocks only on a peer
+        inside the same few stores.
 
         Also checks the caller's contract: when a rank makes call j, rank 0's last
         ``exist_tasks()`` announced a call >= j (it runs before the caller's barrier), and
@@ -220,25 +276,30 @@ class _GroupBoard:
         call apart (and later hanging in the caller's barrier). A rank that calls less
         often is caught only when the call counts show it (a peer raises)."""
         slot = _B_RING_BASE + 2 * (call % _B_RING)
-        try:
-            self._sem.acquire(_LOCK_TIMEOUT_S)
-        except Exception as exc:  # posix_ipc.BusyError
-            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
-                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
-                               f"restart the worker group") from exc
+        self._lock()
         try:
             v = self._view
             v[_B_CALLS_BASE + self.tp_rank] = call
             calls = [v[_B_CALLS_BASE + r] for r in range(self.tp_size)]
-            if max(calls) > call or min(calls) < call - 1 or call > v[_B_NEXT_CALL]:
+            if call > v[_B_NEXT_CALL]:
                 raise ProtocolError(
-                    f"rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while the "
-                    f"ranks have made {calls} calls and rank 0 announced call "
-                    f"{v[_B_NEXT_CALL]} for this step: every rank must "
-                    f"call get_tasks() at the same steps (FastDeploy's loop: rank 0 sets the "
-                    f"signal before the TP barrier, and a second sync point, the model step's "
-                    f"collective or the idle barrier, keeps it from setting the next step's "
-                    f"signal before every rank read this one)")
+                    f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call}, but "
+                    f"rank 0 has not checked for tasks for it (its last exist_tasks() or "
+                    f"num_tasks() was for call {v[_B_NEXT_CALL]}; the ranks have made {calls} "
+                    f"calls). Fix the worker loop: TP rank 0 must call exist_tasks() or "
+                    f"num_tasks() (on this queue) every step, before the TP barrier, and set "
+                    f"the signal the other ranks read from that result only")
+            if max(calls) > call or min(calls) < call - 1:
+                raise ProtocolError(
+                    f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call} while "
+                    f"the ranks have made {calls} calls: every rank must call get_tasks() at "
+                    f"the same steps. Fix the worker loop: every rank calls it iff the signal "
+                    f"TP rank 0 set before the TP barrier is set, exactly once per step, and "
+                    f"each step has a second sync point after the signal is read (the model "
+                    f"step's collective or the idle branch's barrier), so that rank 0 cannot "
+                    f"set the next step's signal before every rank read this one")
+            if v[_B_SEALED] < call:
+                v[_B_SEALED] = call
             if v[slot] != call:
                 v[slot], v[slot + 1] = call, 0
             v[slot + 1] += 1
@@ -262,6 +323,34 @@ class _GroupBoard:
         self._finalizer()
 
 
+_SOCK_PORT_RE = re.compile(r"(\d+)\.sock\Z")
+_NAME_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _parse_address(address):
+    """``(host, port, path_name)`` of a FastDeploy queue address: a ``(host, port)`` pair,
+    or a unix socket path (FastDeploy's ``FD_ENGINE_TASK_QUEUE_WITH_SHM``:
+    ``/dev/shm/fd_task_queue_<port>.sock``), which is node-local by construction. For a
+    path, ``host`` is the one-node host, ``port`` the number in ``<port>.sock`` (0 if
+    none) and ``path_name`` the file name, safe as a queue name; for a pair it is ''.
+    ``ValueError`` for anything else. Nothing is created at the path: the queue's own
+    private ipc endpoint serves it (see the module docstring)."""
+    if isinstance(address, (str, bytes, os.PathLike)):
+        path = os.fsdecode(address)
+        base = os.path.basename(path)
+        if not base:
+            raise ValueError(f"address={address!r}: a unix socket path needs a file name")
+        match = _SOCK_PORT_RE.search(base)
+        return (SINGLE_NODE_HOST, int(match.group(1)) if match else 0,
+                _NAME_UNSAFE_RE.sub("_", base)[:48])
+    try:
+        host, port = address
+        return str(host), int(port), ""
+    except (TypeError, ValueError):
+        raise ValueError(f"address={address!r}: expected (host, port) or a unix socket "
+                         f"path, as FastDeploy passes") from None
+
+
 def _release_board(seg, sem, owner, shm_name, sem_name):
     try:
         sem.close()
@@ -273,6 +362,33 @@ def _release_board(seg, sem, owner, shm_name, sem_name):
         unlink_semaphore(sem_name)
 
 
+class _PaddleBoard:
+    """A TP group across nodes (``coordinator="paddle"``): nothing is shared but the
+    collective in ``read_finish_flag.get()``, which decides each step for every rank
+    (see ``_ReadFinishFlag``). ``all_client_read`` is True on exactly one rank per call,
+    TP rank ``tp_size - 1``: all FastDeploy's loop does with it is reset the flag, which
+    here is derived afresh at every ``get()`` (knowing the last reader would cost a
+    second collective per step)."""
+
+    def __init__(self, tp_size, tp_rank):
+        self._last = tp_rank == tp_size - 1
+
+    def last_reader(self, call):
+        return self._last
+
+    def latch_unless_read(self, call, latch):
+        return latch()  # the next collective decides: no reader can see a change
+
+    def announce(self, next_call):
+        pass
+
+    def set_flag(self, value):
+        pass
+
+    def close(self):
+        pass
+
+
 class _SoloBoard:
     """TP=1: the only reader is always the last."""
 
@@ -281,6 +397,9 @@ class _SoloBoard:
 
     def last_reader(self, call):
         return True
+
+    def latch_unless_read(self, call, latch):
+        return latch()
 
     def announce(self, next_call):
         pass
@@ -295,27 +414,133 @@ class _SoloBoard:
         pass
 
 
+# -- the engine side's view of the worker group ----------------------------------------------
+
+_WATCH_EVERY_S = 0.1
+
+
+class _GroupWatch:
+    """Engine side, one per DP group: makes ``exist_tasks()``/``put_tasks()``/``num_tasks()``
+    raise ``GroupLostError`` while the worker group the queue served is lost, so that
+    FastDeploy's ``while exist_tasks(): sleep(0.001)`` fails loudly instead of spinning.
+
+    Built on the queue's public API only: ``stats()`` (``TaskQueue``) or ``status()``
+    (``TaskProducer``, one round trip) every 100 ms while the group is fine (a clock read
+    per call otherwise), on every call while it is lost. The group counts as lost when the
+    engine retired it (``groups_retired`` grew: a rank's connection gone and not back
+    within the heartbeat timeout, a rank's BYE, or ``FD_SYNC_STALL_TIMEOUT`` of silence;
+    see ``liveness``), or when a rank has been disconnected for longer than the heartbeat
+    timeout whatever the engine decided. It stays lost until a new group has every rank
+    connected: batches put meanwhile wait for that group (``put_tasks()`` raises instead
+    of waiting). With a ``TaskQueue`` the retirement's ``GroupLost`` event (its
+    ``unfinished`` batches) is taken from ``group_events`` and attached to the error."""
+
+    def __init__(self, queue, where, timeout):
+        # where(): names the queue in messages (a callable: the port may be known later)
+        self._q, self._where, self._timeout = queue, where, timeout
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._lost = None  # the GroupLostError raised while the group is lost
+        self._retired = self._stats().get("groups_retired", 0)
+
+    def _stats(self):
+        q = self._q
+        return q.stats() if isinstance(q, TaskQueue) else q.status()
+
+    def check(self):
+        """Raise ``GroupLostError`` if the group is lost (see the class docstring)."""
+        now = time.monotonic()
+        if self._lost is None and now < self._next:
+            return
+        with self._lock:
+            self._next = now + _WATCH_EVERY_S
+            stats = self._stats()
+            ranks = stats.get("ranks") or []
+            retired = stats.get("groups_retired", 0)
+            if retired > self._retired:
+                self._retired = retired
+                self._lost = self._error(self._retire_reason(ranks), ranks, self._event())
+            elif self._lost is None:
+                gone = [r for r in ranks if r["state"] == DISCONNECTED and r["since"]
+                        and time.time() - r["since"] > self._timeout]
+                if gone:
+                    self._lost = self._error(
+                        f"rank(s) {[r['rank'] for r in gone]} disconnected for more than the "
+                        f"heartbeat timeout ({self._timeout:g} s)", ranks, None)
+            if self._lost is not None:
+                if stats.get("group") is not None and ranks and all(
+                        r["state"] == CONNECTED for r in ranks):
+                    log.warning("%s: a new worker group is connected; serving it",
+                                self._where())
+                    self._lost = None
+                    return
+                raise self._lost
+
+    def _event(self):
+        event = None
+        events = getattr(self._q, "group_events", None)
+        while events is not None:
+            try:
+                event = events.get_nowait()
+            except Exception:  # queue.Empty
+                break
+        return event
+
+    @staticmethod
+    def _retire_reason(ranks):
+        why = [f"rank {r['rank']}: {r['reason']}" for r in ranks if r.get("reason")]
+        return "the engine retired the worker group (" + ("; ".join(why) or "see its log") + ")"
+
+    def _error(self, reason, ranks, event):
+        states = ", ".join(f"rank {r['rank']} {r['state']}"
+                           + (f" ({r['reason']})" if r.get("reason") else "") for r in ranks)
+        if event is not None:
+            reason = event.reason
+        unfinished = list(event.unfinished) if event is not None else []
+        err = GroupLostError(
+            f"{self._where()}: the TP worker group is lost: {reason}. Ranks: {states}. "
+            f"{len(unfinished)} batch(es) it did not finish are in this error's .unfinished "
+            f"(re-queue their requests). To recover: restart every TP rank of this DP "
+            f"group; once all of them are connected (num_connected_clients()) "
+            f"exist_tasks()/put_tasks() work again and batches put then reach the new group")
+        err.unfinished, err.event = unfinished, event
+        return err
+
+
 # -- FastDeploy's attribute objects ----------------------------------------------------------
 
 class _ReadFinishFlag:
     """FastDeploy's ``read_finish_flag`` (a manager ``Value``): ``get()`` / ``set(v)``.
 
-    Shared by the TP group (node-local shared memory). FastDeploy's loop reads it on every
-    rank every step the signal is not set; in sync mode (no prefetch thread) ``get()``
-    also receives what arrived, which keeps ranks other than 0 receiving while the loop
-    idles (without it rank 0 would never see every rank holding a batch)."""
+    One node (``coordinator == "shm"``): shared by the TP group (node-local shared memory).
+    FastDeploy's loop reads it on every rank every step the signal is not set; in sync
+    mode (no prefetch thread) ``get()`` also receives what arrived, which keeps ranks
+    other than 0 receiving while the loop idles (without it rank 0 would never see every
+    rank holding a batch).
+
+    Across nodes (``coordinator == "paddle"``, FastDeploy's ``nnode > 1`` loop, where rank
+    0 sets the flag instead of its node-local signal): ``get()`` is the step's one
+    paddle.distributed all-reduce (``TaskClient.barrier()``): it returns 1 on every rank
+    iff the group takes a batch this step: what rank 0's check latched, as far as every
+    rank already holds it. ``set()`` changes nothing (rank 0's ``set(1)`` follows its
+    check, which latched; the last reader's ``set(0)`` is implied). Every rank must call
+    ``get()`` exactly once per step, as that loop does; a rank calling it more or less
+    often than its peers hangs in the collective until gloo's 30 s timeout, then raises
+    ``BarrierTimeoutError`` naming the ranks and nodes. Blocks until every rank joined."""
 
     def __init__(self, owner):
         self._owner = owner
 
     def get(self):
         owner = self._owner
+        if owner.coordinator == "paddle":
+            return owner._paddle_step()
         if not owner._client.async_prefetch:
             owner._client.num_tasks()  # receives: see the class docstring
         return int(owner._board.get_flag())
 
     def set(self, value):
-        self._owner._board.set_flag(int(value))
+        self._owner._board.set_flag(int(value))  # across nodes: nothing to set, see get()
 
     value = property(get, set)
 
@@ -375,15 +600,18 @@ class EngineWorkerQueue:
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
                  max_inflight: int = 1, connect_timeout: float = None, name: str = None,
                  role: str = None, keys_dir: str = None):
-        host, port = address[0], int(address[1])
-        self.address = (host, port)
+        host, port, path_name = _parse_address(address)
+        # A path (FastDeploy's FD_ENGINE_TASK_QUEUE_WITH_SHM) stays the path: both sides
+        # of FastDeploy pass the same string, and it is the key of _SERVERS.
+        self.address = os.fspath(address) if path_name else (host, port)
+        self._host, self._port, self._path_name = host, port, path_name
         self.authkey = authkey  # not used: see the module docstring (Security)
         self.is_server = bool(is_server)
         self.num_client = num_client
         self.client_id = client_id
         self.local_data_parallel_size = local_data_parallel_size
         self.local_data_parallel_id = local_data_parallel_id
-        self.is_single_node = host == SINGLE_NODE_HOST
+        self.is_single_node = host == SINGLE_NODE_HOST or bool(path_name)
         if type(max_inflight) is not int or max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
         self.max_inflight = max_inflight
@@ -391,8 +619,10 @@ class EngineWorkerQueue:
         self._closed = False
         self._server = None  # engine side: the server instance whose queues we use
         self._producer = None  # engine side in another process: a TaskProducer
+        self._watches = []  # server: one _GroupWatch per DP group (a producer: its own)
         self._client = None  # worker side
         self._board = None
+        self.coordinator = None  # worker: "shm" (one node) or "paddle" (across nodes)
         self._reserved = None  # single node, port 0: the socket holding our port number
         self._queues = []
         self._clear_lock = threading.Lock()
@@ -420,10 +650,12 @@ class EngineWorkerQueue:
             if server is None:
                 # another process of the node owns the server: put through its queue's
                 # producer endpoint
-                self._name = name or f"fdq{port}"
+                self._name = name or self._default_name()
                 wait = envs.connect_timeout_s() if connect_timeout is None else connect_timeout
                 self._producer = TaskProducer(self._name, dp_id=local_data_parallel_id,
                                               timeout=float(wait))
+                self._watches = [_GroupWatch(self._producer, self._where,
+                                             envs.heartbeat_timeout_s())]
                 return
             if not 0 <= local_data_parallel_id < len(server._queues):
                 raise ValueError(f"local_data_parallel_id={local_data_parallel_id}: the server "
@@ -438,35 +670,50 @@ class EngineWorkerQueue:
 
     # -- construction ------------------------------------------------------------------------
 
+    def _default_name(self, port=None) -> str:
+        """The queue name both sides derive from the address (workers know nothing else):
+        ``fdq<port>``, or for a path address without a port number in it, ``fdq-<file
+        name>``."""
+        if self._path_name and self._port == 0:
+            return f"fdq-{self._path_name}"
+        return f"fdq{self._port if port is None else port}"
+
     def _start_server(self, name, keys_dir):
-        host, port = self.address
+        host, port = self._host, self._port
         dp = self.local_data_parallel_size
         if type(dp) is not int or dp < 1:
             raise ValueError(f"local_data_parallel_size={dp!r}: expected an int >= 1")
         try:
-            if self.is_single_node and port == 0:
+            if self.is_single_node and port == 0 and not self._path_name:
                 # No TCP port is bound for ipc; hold one so the number (and so the name)
                 # is ours alone on this node while the server lives.
                 self._reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self._reserved.bind(("127.0.0.1", 0))
                 port = self._reserved.getsockname()[1]
-            self._name = name or f"fdq{port}"
+            elif port == 0:
+                # the name is derived from the port (workers only know the port): learn a
+                # free one first; group i then binds port + i
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.bind((host, 0))
+                    port = probe.getsockname()[1]
+            self._name = name or self._default_name(port)
             for i in range(dp):
                 if self.is_single_node:
                     endpoint = None
                 else:
-                    endpoint = f"tcp://{host}:{port + i if (port or i) else 0}"
+                    endpoint = f"tcp://{host}:{port + i}"
                 # +1: room for a clear_data() marker, which never waits for room; the
                 # FastDeploy bound itself is enforced in put_tasks().
                 q = TaskQueue(self._name, self.num_client, dp_id=i, endpoint=endpoint,
                               max_inflight=self.max_inflight + 1, keys_dir=keys_dir)
                 self._queues.append(q)
-                if not self.is_single_node and port == 0:
-                    port = int(q.endpoint.rsplit(":", 1)[1])
+                self._watches.append(_GroupWatch(q, lambda i=i: self._where(i),
+                                                 q.heartbeat.timeout))
         except BaseException:
             self._close_server(0.0)
             raise
-        self.address = (host, port)
+        if not self._path_name:
+            self.address, self._port = (host, port), port
         self._server = self
         with _SERVERS_LOCK:
             _SERVERS[self.address] = self
@@ -475,19 +722,31 @@ class EngineWorkerQueue:
                  ", ".join(q.endpoint for q in self._queues))
 
     def _start_worker(self, name, keys_dir, connect_timeout):
-        host, port = self.address
+        host, port = self._host, self._port
         dp_id = self.local_data_parallel_id
-        self._name = name or f"fdq{port}"
+        self._name = name or self._default_name()
         endpoint = None if self.is_single_node else f"tcp://{host}:{port + dp_id}"
         timeout = envs.connect_timeout_s() if connect_timeout is None else float(connect_timeout)
+        group = self._choose_coordinator(endpoint or self._name)
+        self.coordinator = "shm" if group == "shm" else "paddle"
+        if self.coordinator == "paddle":
+            from .paddle_group import PaddleTPGroup
+
+            # all_client_read is _PaddleBoard's: the step's collective needs the offer only
+            group = PaddleTPGroup(self.num_client, self.client_id,
+                                  group=None if group == "paddle" else group,
+                                  track_consumed=False)
         self._client = TaskClient(self._name, self.num_client, self.client_id, dp_id=dp_id,
-                                  endpoint=endpoint, external_barrier=True, keys_dir=keys_dir)
+                                  endpoint=endpoint, external_barrier=group == "shm",
+                                  coordinator=group, keys_dir=keys_dir)
         try:
-            if self.num_client > 1:
+            if self.num_client == 1:
+                self._board = _SoloBoard()
+            elif self.coordinator == "paddle":
+                self._board = _PaddleBoard(self.num_client, self.client_id)
+            else:
                 self._board = _GroupBoard(self._name, dp_id, self.num_client, self.client_id,
                                           envs.attach_timeout_s())
-            else:
-                self._board = _SoloBoard()
             self._wait_welcome(timeout)
         except BaseException:
             self._client.close()
@@ -498,13 +757,52 @@ class EngineWorkerQueue:
         log.info("Connected EngineWorkerQueue client_id: %d (DP group %d) to %s",
                  self.client_id, dp_id, self._client.endpoint)
 
+    def _choose_coordinator(self, where):
+        """How this TP group agrees on each step: ``"shm"`` (node-local shared memory), or
+        the paddle.distributed group of its ranks (``"paddle"``: the whole world).
+
+        ``FD_SYNC_TP_COORDINATOR`` (default ``auto``): ``shm`` and ``paddle`` force it;
+        ``auto`` picks shm at TP=1, for FastDeploy's one-node address ``0.0.0.0`` and when
+        this process has not initialised paddle.distributed (then the ranks cannot be
+        coordinated across nodes anyway); otherwise every rank of the paddle world tells
+        the others its node (``paddle_group.locate_tp_group``, one all_gather at
+        construction) and a group whose ranks do not all share a node uses paddle."""
+        choice = envs.tp_coordinator(allow_auto=True)
+        if self.num_client == 1 or choice == "shm" or (choice == "auto" and self.is_single_node):
+            return "shm"
+        from . import paddle_group  # imports paddle only inside its functions
+
+        if not paddle_group.paddle_initialized():
+            if choice == "paddle":
+                raise RuntimeError(f"EngineWorkerQueue rank {self.client_id}: "
+                                   f"FD_SYNC_TP_COORDINATOR=paddle needs paddle.distributed "
+                                   f"initialised (init_parallel_env()) before the queue")
+            return "shm"
+        digest = hashlib.blake2b(f"{where}|{self.local_data_parallel_id}".encode(),
+                                 digest_size=8).digest()
+        key = int.from_bytes(digest, "big") >> 1
+        group, spans = paddle_group.locate_tp_group(key, self.num_client, self.client_id,
+                                                    force=choice == "paddle")
+        log.info("EngineWorkerQueue rank %d (DP group %d): TP ranks %s; coordinating "
+                 "through %s", self.client_id, self.local_data_parallel_id,
+                 "span nodes" if spans else "share this node",
+                 "paddle.distributed" if group else "node-local shared memory")
+        return group or "shm"
+
+    def _paddle_step(self):
+        """Across nodes: the step's collective (see ``_ReadFinishFlag``)."""
+        self._require_worker("read_finish_flag")
+        self._client.barrier()
+        return 1 if self._client.step_size() else 0
+
     def _wait_welcome(self, timeout):
         """Fail fast when the server is absent, as FastDeploy's ``_connect_with_retry``."""
         deadline = time.monotonic() + timeout
         client = self._client
         while client.stats()["engine"] is None:
-            if not client.async_prefetch:
-                client.num_tasks()  # sync mode: the event loop receives the WELCOME
+            # sync mode: the event loop receives the WELCOME; both modes: raises what the
+            # engine answered instead (a wrong name, a taken rank...) rather than waiting
+            client.num_tasks()
             if time.monotonic() >= deadline:
                 raise ConnectionError(
                     f"EngineWorkerQueue rank {self.client_id} (DP group "
@@ -527,6 +825,17 @@ class EngineWorkerQueue:
             raise ClosedError(f"EngineWorkerQueue{self.address}: its server is cleaned up")
         return self._server._queues[self.local_data_parallel_id]
 
+    def _where(self, dp_id=None):
+        dp_id = self.local_data_parallel_id if dp_id is None else dp_id
+        return f"EngineWorkerQueue{self.address} DP group {dp_id}"
+
+    def _watch(self):
+        """Raise GroupLostError if this engine side's worker group is lost."""
+        if self._producer is not None:
+            self._watches[0].check()
+        else:
+            self._server._watches[self.local_data_parallel_id].check()
+
     def _require_worker(self, what):
         if self._closed:
             raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
@@ -541,23 +850,27 @@ class EngineWorkerQueue:
         ``RuntimeError`` elsewhere, as FastDeploy."""
         if not self.is_server:
             raise RuntimeError("Only the server instance can provide the port.")
-        return self.address[1]
+        return self._port
 
     def put_tasks(self, tasks, timeout: float = None) -> None:
         """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP
         rank of this DP group.
 
-        Blocks, as FastDeploy, while ``max_inflight`` batches (default 1) are not yet taken
-        by every rank (it polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds,
-        None = forever) raises ``TimeoutError`` with nothing enqueued. Numpy arrays travel
-        zero-copy; see ``TaskQueue.put_tasks`` for the other errors."""
+        Blocks, as FastDeploy, while ``max_inflight`` batches are not yet taken by every
+        rank (it polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds, None =
+        forever) raises ``TimeoutError`` with nothing enqueued. Raises ``GroupLostError``
+        (nothing enqueued), at once or while it waits, when the worker group is lost (see
+        ``exist_tasks``). Numpy arrays travel zero-copy; see ``TaskQueue.put_tasks`` for
+        the other errors."""
         q = self._queue()
         if q is None:
             raise RuntimeError("put_tasks is an engine-side call: this EngineWorkerQueue is "
                                f"TP rank {self.client_id} of a worker group")
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _PUT_POLL_MIN_S
+        self._watch()
         while q.num_tasks() >= self.max_inflight:
+            self._watch()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"put_tasks timed out after {timeout} s: {q.num_tasks()} "
                                    f"batch(es) not yet taken by every rank ({q.ranks()})")
@@ -579,9 +892,11 @@ class EngineWorkerQueue:
         Differs from FastDeploy: a take, not a peek (see the module docstring). Raises
         ``ProtocolError`` if this rank's calls disagree with rank 0's decisions."""
         self._require_worker("get_tasks")
+        call = self._calls + 1
+        # count (and mark decision `call` read) before reading it: see latch_unless_read
+        last = self._board.last_reader(call)
         tasks, _ = self._client.get_tasks()
-        self._calls += 1
-        last = self._board.last_reader(self._calls)
+        self._calls = call
         if tasks:
             kept = []
             for t in tasks:
@@ -594,8 +909,15 @@ class EngineWorkerQueue:
         return tasks, bool(last)
 
     def exist_tasks(self) -> bool:
-        """Engine side: True while some batch is not yet taken by every rank (FastDeploy's
-        engine waits ``while exist_tasks(): sleep(0.001)`` before each put).
+        """Engine side: True while ``max_inflight`` batches are not yet taken by every rank,
+        i.e. while ``put_tasks()`` would wait. FastDeploy's engine waits
+        ``while exist_tasks(): sleep(0.001)`` before each put; with ``max_inflight=1`` this
+        is FastDeploy's meaning ("the workers have not read the last batch"), with more it
+        lets that loop put up to ``max_inflight`` batches ahead of the workers (see the
+        module docstring, "Pipelining"). Raises ``GroupLostError`` when the worker group is
+        lost (retired by the engine, or a rank disconnected for longer than the heartbeat
+        timeout) until a new group has every rank connected; the error names the ranks,
+        why, and carries the batches the group did not finish (``.unfinished``).
 
         Worker side: True when every rank of the group holds a batch not yet taken; on
         rank 0 it also latches what the group's next ``get_tasks()`` takes. A flag read in
@@ -603,11 +925,27 @@ class EngineWorkerQueue:
         ``PrefetchError``...) as ``TaskClient.exist_tasks``."""
         q = self._queue()
         if q is not None:
-            return q.exist_tasks()
+            self._watch()
+            return q.num_tasks() >= self.max_inflight
         self._require_worker("exist_tasks")
         if self.client_id == 0:
-            self._board.announce(self._calls + 1)
+            return bool(self._check())
         return self._client.exist_tasks()
+
+    def _check(self) -> int:
+        """TP rank 0's check, whichever way the loop asks (``exist_tasks()`` or
+        ``num_tasks() > 0``): announce the next ``get_tasks()`` call and, if every rank
+        holds a batch not yet taken, latch it for that call, unless a rank has already
+        begun reading it. Returns what the group's next call takes (0: nothing), or None
+        when that call's decision was already read (then nothing was latched)."""
+        client, call = self._client, self._calls + 1
+        self._board.announce(call)
+        if client.num_tasks() == 0:  # rank 0 holds nothing new (sync mode: receives first)
+            return 0
+        latched = self._board.latch_unless_read(call, client.exist_tasks)
+        if latched is None:
+            return None
+        return client.ready_count() if latched else 0
 
     def set_exist_tasks(self, flag) -> None:
         """Accepted for FastDeploy's API; the flag is derived here (module docstring).
@@ -621,12 +959,25 @@ class EngineWorkerQueue:
                              "the queue here; use clear_data() to drop them")
 
     def num_tasks(self) -> int:
-        """Engine side: batches not yet taken by every rank (FastDeploy: 0 or 1 with the
-        default bound). Worker side: batches this rank holds and has not taken."""
+        """Engine side: batches not yet taken by every rank (at most ``max_inflight``);
+        raises ``GroupLostError`` as ``exist_tasks()``.
+
+        Worker side, TP rank 0: the batches every rank holds and the group's next
+        ``get_tasks()`` takes, and, like ``exist_tasks()``, it latches them for that call,
+        so ``if num_tasks() > 0:`` (FastDeploy 2.x's check) works exactly as
+        ``if exist_tasks():``. A caller that only reads it (a log line after the barrier)
+        changes nothing: once any rank has begun reading a call's decision it is never
+        re-latched, and the value it returns is then this rank's own count.
+        Other ranks: batches this rank holds and has not taken (a read).
+        Never blocks; raises engine-side errors as ``exist_tasks()``."""
         q = self._queue()
         if q is not None:
+            self._watch()
             return q.num_tasks()
         self._require_worker("num_tasks")
+        if self.client_id == 0:
+            latched = self._check()
+            return self._client.num_tasks() if latched is None else latched
         return self._client.num_tasks()
 
     def clear_data(self) -> None:
@@ -647,6 +998,17 @@ class EngineWorkerQueue:
                 return
             q.put_tasks(_Clear(), timeout=5.0)  # room reserved: returns at once
             server._last_put_was_clear = True
+
+    @property
+    def task_queues(self) -> list:
+        """The server's ``TaskQueue`` per local DP group (index = ``local_data_parallel_id``),
+        for what the core offers beyond FastDeploy's calls: ``stats()``, ``status()``,
+        ``group_events``, and metrics (``fastdeploy_sync.metrics.register(registry,
+        *server.task_queues)``). An engine client in the server's process sees its server's;
+        an empty list on a worker or an engine client of another process (its server's
+        process exports them)."""
+        server = self._server
+        return list(server._queues) if server is not None else []
 
     def num_connected_clients(self) -> int:
         """Engine side: TP ranks of this DP group connected now (FastDeploy logs its

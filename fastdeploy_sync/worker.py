@@ -92,6 +92,8 @@ def _make_group(name, dp_id, tp_size, tp_rank, coordinator):
 
     if coordinator == "paddle":
         return PaddleTPGroup(tp_size, tp_rank)
+    if isinstance(coordinator, PaddleTPGroup):  # built by the caller (its own options)
+        return coordinator
     if isinstance(coordinator, str):
         raise ValueError(f"coordinator={coordinator!r}: expected 'shm', 'paddle' or a "
                          f"paddle.distributed group")
@@ -515,6 +517,23 @@ class TaskClient:
         if not self.async_prefetch:
             self._receive_now()
         return self._received - self._taken
+
+    def ready_count(self) -> int:
+        """Batches every rank of the group holds that this rank has not taken: what a step
+        latched now would take (rank 0's view; with ``coordinator="paddle"`` this rank's
+        own count, as ``exist_tasks()``). Shared-memory reads: never blocks, receives
+        nothing, latches nothing, raises nothing."""
+        return max(0, min(self._received, self._group.min_received()) - self._taken)
+
+    def step_size(self) -> int:
+        """After ``barrier()``: how many batches this step's ``get_tasks()`` takes (0:
+        none), as every rank of the group computes it. A read; never blocks. (For a caller
+        that must tell its ranks whether to call ``get_tasks()``, e.g. the FastDeploy
+        drop-in's flag across nodes.) Meaningless with ``external_barrier=True``."""
+        decision = self._group.decision(self._group.gen)
+        if decision is None or decision[1] <= self._taken:
+            return 0
+        return decision[1] - self._taken
 
     def sync_step(self, timeout: float = None) -> list:
         """``exist_tasks()`` on rank 0, ``barrier(timeout)``, ``get_tasks()``: the batches this

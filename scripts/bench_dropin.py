@@ -31,7 +31,13 @@ import os
 import threading
 import time
 
-import numpy as np
+# One BLAS thread per process, as the profiler runs its children: the simulated model step
+# stands for a GPU launch and wait, and multithreaded BLAS spinning on 2 shared cores would
+# starve every other process (measured: the sync drop-in fell to 40-60 batches/s).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
 
 EXIST, EMPTY = 1, 0
 STOP = "stop"
@@ -50,6 +56,9 @@ class _FDManagerAdapter:
 
     def exist_tasks(self):
         return self.q.exist_tasks()
+
+    def num_tasks(self):
+        return self.q.num_tasks()
 
     def get_tasks(self):
         return self.q.get_tasks()
@@ -70,20 +79,38 @@ def _open_worker_queue(mode, address, tp, rank):
     return EngineWorkerQueue(address=address, is_server=False, num_client=tp, client_id=rank)
 
 
-def worker_main(mode, address, tp, rank, barrier, signal, step_ms, out):
+def _model_step(step_ms, gil, a):
+    end = time.perf_counter() + step_ms / 1000
+    if gil:  # pure Python: holds the GIL for the whole step
+        x = 0
+        while time.perf_counter() < end:
+            for i in range(200):
+                x += i
+        return a
+    while time.perf_counter() < end:  # numpy releases the GIL in the matmul
+        a = a @ a * (1.0 / 128)
+    return a
+
+
+def worker_main(mode, shape, address, tp, rank, barrier, signal, step_ms, gil, out):
     try:
         q = _open_worker_queue(mode, address, tp, rank)
     except BaseException as exc:
-        out.put(("error", rank, repr(exc), None))
+        out.put(("error", rank, repr(exc), None, None))
         return
-    sync_ns, took = [], []
+    sync_ns, took, taken_at = [], [], {}
     clock = time.perf_counter_ns
     a = np.ones((128, 128), dtype=np.float32)
+    busy = 0
     try:
         while True:
+            if shape == "v20" and tp > 1:
+                barrier.wait(TIMEOUT_S)  # the 2.0-era loop's barrier at the top
             t0 = clock()
-            if rank == 0 and q.exist_tasks():
-                signal.value = EXIST
+            if rank == 0:
+                found = q.exist_tasks() if shape == "develop" else q.num_tasks() > 0
+                if found:
+                    signal.value = EXIST
             t1 = clock()
             if tp > 1:
                 barrier.wait(TIMEOUT_S)
@@ -96,33 +123,47 @@ def worker_main(mode, address, tp, rank, barrier, signal, step_ms, out):
             t3 = clock()
             sync_ns.append((t1 - t0) + (t3 - t2))
             took.append(bool(tasks))
+            now = time.time()
+            for t in tasks:
+                if not (isinstance(t, str) and t == STOP):
+                    taken_at[t[0][0]["k"]] = now
             if any(isinstance(t, str) and t == STOP for t in tasks):
                 break
-            # the model step: numpy releases the GIL in the matmul, like a GPU launch + wait
-            end = time.perf_counter() + step_ms / 1000
-            while time.perf_counter() < end:
-                a = a @ a * (1.0 / 128)
-            # ...and its TP collective: FastDeploy's loop relies on it (or, idle, on its second
-            # barrier) so that rank 0 cannot set the next step's signal before every rank has
-            # read this step's. Without it the loop races on its own signal.
+            if tasks:
+                busy = 1
+            if shape != "v20" and not busy:
+                # FastDeploy's idle branch: the TP barrier, then sleep 1 ms
+                if tp > 1:
+                    barrier.wait(TIMEOUT_S)
+                time.sleep(0.001)
+                continue
+            busy = 0
+            a = _model_step(step_ms, gil, a)
+            # ...and its TP collective: FastDeploy's loop relies on it (or, idle, on its
+            # second barrier) so that rank 0 cannot set the next step's signal before every
+            # rank has read this step's.
             if tp > 1:
                 barrier.wait(TIMEOUT_S)
     except BaseException as exc:
-        out.put(("error", rank, repr(exc), None))
+        out.put(("error", rank, repr(exc), None, None))
         return
     finally:
         q.cleanup()
-    out.put(("ok", rank, np.array(sync_ns, dtype=np.int64), np.array(took)))
+    out.put(("ok", rank, np.array(sync_ns, dtype=np.int64), np.array(took), taken_at))
 
 
 def _batch(k):
-    reqs = [{"request_id": f"{k}-{i}", "prompt_token_ids": np.arange(512, dtype=np.int64) + i}
-            for i in range(64)]
+    reqs = [{"request_id": f"{k}-{i}", "k": k,
+             "prompt_token_ids": np.arange(512, dtype=np.int64) + i} for i in range(64)]
     return reqs, len(reqs)
 
 
-def run_mode(mode, tp, n, rate, step_ms):
+def run_mode(mode, shape, tp, n, rate, step_ms, gil, max_inflight):
+    """One mode: returns (sync µs per step per rank, took mask, delivered/s, delivery ms).
+    ``mode@k``: the drop-in with a server of ``max_inflight=k``."""
     ctx = mp.get_context("spawn")
+    if "@" in mode:
+        mode, max_inflight = mode.split("@")[0], int(mode.split("@")[1])
     if mode == "fd-manager":
         from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
 
@@ -132,28 +173,33 @@ def run_mode(mode, tp, n, rate, step_ms):
     else:
         from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
-        server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp)
+        kw = {} if max_inflight is None else {"max_inflight": max_inflight}
+        server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp, **kw)
         address = ("0.0.0.0", server.get_server_port())
         client = EngineWorkerQueue(address=address, is_server=False, num_client=tp, client_id=0)
         put, exist, close = client.put_tasks, client.exist_tasks, server.cleanup
     out = ctx.Queue()
     barrier, signal = ctx.Barrier(tp), ctx.Value("i", EMPTY)
     procs = [ctx.Process(target=worker_main, daemon=True,
-                         args=(mode, address, tp, r, barrier, signal, step_ms, out))
+                         args=(mode, shape, address, tp, r, barrier, signal, step_ms, gil, out))
              for r in range(tp)]
     for p in procs:
         p.start()
     errors = []
+    put_at = {}
 
     def engine_loop():
         try:
-            batches = [_batch(k) for k in range(8)]
+            time.sleep(1.0)  # let every rank connect and settle
+            t_next = time.monotonic()
             for k in range(n):
-                t_next = time.monotonic() + 1.0 / rate
-                while exist():
-                    time.sleep(0.001)
-                put(batches[k % 8], timeout=TIMEOUT_S)
+                # offered at `rate`: the k-th batch is due at start + k / rate
                 time.sleep(max(0.0, t_next - time.monotonic()))
+                t_next += 1.0 / rate
+                while exist():  # FastDeploy's engine loop
+                    time.sleep(0.001)
+                put_at[k] = time.time()
+                put(_batch(k), timeout=TIMEOUT_S)
             while exist():
                 time.sleep(0.001)
             put(STOP, timeout=TIMEOUT_S)
@@ -161,11 +207,9 @@ def run_mode(mode, tp, n, rate, step_ms):
             errors.append(exc)
 
     t = threading.Thread(target=engine_loop)
-    t0 = time.monotonic()
     t.start()
-    rows = [out.get(timeout=TIMEOUT_S * 2) for _ in procs]
+    rows = [out.get(timeout=TIMEOUT_S * 4) for _ in procs]
     t.join(timeout=TIMEOUT_S)
-    elapsed = time.monotonic() - t0
     for p in procs:
         p.join(timeout=10)
     close()
@@ -174,39 +218,58 @@ def run_mode(mode, tp, n, rate, step_ms):
         raise SystemExit(f"{mode}: failed: {bad or errors}")
     sync = np.concatenate([r[2] for r in rows]) / 1000.0  # µs
     took = np.concatenate([r[3] for r in rows])
-    return sync, took, elapsed
+    done = {k: max(r[4][k] for r in rows) for k in range(n)}  # every rank took it
+    delivery = np.array([done[k] - put_at[k] for k in range(n)]) * 1000.0
+    span = max(done.values()) - put_at[0]
+    return sync, took, n / span, delivery
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batches", type=int, default=300)
-    ap.add_argument("--rate", type=float, default=100.0, help="batches per second at most")
+    ap.add_argument("--rate", type=float, default=100.0, help="batches offered per second")
     ap.add_argument("--step-ms", type=float, default=2.0)
-    ap.add_argument("--modes", default="dropin,dropin-sync,fd-manager")
+    ap.add_argument("--gil-step", action="store_true",
+                    help="a pure-Python model step that holds the GIL (default: numpy, "
+                         "which releases it)")
+    ap.add_argument("--shape", default="develop", choices=["develop", "v2x", "v20"])
+    ap.add_argument("--max-inflight", type=int, default=None,
+                    help="the drop-in server's max_inflight (default: the drop-in's default)")
+    ap.add_argument("--modes", default="dropin,dropin-sync,fd-manager",
+                    help="comma-separated; dropin@4 = the drop-in with max_inflight=4")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the modes alternately this many times; report each round")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    print(f"TP={args.tp}, {args.batches} batches of 64 x 512 int64 token ids, up to "
-          f"{args.rate:g}/s, {args.step_ms:g} ms step; task sync per step per rank (µs), "
-          f"barrier excluded")
-    print(f"{'mode':<12} {'steps':>6} {'p50 all':>9} {'p99 all':>9} {'p50 batch':>10} "
-          f"{'p99 batch':>10} {'wall s':>7}")
+    print(f"shape {args.shape}, TP={args.tp}, {args.batches} batches of 64 x 512 int64 token "
+          f"ids offered at {args.rate:g}/s, {args.step_ms:g} ms "
+          f"{'GIL-holding' if args.gil_step else 'GIL-releasing'} step; task sync per step per "
+          f"rank (µs, barrier excluded); delivery = put -> every rank took it (ms)")
+    print(f"{'mode':<12} {'steps':>6} {'p50 all':>8} {'p99 all':>8} {'p50 batch':>9} "
+          f"{'p99 batch':>9} {'deliv/s':>8} {'deliv p50':>9} {'deliv p99':>9}")
     stats = {}
-    for mode in modes:
-        sync, took, elapsed = run_mode(mode, args.tp, args.batches, args.rate, args.step_ms)
-        with_batch = sync[took]
-        s = (np.percentile(sync, 50), np.percentile(sync, 99),
-             np.percentile(with_batch, 50), np.percentile(with_batch, 99))
-        stats[mode] = s
-        print(f"{mode:<12} {len(sync):>6} {s[0]:>9.1f} {s[1]:>9.1f} {s[2]:>10.1f} {s[3]:>10.1f} "
-              f"{elapsed:>7.2f}")
+    for _ in range(args.rounds):
+        for mode in modes:
+            sync, took, per_s, delivery = run_mode(mode, args.shape, args.tp, args.batches,
+                                                   args.rate, args.step_ms, args.gil_step,
+                                                   args.max_inflight)
+            with_batch = sync[took]
+            s = (np.percentile(sync, 50), np.percentile(sync, 99),
+                 np.percentile(with_batch, 50), np.percentile(with_batch, 99), per_s,
+                 np.percentile(delivery, 50), np.percentile(delivery, 99))
+            stats.setdefault(mode, []).append(s)
+            print(f"{mode:<12} {len(sync):>6} {s[0]:>8.1f} {s[1]:>8.1f} {s[2]:>9.1f} "
+                  f"{s[3]:>9.1f} {s[4]:>8.1f} {s[5]:>9.2f} {s[6]:>9.2f}", flush=True)
     if "fd-manager" in stats:
+        f = np.median(np.array(stats["fd-manager"]), axis=0)
         for mode in modes:
             if mode == "fd-manager":
                 continue
-            f, d = stats["fd-manager"], stats[mode]
-            print(f"fd-manager / {mode}: p50 all {f[0] / d[0]:.0f}x, p99 all {f[1] / d[1]:.0f}x, "
-                  f"p50 batch {f[2] / d[2]:.0f}x, p99 batch {f[3] / d[3]:.0f}x")
+            d = np.median(np.array(stats[mode]), axis=0)
+            print(f"medians, fd-manager / {mode}: sync p50 all {f[0] / d[0]:.1f}x, p99 all "
+                  f"{f[1] / d[1]:.1f}x, p50 batch {f[2] / d[2]:.1f}x; throughput {mode} / "
+                  f"fd-manager {d[4] / f[4]:.2f}; delivery p50 {d[5]:.2f} vs {f[5]:.2f} ms")
 
 
 if __name__ == "__main__":

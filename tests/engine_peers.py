@@ -198,15 +198,25 @@ def intruder_process(out, rank, endpoint, name, tp_size, keys_dir, listen_s):
 
 
 def hold_gil(seconds):
-    """Hold the GIL for about ``seconds`` (at least, on a loaded machine): one C call that
-    never returns to the interpreter loop, so no other thread of the process runs Python
-    meanwhile (a long numpy or compile step, a weight load)."""
-    unit = float("inf")
-    for _ in range(3):  # the fastest of three: a hold is then at least as long as asked
-        start = time.perf_counter()
-        sum(range(1_000_000))
-        unit = min(unit, time.perf_counter() - start)
-    sum(range(int(1_000_000 * seconds / max(unit, 1e-4))))
+    """Hold the GIL for ``seconds``: one C call that sleeps without releasing it (libc
+    ``nanosleep`` through ``ctypes.PyDLL``, which keeps the GIL across the call), so no
+    other thread of the process runs Python meanwhile, exactly as during a long numpy,
+    compile or weight-load call. Unlike a calibrated busy loop it lasts as long as asked
+    on a loaded machine too (a calibration slowed by load made the hold short)."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None, use_errno=True)
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    end = time.monotonic() + seconds
+    while True:  # a signal may cut nanosleep short: sleep what is left
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        req = Timespec(int(left), int((left % 1) * 1e9))
+        libc.nanosleep(ctypes.byref(req), None)
 
 
 def gil_holding_rank(out, rank, name, tp, n, hold_s, hold_after, heartbeat):

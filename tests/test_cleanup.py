@@ -241,3 +241,29 @@ finally:
     assert p.returncode == 128 + signal.SIGTERM, err
     assert marker.read_text() == str(int(signal.SIGTERM))
     assert rest.strip() == "unwound"  # finally blocks ran: normal interpreter shutdown
+
+
+def test_the_profile_sweeps_what_its_killed_processes_left_and_nothing_else(name):
+    """`fastdeploy-sync profile` kills a process that does not exit within its bound (a
+    loaded machine): the names that process left (here a SIGKILLed group of the run's)
+    are removed when the run ends, and a live group whose name is also the run's is kept
+    (it left a TP group segment and its semaphores behind in a loaded full-suite run)."""
+    from fastdeploy_sync.profiling import runner
+
+    killed, live = name + "s0", name + "m"
+    dead = Group(killed, handler=False)
+    try:
+        dead.signal(signal.SIGKILL)
+    finally:
+        dead.kill()
+    assert _names(killed)
+    group = Group(live, handler=False)
+    try:
+        before = _names(live)
+        runner._sweep([killed, live])
+        assert _names(killed) == []
+        assert _names(live) == before
+    finally:
+        group.kill()
+    runner._sweep([live])
+    assert _names(live) == []

@@ -13,6 +13,7 @@ FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) 
 """
 
 import threading
+import os
 import time
 
 import pytest
@@ -149,7 +150,11 @@ def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
         # on a step where the ahead rank is not the slowest)
         errors = [p for kind, p in got.values() if kind == "error" and "ProtocolError" in p]
         assert errors, got
-        assert "call get_tasks() at the same steps" in errors[0]
+        # the message names the loop rule that was broken and how to fix it (the extra
+        # call is either past what rank 0 checked for, or ahead of a peer's calls)
+        assert "Fix the worker loop" in errors[0]
+        assert ("rank 0 has not checked for tasks" in errors[0]
+                or "call get_tasks() at the same steps" in errors[0]), errors[0]
     finally:
         server.cleanup()
 
@@ -208,6 +213,44 @@ def test_put_get_num_tasks_and_clear(name):
         server.cleanup()
 
 
+def test_unix_socket_path_addresses(name):
+    """FastDeploy's FD_ENGINE_TASK_QUEUE_WITH_SHM: engine and workers pass the path
+    /dev/shm/fd_task_queue_<port>.sock instead of (host, port). It is node-local, names
+    the same queue as ("0.0.0.0", port), and nothing is created at the path itself."""
+    path = f"/dev/shm/{name}_task_queue.sock"  # no port in it: the queue is named by the file
+    server = EngineWorkerQueue(address=path, is_server=True, num_client=1)
+    try:
+        assert server.address == path and server.is_single_node
+        engine = EngineWorkerQueue(address=path, is_server=False, num_client=1, client_id=0)
+        assert engine.role == "engine"
+        worker = _worker_thread(path, None)
+        try:
+            engine.put_tasks(["via-path"])
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["via-path"]], True)
+            assert not os.path.exists(path)
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+    # a port in the file name: the same queue as the (host, port) form
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        port = server.get_server_port()
+        worker = _worker_thread(f"/dev/shm/fd_task_queue_{port}.sock", name)
+        try:
+            engine = EngineWorkerQueue(address=("0.0.0.0", port), client_id=0, name=name)
+            engine.put_tasks(["via-port"])
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["via-port"]], True)
+        finally:
+            worker.cleanup()
+    finally:
+        server.cleanup()
+    with pytest.raises(ValueError, match="unix socket path"):
+        EngineWorkerQueue(address=("0.0.0.0",), is_server=True)
+
+
 def test_put_blocks_one_batch_at_a_time(name):
     """FastDeploy's put_tasks waits until every rank read the previous batch."""
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
@@ -228,22 +271,24 @@ def test_ports_and_server_only_port(name, loopback_tcp):
     """FastDeploy's test_queue_exist_tasks_and_ports: a tcp server on port 0 reports its real
     port; a client asking for it gets RuntimeError. Two DP groups use port and port + 1."""
     server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=1,
-                               local_data_parallel_size=2, name=name)
+                               local_data_parallel_size=2)
     try:
         port = server.get_server_port()
         assert port > 0 and server.address == ("127.0.0.1", port)
         assert [q.endpoint for q in server._queues] == [f"tcp://127.0.0.1:{port}",
                                                         f"tcp://127.0.0.1:{port + 1}"]
-        worker = _worker_thread(("127.0.0.1", port), name, local_data_parallel_id=1)
+        # name=None: the worker derives the queue name from the port, as FastDeploy's do
+        worker = _worker_thread(("127.0.0.1", port), None, local_data_parallel_id=1)
         try:
             with pytest.raises(RuntimeError):
                 worker.get_server_port()
             assert not worker.exist_tasks()
-            engine = EngineWorkerQueue(address=("127.0.0.1", port), client_id=0, name=name,
+            engine = EngineWorkerQueue(address=("127.0.0.1", port), client_id=0,
                                        local_data_parallel_id=1)
             with pytest.raises(RuntimeError):
                 engine.get_server_port()
             engine.put_tasks(["dp1"])
+            assert worker._name == server._name == f"fdq{port}"  # workers know the port only
             _until(worker.exist_tasks)
             assert worker.get_tasks() == ([["dp1"]], True)
             assert server.num_connected_clients() == 0  # the server's own group 0

@@ -153,3 +153,25 @@ def test_importing_fastdeploy_sync_does_not_import_prometheus_client():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_the_fastdeploy_drop_in_exports_its_queues(name):
+    """FastDeploy's engine builds EngineWorkerQueue, not TaskQueue: its server hands out
+    its per-DP-group queues so that FastDeploy's own /metrics registry can include them."""
+    from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1,
+                               local_data_parallel_size=2, name=name)
+    try:
+        assert [q.dp_id for q in server.task_queues] == [0, 1]
+        engine = EngineWorkerQueue(address=server.address, client_id=0,
+                                   local_data_parallel_id=1, name=name)
+        assert engine.task_queues == server.task_queues
+        registry = CollectorRegistry()
+        register(registry, *server.task_queues)
+        engine.put_tasks(["x"])
+        s = scrape(registry)
+        assert value(s, "fdsync_batches_put_total", queue=name, dp_id=1) == 1
+        assert value(s, "fdsync_batches_put_total", queue=name, dp_id=0) == 0
+    finally:
+        server.cleanup()

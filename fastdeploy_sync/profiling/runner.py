@@ -282,10 +282,22 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
                                          rnd, steps, progress_bar))
     finally:
         procs.close()
+        _sweep([f"{run_name}m"] + [f"{run_name}s{k}" for k in range(len(schedule))])
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
             "engine_cpus": engine["cpus"], "collective_spin_us": options.collective_spin_us(),
             "segments": segments}
+
+
+def _sweep(names):
+    """Remove what this run's processes left behind when ``close()`` had to kill them
+    before their own cleanup (a loaded machine can make an exit take longer than
+    ``_EXIT_TIMEOUT_S``): stale names of this run only, each checked again; never a live
+    owner's, never another run's."""
+    from ..cleanup import remove, scan
+
+    for name in names:
+        remove(scan(name))
 
 
 def _run_segment(procs, options, name, mode, kind, phase, rnd, steps, bar):

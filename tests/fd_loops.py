@@ -1,0 +1,250 @@
+"""FastDeploy's worker loop shapes, task path only, written from reading
+``fastdeploy/worker/worker_process.py`` of PaddlePaddle/FastDeploy (no FastDeploy code here).
+
+Shapes (``shape=``), each as ``event_loop_normal`` runs it:
+
+* ``develop`` (commit 0009064e): TP rank 0 checks ``exist_tasks()``, sets the signal (one
+  node) or ``read_finish_flag.set(1)`` (``nnode > 1``); the TP barrier; every rank whose
+  signal or ``read_finish_flag.get() == 1`` is set calls ``get_tasks()``; the reader with
+  ``read_finish`` resets the signal (one node) or the flag (``nnode > 1``). A taken
+  ``ControlRequest`` runs, then the TP barrier. Then the idle branch (no running request:
+  TP barrier, sleep 1 ms) or the model step (its TP collective).
+* ``v2x`` (commit 58c5a816 and the 2.x branches): the same, rank 0 checks
+  ``num_tasks() > 0``, and the reader with ``read_finish`` resets both the signal and the flag.
+* ``v20`` (the 2.0-era file with ``self.nnode = 1`` hard-coded): a TP barrier at the top of
+  every iteration, rank 0 checks ``num_tasks() > 0``, the TP barrier, the read, then the
+  model step on every iteration (no idle branch).
+
+``nnode > 1`` (``multi_node=True``): rank 0 sets ``read_finish_flag`` instead of the
+node-local signal, as FastDeploy does when the TP group spans nodes.
+
+The TP barrier is the caller's: ``barrier`` (``wait(timeout)``), a multiprocessing barrier
+on one node or ``paddle.distributed.barrier()`` across nodes. ``signal`` stands for
+FastDeploy's node-local ``exist_task_signal`` (a ``.value`` holder).
+
+A "model step" (a rank has running requests: it took a batch within the last
+``busy_steps`` steps) sleeps ``step_ms`` (GIL released) or spins it (``gil_step=True``,
+pure Python), then passes the barrier as its TP collective.
+"""
+
+import os
+import time
+
+STOP = "stop"
+
+
+class ControlRequest:
+    """A picklable stand-in for FastDeploy's ``ControlRequest`` (it travels as
+    ``([ControlRequest], bsz)`` through the same queue as requests)."""
+
+    def __init__(self, request_id, method, args=None):
+        self.request_id, self.method, self.args = request_id, method, args or {}
+
+    def __repr__(self):
+        return f"ControlRequest({self.request_id!r}, {self.method!r})"
+
+
+class LocalFlag:
+    """FastDeploy's node-local ``exist_task_signal`` when no other process needs it."""
+
+    def __init__(self):
+        self.value = 0
+
+
+def spin(ms):
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, until_stop=True,
+             step_ms=0.0, gil_step=False, busy_steps=1, deadline_s=60.0, on_take=None,
+             barrier_timeout=20.0):
+    """Run FastDeploy's loop of ``shape`` over the drop-in ``q`` until the STOP batch was
+    taken (every rank takes it at the same step). Returns ``calls``: one
+    ``(step, call, tasks)`` per ``get_tasks()`` call, and the number of steps.
+    ``on_take(step, tasks)`` sees each call's tasks (for timing)."""
+    if shape not in ("develop", "v2x", "v20"):
+        raise ValueError(shape)
+    calls = []
+    step = 0
+    ncall = 0
+    busy = 0
+    deadline = time.monotonic() + deadline_s
+    stop = False
+
+    def tp_barrier():
+        if tp_size > 1:
+            barrier.wait(barrier_timeout)
+
+    while not stop:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} ({shape}): no STOP batch within {deadline_s} s "
+                               f"(step {step}, {ncall} get_tasks() calls)")
+        if shape == "v20":
+            tp_barrier()  # "Synchronize before updating weights"
+        if rank == 0:
+            found = q.exist_tasks() if shape == "develop" else q.num_tasks() > 0
+            if found:
+                if multi_node:
+                    q.read_finish_flag.set(1)
+                else:
+                    signal.value = 1
+        tp_barrier()  # "Synchronize the signal for other workers"
+        if signal.value == 1 or q.read_finish_flag.get() == 1:
+            tasks, read_finish = q.get_tasks()
+            ncall += 1
+            if read_finish:
+                if shape == "develop":
+                    if multi_node:
+                        q.read_finish_flag.set(0)
+                    else:
+                        signal.value = 0
+                else:
+                    signal.value = 0
+                    q.read_finish_flag.set(0)
+            if on_take is not None:
+                on_take(step, tasks)
+            calls.append((step, ncall, tasks))
+            control = [t for t in tasks if isinstance(t, tuple) and t[0]
+                       and isinstance(t[0][0], ControlRequest)]
+            if any(t == STOP for t in tasks):
+                stop = until_stop
+            if tasks:
+                busy = busy_steps
+            if shape == "develop" and control:
+                for _ in control:  # run_control_method, then the TP barrier
+                    tp_barrier()
+        if shape != "v20" and busy == 0:
+            tp_barrier()  # idle branch
+            time.sleep(0.001)
+        else:
+            if step_ms:
+                if gil_step:
+                    spin(step_ms)
+                else:
+                    time.sleep(step_ms / 1000)
+            if shape != "v20" or tp_size > 1:
+                tp_barrier()  # the model step's TP collective
+            busy = max(0, busy - 1)
+        step += 1
+    return calls, step
+
+
+def engine_loop(client, batches, *, put_timeout=20.0, wait_exist=True, on_put=None):
+    """FastDeploy's engine loop: ``while exist_tasks(): sleep(0.001)``, then ``put_tasks``,
+    for each of ``batches``, then STOP. ``on_put(k)`` is called just before put k."""
+    deadline = time.monotonic() + put_timeout
+    for k, b in enumerate(batches):
+        while wait_exist and client.exist_tasks():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine: workers took nothing for {put_timeout} s")
+            time.sleep(0.001)
+        deadline = time.monotonic() + put_timeout
+        if on_put is not None:
+            on_put(k)
+        client.put_tasks(b, timeout=put_timeout)
+    while wait_exist and client.exist_tasks():
+        time.sleep(0.001)
+    client.put_tasks(STOP, timeout=put_timeout)
+
+
+def sync_env(sync):
+    os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
+
+
+def ids_of(tasks):
+    """Batch ids of what a get_tasks() call returned: ``(dp_id, k)`` per request batch,
+    ``("control", id)`` per ControlRequest, ``STOP``."""
+    out = []
+    for t in tasks:
+        if t == STOP:
+            out.append(STOP)
+            continue
+        reqs, _bsz = t
+        if isinstance(reqs[0], ControlRequest):
+            out.append(("control", reqs[0].request_id))
+        else:
+            out.append(tuple(reqs[0]["id"]))
+    return out
+
+
+def batches(dp_id, n, *, every_control=0, array_len=64):
+    """n FastDeploy-shaped batches ``([request], real_bsz)`` with numpy token ids; with
+    ``every_control=k`` every k-th is ``([ControlRequest], bsz)`` instead."""
+    import numpy as np
+
+    out = []
+    for k in range(n):
+        if every_control and k % every_control == every_control - 1:
+            out.append(([ControlRequest(k, "update_weights", {"k": k})], k + 1))
+        else:
+            out.append(([{"id": (dp_id, k), "token_ids": np.arange(k, k + array_len,
+                                                                    dtype=np.int64)}], k + 1))
+    return out
+
+
+def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
+                name=None, multi_node=False, deadline_s=60.0, step_ms=0.0, busy_steps=1,
+                queue_kw=None):
+    """A worker process running ``run_loop``; reports ``("ok", dp_id, rank, {"calls":
+    [(step, call, ids)], "steps": n})`` or ``("error", dp_id, rank, traceback)``."""
+    import traceback
+
+    sync_env(sync)
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=rank, local_data_parallel_id=dp_id, name=name,
+                              **(queue_kw or {}))
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+        return
+    try:
+        def check(step, tasks):
+            for t in tasks:
+                if t != STOP and not isinstance(t[0][0], ControlRequest):
+                    tok = t[0][0]["token_ids"]
+                    assert int(tok[0]) == t[0][0]["id"][1], "a batch's arrays do not match it"
+
+        calls, steps = run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=multi_node,
+                                deadline_s=deadline_s, step_ms=step_ms, busy_steps=busy_steps,
+                                on_take=check)
+        results.put(("ok", dp_id, rank, {"calls": [(s, c, ids_of(t)) for s, c, t in calls],
+                                         "steps": steps}))
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+    finally:
+        q.cleanup()
+
+
+def check_group(reports, tp_size, dp_id, expected_ids):
+    """Every rank of DP group ``dp_id`` took identical batches at identical steps and calls;
+    each expected id exactly once, in put order, then STOP."""
+    ref = reports[0]["calls"]
+    for r in range(1, tp_size):
+        assert reports[r]["calls"] == ref, f"dp {dp_id}: rank {r} differs from rank 0"
+    taken = [x for _, _, ids in ref for x in ids]
+    assert taken == list(expected_ids) + [STOP], (dp_id, taken[:20], len(taken))
+
+
+def idle_worker(address, tp_size, rank, barrier, signal, results, *, name=None, sync=False):
+    """A develop-shape worker that runs until the engine closes or its group breaks;
+    reports its pid first (``("pid", rank, pid)``), then what it took or raised."""
+    import traceback
+
+    sync_env(sync)
+    results.put(("pid", rank, os.getpid()))
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, num_client=tp_size, client_id=rank, name=name)
+        try:
+            calls, _ = run_loop(q, "develop", tp_size, rank, barrier, signal, deadline_s=60,
+                                barrier_timeout=10)
+            results.put(("ok", rank, [ids_of(t) for _, _, t in calls]))
+        finally:
+            q.cleanup()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))

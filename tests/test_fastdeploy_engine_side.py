@@ -1,0 +1,118 @@
+"""The drop-in's engine side under FastDeploy's engine loop: it never spins silently when
+its worker group is lost, and recovers when a new group connects."""
+
+import os
+import signal as signals
+import time
+
+import pytest
+
+from fastdeploy_sync.errors import GroupLostError
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+from conftest import SPAWN
+from fd_loops import STOP, batches, idle_worker
+
+HEARTBEAT_TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def fast_heartbeat(monkeypatch):
+    # children inherit the environment at start
+    monkeypatch.setenv("FD_SYNC_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("FD_SYNC_HEARTBEAT_TIMEOUT", str(HEARTBEAT_TIMEOUT_S))
+
+
+def _pids(results, n):
+    pids = {}
+    while len(pids) < n:
+        kind, rank, pid = results.get(timeout=60)
+        assert kind == "pid", (kind, rank, pid)
+        pids[rank] = pid
+    return pids
+
+
+def _start_group(procs, results, address, name, tp):
+    barrier, flag = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+    for r in range(tp):
+        procs(idle_worker, address, tp, r, barrier, flag, results, name=name)
+    return (barrier, flag), _pids(results, tp)
+
+
+def _wait_connected(engine, tp, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if engine.num_connected_clients() == tp and not engine.exist_tasks():
+                return
+        except GroupLostError:
+            pass  # the lost group is still the one reported until the new one is complete
+        assert time.monotonic() < deadline, "the new worker group never connected"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_heartbeat,
+                                                     killed):
+    """A TP rank is SIGKILLed while FastDeploy's engine loop waits in
+    ``while exist_tasks(): sleep(0.001)``: the loop raises GroupLostError naming the ranks
+    within the heartbeat bound (before: it spun until the caller's own timeout). Then a
+    new group starts, and batches put after it connected reach it."""
+    tp = 2
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
+                               name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        engine = EngineWorkerQueue(address=address, num_client=tp, client_id=0, name=name)
+        keep, pids = _start_group(procs, results, address, name, tp)
+        _wait_connected(engine, tp)
+        for b in batches(0, 3):
+            while engine.exist_tasks():
+                time.sleep(0.001)
+            engine.put_tasks(b, timeout=10)
+        while engine.exist_tasks():
+            time.sleep(0.001)
+        os.kill(pids[killed], signals.SIGKILL)
+        killed_at = time.monotonic()
+        engine.put_tasks(batches(0, 4)[3], timeout=10)  # never taken by the dead group
+        with pytest.raises(GroupLostError) as info:
+            while time.monotonic() - killed_at < 15:
+                while engine.exist_tasks():  # FastDeploy's engine loop
+                    time.sleep(0.001)
+                time.sleep(0.001)
+        elapsed = time.monotonic() - killed_at
+        text = str(info.value)
+        assert "rank 0" in text and "rank 1" in text and "restart every TP rank" in text, text
+        # within the heartbeat bound (plus the 100 ms watch period and a loaded machine)
+        assert elapsed < HEARTBEAT_TIMEOUT_S + 2.5, elapsed
+        # while no new group is complete, every engine-side call keeps saying so
+        with pytest.raises(GroupLostError):
+            engine.put_tasks(["x"], timeout=1)
+        with pytest.raises(GroupLostError):
+            engine.num_tasks()
+        unfinished = [b.tasks for b in info.value.unfinished]
+        assert batches(0, 4)[3][0][0]["id"] in [u[0][0]["id"] for u in unfinished], unfinished
+        # the survivor of the old group: killed too (a process killed inside the loop's
+        # multiprocessing barrier can leave its lock held, and the survivor would wait on
+        # it forever); the new group's rank 0 reclaims the old group's shared memory
+        os.kill(pids[1 - killed], signals.SIGKILL)
+        # recovery: a new group; once it is connected the engine loop works again
+        # the new group reports on its own queue (the old survivor may still have said
+        # something on the first before it was killed)
+        results2 = SPAWN.Queue()
+        keep2, _ = _start_group(procs, results2, address, name, tp)
+        _wait_connected(engine, tp)
+        for b in batches(0, 2):
+            while engine.exist_tasks():
+                time.sleep(0.001)
+            engine.put_tasks(b, timeout=10)
+        engine.put_tasks(STOP, timeout=10)
+        got = {}
+        while len(got) < tp:
+            kind, rank, payload = results2.get(timeout=60)
+            assert kind == "ok", payload
+            got[rank] = payload
+        assert got[0] == got[1]
+        assert [x for ids in got[0] for x in ids] == [(0, 0), (0, 1), STOP]
+    finally:
+        server.cleanup()

@@ -1,0 +1,96 @@
+"""FastDeploy's worker loop shapes (tests/fd_loops.py: develop's exist_tasks(), 2.x's
+num_tasks() > 0, 2.0's barrier at the top) over the drop-in, one node, async and sync, TP
+and DP sizes of the compatibility table, with FastDeploy's engine loop (wait while
+exist_tasks(), then put). Every rank must take identical batches at identical steps, each
+batch once, in order."""
+
+import threading
+
+import pytest
+
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+from conftest import SPAWN
+from fd_loops import ControlRequest, batches, check_group, engine_loop, ids_of, loop_worker
+
+RESULT_TIMEOUT_S = 90
+
+
+def run_shape(name, procs, results, shape, tp, dp, n, *, sync=False, every_control=0,
+              step_ms=0.0, busy_steps=1, max_inflight=None):
+    kw = {} if max_inflight is None else {"max_inflight": max_inflight}
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
+                               local_data_parallel_size=dp, name=name, **kw)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        keep = []  # the parent holds every barrier until the children attached it
+        for d in range(dp):
+            barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+            keep.append((barrier, signal))
+            for r in range(tp):
+                procs(loop_worker, address, shape, tp, r, d, barrier, signal, results,
+                      sync=sync, name=name, step_ms=step_ms, busy_steps=busy_steps)
+        put = {d: batches(d, n, every_control=every_control) for d in range(dp)}
+        errors = []
+
+        def engine(d):
+            client = EngineWorkerQueue(address=address, num_client=tp, client_id=0,
+                                       local_data_parallel_id=d, name=name)
+            try:
+                engine_loop(client, put[d], put_timeout=30)
+            except BaseException as exc:  # reported below, with the workers' view
+                errors.append(exc)
+
+        threads = [threading.Thread(target=engine, args=(d,)) for d in range(dp)]
+        for t in threads:
+            t.start()
+        reports = {}
+        for _ in range(tp * dp):
+            kind, d, r, payload = results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "ok", f"{shape}: dp {d} rank {r} failed:\n{payload}"
+            reports[(d, r)] = payload
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, errors
+    finally:
+        server.cleanup()
+    for d in range(dp):
+        check_group({r: reports[(d, r)] for r in range(tp)}, tp, d, ids_of(put[d]))
+    return reports
+
+
+CELLS = [(tp, dp) for tp, dp in [(1, 2), (2, 1), (2, 2), (4, 1)]]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("tp,dp", CELLS, ids=[f"tp{t}-dp{d}" for t, d in CELLS])
+@pytest.mark.parametrize("shape", ["develop", "v2x", "v20"])
+def test_loop_shape_one_node(name, procs, results, shape, tp, dp, sync):
+    """Before the fix, v2x and v20 (rank 0 checks num_tasks() > 0) raised ProtocolError on
+    the first get_tasks() at TP > 1."""
+    run_shape(name, procs, results, shape, tp, dp, 30, sync=sync)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+@pytest.mark.parametrize("shape", ["develop", "v2x"])
+def test_loop_shape_tp8(name, procs, results, shape, sync):
+    run_shape(name, procs, results, shape, 8, 1, 8, sync=sync)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_sync_fallback_idle_loop_tp2_dp2(name, procs, results, sync):
+    """The operator's first switch (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1) under FastDeploy's
+    idle loop (the idle branch's barrier and 1 ms sleep, no collective), one batch at a
+    time, 50 batches per DP group; the same run in async mode."""
+    run_shape(name, procs, results, "develop", 2, 2, 50, sync=sync)
+
+
+@pytest.mark.parametrize("shape", ["develop", "v2x"])
+def test_control_requests_travel_like_batches(name, procs, results, shape):
+    """FastDeploy puts ControlRequest objects through the task queue as ([request], bsz):
+    every rank takes each one at the same step as its peers, in put order among batches."""
+    reports = run_shape(name, procs, results, shape, 2, 1, 12, every_control=3)
+    ids = [x for _, _, got in reports[(0, 0)]["calls"] for x in got]
+    assert [x for x in ids if x[0] == "control"] == [("control", 2), ("control", 5),
+                                                     ("control", 8), ("control", 11)]
+    assert ControlRequest(1, "x").method == "x"

@@ -52,8 +52,8 @@ the barrier asks the loop's recent history, not the queue:
     thread wanted a CPU: ran on one (``time.thread_time_ns``, ~0.5 µs), or, when that
     share is between 0.1 and 0.5, also waited in the run queue for one (a thread preempted
     on a loaded machine is still busy; one that sleeps is not: its ``/proc/.../schedstat``,
-    ~0.8 µs more). A decode loop computes between barriers (measured here: 0.99 of the
-    time, Python step); an idle loop sleeps (FastDeploy's 1 ms loop: 0.01-0.02). Busy
+    ~0.8 µs more). A decode loop computes between barriers (near 1); an idle loop sleeps
+    (FastDeploy's 1 ms loop: near 0.01, one short call per millisecond). Busy
     means at least ``_BUSY_SHARE``. Whether a batch is in flight says nothing about it: a
     decode loop runs for many steps without a new batch. It is asked only on the waiting
     path, after a first 2 µs of spinning (ranks that arrive together never pay it), at
@@ -65,9 +65,9 @@ the barrier asks the loop's recent history, not the queue:
 
 A busy loop spins the full window, then blocks: a barrier that blocks wakes its rank tens
 of µs after the last arrival, and in a busy loop that skew is carried into the next
-barrier, where it costs again (measured: always spinning the window halved a late rank's
-next wait against blocking at once after late partners). While it waits it also lets the
-worker receive what its prefetch thread has not (``on_wait``). An idle loop spins only
+barrier, where it costs again (blocking at once after late partners, tried first, made a
+late rank's next wait about twice as long). While it waits it also lets the worker
+receive what its prefetch thread has not (``on_wait``). An idle loop spins only
 ``_CHEAP_SPIN_US`` (less CPU than a sleep and a wake-up), and only when the partners came
 within that at both of the last two barriers; otherwise it blocks at once, without
 spinning or asking: there the skew meets a 1 ms sleep, not a waiting partner.
@@ -163,7 +163,7 @@ _FIRST_SPIN_S = 2e-6
 # last question; spans shorter than _BUSY_SPAN_NS keep the last answer (a tight loop).
 _BUSY_SHARE = 0.5
 _BUSY_SPAN_NS = 200_000
-# Below this share the thread slept (an idle loop's is 0.01-0.02): the run-queue wait,
+# Below this share the thread slept (an idle 1 ms loop's is near 0.01): the run-queue wait,
 # which only a loaded machine makes large, is not worth reading.
 _SLEPT_SHARE = 0.1
 # An idle loop asks whether it is still idle at most this often (and one whose partners

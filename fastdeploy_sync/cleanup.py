@@ -18,8 +18,11 @@ The next run of the same name reclaims them; ``scan()`` and ``remove()`` (behind
 process's effective uid, and never a name whose owner is alive:
 
   * a segment's owner is alive according to ``owner_alive()`` (the one place that decides
-    it for shared memory); a segment whose owner is not written yet is taken as being
-    created while it is younger than ``CREATING_GRACE_S``;
+    it here): the owner lock its creator holds for its life (``shm.owner_alive``), not the
+    pid it recorded, which another process may have reused or which may belong to another
+    pid namespace sharing ``/dev/shm``; a shared batch (its creator's pid is in its name,
+    and it has no lock) by that pid; a segment nobody holds whose owner is not written
+    yet is taken as being created while it is younger than ``CREATING_GRACE_S``;
   * a semaphore lives and dies with its group segment (a semaphore without one is left by
     a killed run: its creator makes the segment first and unlinks it first);
   * a socket file is in use while a process accepts connections on it.
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from . import envs
 from .ack_board import B_OWNER_PID
+from . import shm
 from .shm import check_semaphore_owner, pid_alive, segment_owner, unlink_segment, unlink_semaphore
 from .tp_group import H_OWNER_PID
 from .transport import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
@@ -90,21 +94,32 @@ class Leftover:
         return self.state == "stale"
 
 
-def owner_alive(path: str, pid: int) -> bool:
+def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
     """Whether the process that owns shared-memory file ``path`` (of our uid) is alive.
     Never blocks.
 
     The one place ``scan()`` and ``remove()`` decide it for segments, and so for their
-    semaphores. Ownership is the creator's pid, written into the segment (or, for a shared
-    batch, into its name); ``pid`` 0 means not written yet: alive while the file changed
-    within ``CREATING_GRACE_S`` (being created), stale after. A pid reused by an unrelated
-    process makes a stale name look alive: it is kept, never wrongly removed."""
-    if pid == 0:
+    semaphores. A segment with an owner lock (``locked``: TP group, ack board, drop-in
+    board) is alive while some process holds that lock, whatever ``pid`` says: a pid
+    reused by an unrelated process, or one from another pid namespace, proves nothing.
+    Nobody holding it and ``pid`` 0 (not written yet): alive while the file changed within
+    ``CREATING_GRACE_S`` (being created), stale after. A shared batch has no lock
+    (``locked=False``): its creator's ``pid``, from its name, decides; a reused pid makes
+    it look alive (kept, never wrongly removed)."""
+    if locked:
         try:
-            return time.time() - os.stat(path).st_mtime < CREATING_GRACE_S
+            if shm.owner_alive("/" + os.path.basename(path)):
+                return True
         except FileNotFoundError:
             return False
-    return pid_alive(pid)
+        if pid != 0:
+            return False
+    elif pid != 0:
+        return pid_alive(pid)
+    try:
+        return time.time() - os.stat(path).st_mtime < CREATING_GRACE_S
+    except FileNotFoundError:
+        return False
 
 
 def scan(name: str = None, dp_id: int = None) -> list:
@@ -202,11 +217,18 @@ def _segment(entry, m) -> Leftover:
         except (PermissionError, FileNotFoundError) as exc:
             item.state, item.why = "not ours", str(exc)
             return item
-    alive = owner_alive(path, owner)
+    try:
+        alive = owner_alive(path, owner, locked=not m["pid"])
+    except PermissionError as exc:
+        item.state, item.why = "not ours", str(exc)
+        return item
     if owner == 0:
         item.why = "owner not written yet: being created" if alive else "owner never written"
-    else:
+    elif m["pid"]:
         item.why = f"owner pid {owner} " + ("alive" if alive else "exited")
+    else:
+        item.why = (f"owner (pid {owner} where it started) holds its lock" if alive else
+                    f"owner (pid {owner} where it started) exited: nobody holds its lock")
     if not alive:
         item.state = "stale"
     return item

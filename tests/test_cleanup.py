@@ -267,3 +267,51 @@ def test_the_profile_sweeps_what_its_killed_processes_left_and_nothing_else(name
         group.kill()
     runner._sweep([live])
     assert _names(live) == []
+
+
+_HOLDER = """
+import os, sys, time
+from fastdeploy_sync.shm import Segment
+from fastdeploy_sync.tp_group import H_OWNER_PID
+seg = Segment.create(sys.argv[1], 4096)
+seg.view[H_OWNER_PID] = int(sys.argv[2])   # the pid its creator saw (another namespace's)
+print("ready", flush=True)
+if sys.argv[3] == "exit":
+    os._exit(0)                             # killed: no close, no unlink
+time.sleep(60)
+"""
+
+
+def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
+    """Pids lie both ways: a leftover whose recorded pid now belongs to another live
+    process (reuse) is stale; a live owner whose recorded pid means nothing here (another
+    pid namespace sharing /dev/shm, as containers with --ipc=host do) is in use."""
+    reused, foreign = f"/fdsync.{name}r.dp0", f"/fdsync.{name}f.dp0"
+    holder = None
+    try:
+        # a creator that exited, its recorded pid now a live process's (ours)
+        out = subprocess.run([sys.executable, "-c", _HOLDER, reused, str(os.getpid()), "exit"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "ready", out.stderr
+        # a live creator whose recorded pid is nobody's in this namespace
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, foreign, "4194000", "stay"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "ready"
+        out = _clean(name + "r")
+        assert out.returncode == 0, out.stderr
+        assert "removed  /dev/shm" + reused in out.stdout, out.stdout
+        assert not os.path.exists("/dev/shm" + reused)
+        out = _clean(name + "f")
+        assert out.returncode == 0, out.stderr
+        assert "in use   /dev/shm" + foreign in out.stdout, out.stdout
+        assert os.path.exists("/dev/shm" + foreign)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=30)
+            holder.stdout.close()
+        for seg in (reused, foreign):
+            try:
+                posix_ipc.unlink_shared_memory(seg)
+            except posix_ipc.ExistentialError:
+                pass

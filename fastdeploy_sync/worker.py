@@ -28,9 +28,10 @@ or ``tasks = client.sync_step()``. See ``tp_group`` for why the decision is inde
 barrier generation.
 
 Liveness (see ``liveness``, whose contract this implements on the worker's side): a
-thread that otherwise blocks (the prefetch thread; in sync mode a heartbeat thread with
-its own socket) pings the engine every heartbeat interval and watches its socket's
-connection through a socket monitor. The engine is *gone* when that connection is down
+thread that otherwise blocks (the prefetch thread; in sync mode a heartbeat thread) pings
+the engine every heartbeat interval on a socket of its own, one that never carries a
+batch, and watches that socket's connection through a socket monitor (a batch slower to
+cross than the heartbeat timeout must not look like a dead engine). The engine is *gone* when that connection is down
 (disconnected, or a handshake that never completes) and has not been re-established to
 the same engine instance within the heartbeat timeout, or when nothing was heard on it
 for that long while it is down (libzmq dropped it for missing ZMTP heartbeats: the engine
@@ -275,17 +276,20 @@ class TaskClient:
         self._ctx = zmq.Context(io_threads=1)
         self._hb_sock = self._hb_monitor = None
         try:
-            self._data = self._connect()
             # HELLO tells the engine where this rank (re)starts. The first one is sent at
             # once (a DEALER queues it until the connection is up, so a worker may start
-            # before the engine); the monitor re-sends it on every *re*connection.
-            self._monitor = self._data.get_monitor_socket(_MONITOR_EVENTS)
+            # before the engine); the monitor re-sends it on every *re*connection. The
+            # monitor is attached before connect: a handshake refused in between would be
+            # an event nobody sees (a rejected key then reads as an engine that never came).
+            # The data socket carries batches, so libzmq must not drop it for silence (a
+            # batch still crossing is silence to it: see liveness); the engine is judged
+            # by a connection of its own that carries only small messages.
+            self._data, self._monitor = self._connect(monitored=True, receives_batches=True)
             self._connections = 0
             self._ack = self._connect()
-            if not self.async_prefetch:
-                # sync mode: the heartbeat thread pings on, and watches, its own socket
-                self._hb_sock = self._connect()
-                self._hb_monitor = self._hb_sock.get_monitor_socket(_MONITOR_EVENTS)
+            # The thread in the background (prefetch, or heartbeat in sync mode) pings on,
+            # and watches, this socket.
+            self._hb_sock, self._hb_monitor = self._connect(monitored=True)
         except BaseException:
             self._ctx.destroy(linger=0)
             self._group.close()
@@ -295,7 +299,9 @@ class TaskClient:
         # The prefetch thread's poll: the kernel's answer for the data socket is visible to
         # the event loop before that thread has the GIL again (see _drain).
         self._ready = ReadinessPoll([self._data.getsockopt(zmq.FD),
-                                     self._monitor.getsockopt(zmq.FD), self._wake.r])
+                                     self._monitor.getsockopt(zmq.FD), self._wake.r,
+                                     self._hb_sock.getsockopt(zmq.FD),
+                                     self._hb_monitor.getsockopt(zmq.FD)])
         # [3]: async, the data socket's revents (ReadinessPoll.revents), read on the step's
         # path (one check instead of two: "sync mode, or a batch woke the prefetch thread");
         # sync mode receives at every step call: a buffer whose [3] is always true
@@ -312,15 +318,19 @@ class TaskClient:
         if profile:
             self.profiler.attach(self)
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self, monitored: bool = False, receives_batches: bool = False):
+        """A DEALER connected to the engine; with ``monitored``, ``(socket, monitor)``, the
+        monitor attached before the connect so that no connection event is missed.
+        ``receives_batches``: see ``Heartbeat.configure_socket``."""
         sock = new_socket(self._ctx, zmq.DEALER)
         # What the engine may make us allocate: one batch, plus room for the header.
         sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
-        self.heartbeat.configure_socket(sock)
+        self.heartbeat.configure_socket(sock, receives_batches=receives_batches)
         if self._auth is not None:
             self._auth.apply(sock)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS) if monitored else None
         sock.connect(self.endpoint)
-        return sock
+        return (sock, monitor) if monitored else sock
 
     # -- step API (event loop thread) --------------------------------------------------------
 
@@ -721,14 +731,16 @@ class TaskClient:
                     self._receive_available()
                     if self._close_seq is not None:
                         return  # the engine closed: nothing more will come, say nothing more
+                    self._receive_heartbeat_socket()
                     now = time.monotonic()
                     self._check_engine(now)
                     if now >= next_ping:
                         next_ping = now + interval
-                        self._send_ping(self._data)
+                        self._send_ping(self._hb_sock)
                     # A send processes the socket's pending commands and may consume the
                     # descriptor's signal for messages that arrived meanwhile: look.
-                    pending = self._data.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                    pending = ((self._data.getsockopt(zmq.EVENTS)
+                                | self._hb_sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
                 if pending:
                     continue
                 wait_s = max(0.0, min(next_ping, self._liveness_deadline()) - time.monotonic())
@@ -753,13 +765,7 @@ class TaskClient:
                 poller.poll(wait_s * 1000)
                 if self._closed:
                     return
-                self._receive_monitor(self._hb_monitor, watch=True)
-                while True:
-                    try:
-                        frames = self._hb_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message(frames)
+                self._receive_heartbeat_socket()
                 if self._error is not None:
                     return  # the engine closed, or the event loop has something to raise
                 # ping even before the event loop has read the WELCOME (a model may load
@@ -878,8 +884,7 @@ class TaskClient:
     def _receive_available(self):
         if self._close_seq is not None:
             return  # the engine closed: a later engine on the endpoint is not ours
-        # async: this thread also judges the engine by this socket's connection
-        self._receive_monitor(self._monitor, watch=self.async_prefetch)
+        self._receive_monitor(self._monitor, watch=False)
         while True:
             try:
                 frames = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -888,6 +893,17 @@ class TaskClient:
             self._on_message(frames)
             if self._close_seq is not None:
                 return
+
+    def _receive_heartbeat_socket(self):
+        """The background thread's own socket: its connection is the one the engine is
+        judged by (``watch``), its messages are the engine's PONGs."""
+        self._receive_monitor(self._hb_monitor, watch=True)
+        while True:
+            try:
+                frames = self._hb_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_message(frames)
 
     def _receive_monitor(self, monitor, watch):
         """Handle the socket-monitor events of one of our sockets: re-HELLO on a data

@@ -61,3 +61,34 @@ def test_an_engine_may_start_after_the_worker_within_the_bound(name, async_prefe
             queue.put_tasks("late engine", timeout=5)
             assert wait_until(lambda: client.num_tasks() == 1)
             assert client.sync_step(timeout=5) == ["late engine"]
+
+
+@MODES
+def test_a_batch_slower_to_cross_than_the_heartbeat_timeout_reaches_a_real_rank(
+        name, loopback_tcp, async_prefetch):
+    """A 256 MiB batch over tcp takes longer to cross than a 0.1 s heartbeat timeout (as
+    a 600 MiB one does over a real network with the default 3 s): the rank's data socket
+    must not drop the connection mid-batch (libzmq counts a frame still in transit as
+    silence), and the rank is not told the engine is gone. The engine is judged on the
+    rank's heartbeat socket, which carries no batch."""
+    import numpy as np
+
+    hb = Heartbeat(0.03, 0.1)
+    with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0", heartbeat=hb) as queue, \
+            TaskClient(name, 1, 0, endpoint=queue.endpoint, heartbeat=hb,
+                       async_prefetch=async_prefetch) as client:
+        batch = np.arange(256 << 17, dtype=np.int64)  # 256 MiB
+        start = time.monotonic()
+        queue.put_tasks(batch, timeout=10)
+        got = None
+        while got is None and time.monotonic() - start < 60:
+            took = client.sync_step()
+            if took:
+                got = took
+            else:
+                time.sleep(0.001)
+        elapsed = time.monotonic() - start
+        assert got is not None, "the batch never arrived"
+        assert elapsed > hb.timeout, f"crossed in {elapsed:.2f} s: not slower than the timeout"
+        np.testing.assert_array_equal(got[0], batch)
+        assert queue.group_events.empty()

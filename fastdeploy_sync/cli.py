@@ -277,10 +277,11 @@ def _add_profile_parser(sub):
                     "Targets get an interval from a bootstrap over the rounds and say met or "
                     "MISSED only where it excludes the target, else inconclusive. Exit status "
                     "1 if a mode lost, duplicated or misordered a batch; timing targets never "
-                    "set the exit status. A default run takes about 50 s on a 2-core "
-                    "machine shared with other work (measured 50-55 s wall in three runs; "
-                    "21 s with the python step alone, the default where paddle is not "
-                    "installed); --steps, --idle-steps and --step scale it.")
+                    "set the exit status. A default run takes 25-55 s on a 2-core machine "
+                    "(measured 24-27 s wall in three runs on a quiet machine, 50-55 s in "
+                    "three while other work ran; about half with the python step alone, "
+                    "the default where paddle is not installed); --steps, --idle-steps and "
+                    "--step scale it.")
     p.add_argument("--mode", default=d.mode, choices=["all", *MODES],
                    help="all: every mode, interleaved, same load (default)")
     p.add_argument("--tp", type=int, default=d.tp, help=f"TP ranks (default {d.tp})")

@@ -65,6 +65,9 @@ def rank_loop(out, name, tp, rank, async_prefetch, hb, hold_after=0, hold_s=0.0,
                 taken += len(tasks)
                 out.put(("took" if taken == len(tasks) else "took_more", rank, time.monotonic()))
                 if hold_s and taken == hold_after:
+                    # let the queue's feeder thread send "took" first: it needs the GIL too
+                    # (otherwise the scenario's wait for "took" outlasts a long hold)
+                    time.sleep(0.5)
                     start = time.monotonic()
                     hold_gil(hold_s)
                     out.put(("held", rank, (start, time.monotonic())))

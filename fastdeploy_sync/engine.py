@@ -730,15 +730,17 @@ class TaskQueue:
                 self._consume(rank, self._base + taken)
         return None
 
-    def _acknowledge(self, rank, seq):
+    def _acknowledge(self, rank, seq, message=True):
         """Rank ``rank`` took every batch up to (group-relative) ``seq``. ``ProtocolError``
-        for a seq never sent to its group."""
+        for a seq never sent to its group. ``message``: it came as an ACK (counted in
+        ``stats()["acks"]``), not with a BYE."""
         with self._not_full:
             seq += self._base
             if seq > self._next_seq - 1:
                 raise ProtocolError(f"rank {rank} acknowledged seq {seq - self._base}, only "
                                     f"{self._next_seq - 1 - self._base} were sent to its group")
-            self._counters["acks"] += 1
+            if message:
+                self._counters["acks"] += 1
             if seq > self._consumed[rank]:  # else stale or duplicate: acks are cumulative
                 self._consume(rank, seq)
 

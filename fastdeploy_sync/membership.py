@@ -361,7 +361,7 @@ class Membership:
         self._counters["byes"] += 1
         try:
             if h.seq > 0:
-                self._queue._acknowledge(h.rank, h.seq)
+                self._queue._acknowledge(h.rank, h.seq, message=False)
         except ProtocolError as exc:  # a seq never sent: ignore it, the rank still left
             self._queue._garbage(exc)
         link.disconnect("it closed its client (BYE)", now)

@@ -548,3 +548,18 @@ def test_a_producer_told_busy_sends_again_within_its_timeout(name, procs, result
         assert outcome == [2], outcome
         assert [t for t in collect(results, "taken", 1)[0]] == ["first", "patient"]
         assert queue.stats().get("puts_remote", 0) == 1
+
+
+def test_a_bye_is_not_counted_as_an_ack_message(name):
+    """stats()["acks"] counts ACK messages (a node-local rank sends none: it writes the ack
+    board); the seq a BYE carries is applied but is not one of them."""
+    from fastdeploy_sync import TaskClient
+
+    with TaskQueue(name, 1) as queue:
+        with TaskClient(name, 1, 0) as client:
+            queue.put_tasks("a", timeout=5)
+            deadline = time.monotonic() + 10
+            while not client.sync_step() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert wait_until(lambda: queue.stats().get("byes", 0) == 1)
+        assert queue.stats().get("acks", 0) == 0

@@ -60,7 +60,9 @@ def pool_names(name):
 
 
 def segment_names(name):
-    return sorted(set(shm_names(name)) - set(pool_names(name)))
+    """Batches' own segments, from one listing: a pool retired with its group may be
+    unlinked between two listings (a rank's BYE retires the group meanwhile)."""
+    return [n for n in shm_names(name) if ".dp0.bp" not in n]
 
 
 def shm_stats(queue):

@@ -73,14 +73,19 @@ def worker(out, stop, rank, name, tp, seed, rebuild_every, async_prefetch):
     rng = random.Random(seed * 1000 + rank)
     serial = 0
     while not stop.is_set():
+        # Announced before the client exists: the driver must count a client open from
+        # before any engine can welcome it (an announcement after the constructor could
+        # still be in flight when the driver ends the engine's life, and a batch this
+        # client takes would be put again meanwhile).
+        serial += 1
+        out.put(("opened", rank, serial))
         try:
             client = TaskClient(name, tp, rank, async_prefetch=async_prefetch,
                                 heartbeat=Heartbeat(*FAST))
         except (TaskSyncError, TimeoutError):
+            out.put(("closed", rank, (serial, None, [], None)))
             time.sleep(rng.random() * 0.05)
             continue
-        serial += 1
-        out.put(("opened", rank, serial))
         steps, step, error = [], 0, None
         try:
             while not stop.is_set():
@@ -135,6 +140,8 @@ class Driver:
         elif kind == "closed":
             serial, incarnation, steps, error = payload
             self.open[rank].discard(serial)
+            if incarnation is None:
+                return True  # its constructor failed: it never served
             if error:
                 self.errors[error] += 1
             mine = self.lives[incarnation]
@@ -160,6 +167,10 @@ class Driver:
             self.restarts["closed"] += 1
             commands.put(("close", random.random()))
         engine.join(timeout=30)
+        # every client the life could have welcomed announced itself before it was built:
+        # read what has arrived before deciding who must close first
+        while self.handle(block_s=0.05):
+            pass
         must_close = {r: set(s) for r, s in self.open.items()}
         self.pending.extend((i, must_close) for i in self.in_life)
         self.in_life = set()

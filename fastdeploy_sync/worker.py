@@ -1,9 +1,9 @@
 """Worker side: ``TaskClient``, one per TP rank, used from the worker's event loop.
 
 Async mode (default): a background prefetch thread receives. It blocks in an OS-level
-``poll()`` on the data socket's ``zmq.FD`` (and its monitor's, and a wake pipe) with the
-GIL released and without touching the socket, then, holding the receive lock, drains the
-socket: decodes each batch (numpy arrays zero-copy, see ``codec``) into a lock-guarded
+``poll()`` on the data socket's ``zmq.FD`` (and its monitor's, a wake pipe, and its own
+heartbeat socket and monitor) with the GIL released and without touching the sockets,
+then, holding the receive lock, drains them: decodes each batch (numpy arrays zero-copy, see ``codec``) into a lock-guarded
 local slot and publishes "I hold up to seq N" to the group's shared memory. The event
 loop's ``exist_tasks()`` is then a few shared-memory reads: no socket, no lock.
 

@@ -188,13 +188,22 @@ def test_a_live_ranks_place_cannot_be_taken(name, procs, results):
             procs(step_until_error_rank, results, rank, name, 2, True, report_after=n)
         ready = collect(results, "ready", 2)
         incarnation = ready[1][2]
+        # a rank is "ready" once built; its HELLO may still be on its way (the prefetch
+        # thread sends it): a claim made before that would be the first, and win the place
+        assert wait_until(lambda: [r["state"] for r in queue.ranks()] == ["connected"] * 2, 30)
         ctx = zmq.Context()
         try:
             impostor = _raw_dealer(ctx, queue.endpoint)
             impostor.send_multipart([codec.pack_header(codec.HELLO, 1, 2, seq=1, group=incarnation,
                                                        worker=12345), name.encode()])
             for i in range(n):
-                queue.put_tasks(i, timeout=30)
+                try:
+                    queue.put_tasks(i, timeout=30)
+                except TimeoutError as exc:  # say what the ranks said
+                    said = []
+                    while not results.empty():
+                        said.append(results.get(timeout=1))
+                    raise AssertionError(f"{exc}; the ranks reported {said}") from exc
             reply = _recv_or_none(impostor, 5000)
             assert reply is not None
             header = codec.unpack_header(reply[0])

@@ -5,6 +5,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -260,3 +262,38 @@ def test_round_trips_match_the_module_table(monkeypatch, tp, single_node):
         finally:
             for q in ranks[1:]:
                 q.close()
+
+
+_FLAGS_HOLDER = """
+import os, sys, time
+from fastdeploy_sync.shm import Segment
+seg = Segment.create(sys.argv[1], 16)  # held: its owner lock lives with it
+print("ready", flush=True)
+if sys.argv[2] == "exit":
+    os._exit(0)  # killed: its flags segment stays behind
+time.sleep(60)
+"""
+
+
+def test_a_new_server_removes_flags_left_by_dead_servers_and_no_live_ones():
+    """A profile run whose engine was killed left its flags segment in /dev/shm, one per
+    run; the next server removes such leftovers (nobody holds their owner lock) and never
+    a live server's."""
+    dead, live = "/fdsync-fdq-exist-1", "/fdsync-fdq-exist-2"
+    out = subprocess.run([sys.executable, "-c", _FLAGS_HOLDER, dead, "exit"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ready", out.stderr
+    holder = subprocess.Popen([sys.executable, "-c", _FLAGS_HOLDER, live, "stay"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with FDManagerQueue(is_server=True, tp_size=1):
+            assert not os.path.exists("/dev/shm" + dead)
+            assert os.path.exists("/dev/shm" + live)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+        for seg in (dead, live):
+            if os.path.exists("/dev/shm" + seg):
+                os.unlink("/dev/shm" + seg)

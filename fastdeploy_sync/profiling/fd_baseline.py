@@ -69,6 +69,8 @@ posix_ipc (through ``fastdeploy_sync.shm``).
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -108,6 +110,22 @@ _SIGNAL_SLOTS = 2
 
 def _signal_name(port: int) -> str:
     return f"/fdsync-fdq-exist-{port}"
+
+
+_SIGNAL_RE = re.compile(r"fdsync-fdq-exist-\d+")
+
+
+def _reclaim_stale_signals() -> None:
+    """Unlink the flags segments of servers that are gone (a profile run that killed its
+    engine at the exit bound left one per run). Whatever their port: a live server holds
+    its segment's owner lock, and ``unlink_segment`` leaves a locked segment alone."""
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for entry in entries:
+        if _SIGNAL_RE.fullmatch(entry):
+            unlink_segment("/" + entry)
 
 
 # --------------------------------------------------------------------------------------
@@ -311,6 +329,7 @@ class FDManagerQueue:
         name = _signal_name(self.address[1])
         size = _SIGNAL_SLOTS * 8
         if self.is_server:
+            _reclaim_stale_signals()
             unlink_segment(name)
             self._segment = Segment.create(name, size)
         else:

@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from fd_loops import STOP, batches, engine_loop, ids_of
+from workers import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,17 +45,6 @@ pytestmark = [
                        reason="paddlepaddle is not installed"),
     pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT)),
 ]
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _private_tmp():
@@ -119,7 +108,7 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
     nodes = []
     try:
         address = ["127.0.0.1", server.get_server_port()]
-        endpoints = [f"127.0.0.1:{p}" for p in _free_ports(tp * dp)]
+        endpoints = [f"127.0.0.1:{p}" for p in free_ports(tp * dp)]
         per_node = {}
         for d in range(dp):
             for r in range(tp):

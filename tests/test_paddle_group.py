@@ -15,28 +15,18 @@ import pytest
 
 from fastdeploy_sync import TaskQueue
 
-from workers import check_consistency, collect, paddle_consistency_rank, put_with_pauses
+from workers import (check_consistency, collect, free_ports, paddle_consistency_rank,
+                     put_with_pauses)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("paddle") is None,
                                 reason="paddlepaddle is not installed")
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 def test_ranks_coordinated_by_paddle_take_identical_batches(name, procs, results, loopback_tcp,
                                                            async_prefetch):
     tp, n = 2, 300
-    endpoints = [f"127.0.0.1:{port}" for port in _free_ports(tp)]
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(tp)]
     with TaskQueue(name, tp, endpoint="tcp://127.0.0.1:0", max_inflight=8) as queue:
         for rank in range(tp):
             procs(paddle_consistency_rank, results, rank, endpoints, name, tp, n,
@@ -123,7 +113,7 @@ def _silent_peer_rank(out, rank, endpoints, short_timeout):
 # -- failures: the tests ------------------------------------------------------------------
 
 def test_killed_peer_raises_peer_lost_naming_both_ranks(procs, results, doomed):
-    endpoints = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
     survivor = procs(_survivor_rank, results, 0, endpoints, 20.0)
     procs(_survivor_rank, doomed, 1, endpoints, 20.0)
     pid, incarnations_1 = collect(doomed, "idle", 1, timeout=90)[1]
@@ -162,7 +152,7 @@ def test_barrier_timeout_is_honoured_and_gloo_bounds_the_rest(procs, results):
     from fastdeploy_sync.paddle_group import GLOO_TIMEOUT_S
 
     short_timeout = 1.0
-    endpoints = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
     procs(_silent_peer_rank, results, 0, endpoints, short_timeout)
     peer = procs(_silent_peer_rank, results, 1, endpoints, short_timeout)
     try:

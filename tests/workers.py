@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import random
+import socket
 import time
 import traceback
 import weakref
@@ -610,3 +611,16 @@ def gil_hold_rank(out, rank, name, tp, async_prefetch, hold_s, heartbeat, n_afte
             got.extend(client.sync_step(timeout=10))
             time.sleep(0.001)
         out.put(("after_hold", rank, (held, got)))
+
+
+def free_ports(n):
+    """``n`` distinct free tcp ports on 127.0.0.1 (bound together, then released: another
+    process may still take one before the caller binds it)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

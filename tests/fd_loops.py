@@ -131,21 +131,28 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
     return calls, step
 
 
+def wait_room(client, timeout=20.0):
+    """FastDeploy's engine wait, ``while exist_tasks(): sleep(0.001)``, bounded:
+    ``TimeoutError`` once the workers took nothing for ``timeout`` s (an error the engine
+    side raises, such as ``GroupLostError``, goes through)."""
+    deadline = time.monotonic() + timeout
+    while client.exist_tasks():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine: workers took nothing for {timeout} s")
+        time.sleep(0.001)
+
+
 def engine_loop(client, batches, *, put_timeout=20.0, wait_exist=True, on_put=None):
     """FastDeploy's engine loop: ``while exist_tasks(): sleep(0.001)``, then ``put_tasks``,
     for each of ``batches``, then STOP. ``on_put(k)`` is called just before put k."""
-    deadline = time.monotonic() + put_timeout
     for k, b in enumerate(batches):
-        while wait_exist and client.exist_tasks():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine: workers took nothing for {put_timeout} s")
-            time.sleep(0.001)
-        deadline = time.monotonic() + put_timeout
+        if wait_exist:
+            wait_room(client, put_timeout)
         if on_put is not None:
             on_put(k)
         client.put_tasks(b, timeout=put_timeout)
-    while wait_exist and client.exist_tasks():
-        time.sleep(0.001)
+    if wait_exist:
+        wait_room(client, put_timeout)
     client.put_tasks(STOP, timeout=put_timeout)
 
 

@@ -11,7 +11,7 @@ from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_loops import STOP, batches, idle_worker
+from fd_loops import STOP, batches, idle_worker, wait_room
 
 HEARTBEAT_TIMEOUT_S = 1.0
 
@@ -67,18 +67,15 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
         keep, pids = _start_group(procs, results, address, name, tp)
         _wait_connected(engine, tp)
         for b in batches(0, 3):
-            while engine.exist_tasks():
-                time.sleep(0.001)
+            wait_room(engine, 30)
             engine.put_tasks(b, timeout=10)
-        while engine.exist_tasks():
-            time.sleep(0.001)
+        wait_room(engine, 30)
         os.kill(pids[killed], signals.SIGKILL)
         killed_at = time.monotonic()
         engine.put_tasks(batches(0, 4)[3], timeout=10)  # never taken by the dead group
         with pytest.raises(GroupLostError) as info:
             while time.monotonic() - killed_at < 15:
-                while engine.exist_tasks():  # FastDeploy's engine loop
-                    time.sleep(0.001)
+                wait_room(engine, 15)  # FastDeploy's engine loop
                 time.sleep(0.001)
         elapsed = time.monotonic() - killed_at
         text = str(info.value)
@@ -103,8 +100,7 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
         keep2, _ = _start_group(procs, results2, address, name, tp)
         _wait_connected(engine, tp)
         for b in batches(0, 2):
-            while engine.exist_tasks():
-                time.sleep(0.001)
+            wait_room(engine, 30)
             engine.put_tasks(b, timeout=10)
         engine.put_tasks(STOP, timeout=10)
         got = {}

@@ -88,14 +88,27 @@ def start_node(node, ranks):
     return proc, [r for r, _ in pipes]
 
 
-def _read_all(fd):
-    """Everything written to pipe ``fd`` until every writer closed it (a report is far
-    below the pipe's capacity, so its writer never waits for this reader)."""
-    chunks = []
-    with os.fdopen(fd, "rb") as f:
-        for chunk in iter(lambda: f.read(65536), b""):
-            chunks.append(chunk)
-    return b"".join(chunks).decode()
+class _PipeReader(threading.Thread):
+    """Reads pipe ``fd`` until every writer closed it, while the node runs: a rank's
+    report grows with the batches it took (a 20 000-batch soak's is megabytes), and a
+    writer whose pipe is full waits for its reader, so nobody may read only at the end."""
+
+    def __init__(self, fd):
+        super().__init__(daemon=True)
+        self.fd, self.chunks = fd, []
+        self.start()
+
+    def run(self):
+        with os.fdopen(self.fd, "rb") as f:
+            for chunk in iter(lambda: f.read(65536), b""):
+                self.chunks.append(chunk)
+
+    def text(self, timeout):
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"a rank's report pipe was still open {timeout} s after its "
+                               f"node exited")
+        return b"".join(self.chunks).decode()
 
 
 def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeout=150,
@@ -105,7 +118,7 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
     reports by (dp, rank)."""
     server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=tp,
                                local_data_parallel_size=dp, name=name)
-    nodes = []
+    nodes, readers = [], []
     try:
         address = ["127.0.0.1", server.get_server_port()]
         endpoints = [f"127.0.0.1:{p}" for p in free_ports(tp * dp)]
@@ -116,7 +129,11 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
                     world_rank=d * tp + r, endpoints=endpoints, tp=tp, dp=d, rank=r,
                     address=address, name=name, shape=shape, sync=sync,
                     deadline_s=timeout - 20))
-        nodes = [start_node(f"fdnode{i}", ranks) for i, ranks in sorted(per_node.items())]
+        for i, ranks in sorted(per_node.items()):
+            proc, pipes = start_node(f"fdnode{i}", ranks)
+            nodes.append((proc, pipes))
+            readers.extend(_PipeReader(fd) for fd in pipes)
+            pipes.clear()  # the readers own them now
         put = {d: batches(d, n, every_control=every_control, array_len=8 if n > 1000 else 64)
                for d in range(dp)}
         errors = []
@@ -133,12 +150,11 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         for t in threads:
             t.start()
         reports, logs = {}, []
-        for p, pipes in nodes:
+        for p, _ in nodes:
             _, err = p.communicate(timeout=timeout)
             logs.append(err[-3000:])
-            out = "".join(_read_all(fd) for fd in pipes)
-            pipes.clear()
-            for line in out.splitlines():
+        for reader in readers:
+            for line in reader.text(timeout=30).splitlines():
                 if line.startswith("RESULT "):
                     rep = json.loads(line[len("RESULT "):])
                     reports[(rep["dp"], rep["rank"])] = rep
@@ -191,3 +207,14 @@ def test_tcp_address_on_one_node_uses_shared_memory(name, loopback_tcp):
     (read_finish_flag) works on it too."""
     reports = run_multinode(name, 2, 1, 20, [0, 0])
     assert {v["coordinator"] for v in reports.values()} == {"shm"}
+
+
+def test_reports_larger_than_a_pipe_are_read_while_the_nodes_run(name, loopback_tcp):
+    """Each rank reports every batch it took through a pipe of its own. Before: the pipes
+    were read only after the nodes exited, and a report above the pipe's 64 KiB capacity
+    (about 3 000 batches) left its rank blocked in print() and the run waiting for it
+    until its timeout (the 20 000-batch soak, scripts/soak_dropin_multinode.py, hung)."""
+    n = 6000
+    reports = run_multinode(name, 2, 1, n, [0, 1], timeout=240)
+    size = len(json.dumps(reports[(0, 1)]["calls"]))
+    assert size > 2 * 65536, f"the report ({size} bytes) no longer exceeds a pipe"

@@ -784,9 +784,10 @@ class EngineWorkerQueue:
         group, spans = paddle_group.locate_tp_group(key, self.num_client, self.client_id,
                                                     force=choice == "paddle")
         log.info("EngineWorkerQueue rank %d (DP group %d): TP ranks %s; coordinating "
-                 "through %s", self.client_id, self.local_data_parallel_id,
+                 "through %s%s", self.client_id, self.local_data_parallel_id,
                  "span nodes" if spans else "share this node",
-                 "paddle.distributed" if group else "node-local shared memory")
+                 "paddle.distributed" if group else "node-local shared memory",
+                 " (FD_SYNC_TP_COORDINATOR=paddle)" if group and not spans else "")
         return group or "shm"
 
     def _paddle_step(self):

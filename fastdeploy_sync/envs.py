@@ -206,18 +206,8 @@ def shm_payload_min_bytes():
     rank its own copy over the socket (see ``payload_shm``). ``off`` sends every batch
     over the socket. Read by ``TaskQueue`` at construction; ``tcp://`` endpoints ignore
     it. Returns the threshold in bytes, or None for ``off``."""
-    raw = os.environ.get("FD_SYNC_SHM_PAYLOAD_MIN_KB", "1024").strip().lower()
-    if raw in ("off", "none", "never"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"FD_SYNC_SHM_PAYLOAD_MIN_KB={raw!r}: expected a number of KiB "
-                         f"or 'off'") from None
-    if not value >= 0:
-        raise ValueError(f"FD_SYNC_SHM_PAYLOAD_MIN_KB={raw!r}: expected a number >= 0 "
-                         f"or 'off'")
-    return int(value * 1024)
+    value = _size_or_off("FD_SYNC_SHM_PAYLOAD_MIN_KB", "1024", "KiB")
+    return None if value is None else int(value * 1024)
 
 
 def shm_pool_bytes() -> int:
@@ -227,17 +217,23 @@ def shm_pool_bytes() -> int:
     group; never more than half of ``/dev/shm`` nor more than leaves a quarter of it
     free (sized down, or disabled, with a WARNING). Batches that do not fit go to a
     segment of their own, or over the socket. Returns bytes (0: no pool)."""
-    raw = os.environ.get("FD_SYNC_SHM_POOL_MB", "256").strip().lower()
+    value = _size_or_off("FD_SYNC_SHM_POOL_MB", "256", "MiB")
+    return 0 if value is None else int(value * (1 << 20))
+
+
+def _size_or_off(name: str, default: str, unit: str):
+    """A size variable: a number >= 0 of ``unit``, or ``off`` (also ``none``, ``never``:
+    None). Anything else raises ``ValueError`` naming the variable."""
+    raw = os.environ.get(name, default).strip().lower()
     if raw in ("off", "none", "never"):
-        return 0
+        return None
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"FD_SYNC_SHM_POOL_MB={raw!r}: expected a number of MiB or "
-                         f"'off'") from None
+        raise ValueError(f"{name}={raw!r}: expected a number of {unit} or 'off'") from None
     if not value >= 0:
-        raise ValueError(f"FD_SYNC_SHM_POOL_MB={raw!r}: expected a number >= 0 or 'off'")
-    return int(value * (1 << 20))
+        raise ValueError(f"{name}={raw!r}: expected a number >= 0 or 'off'")
+    return value
 
 
 def shm_checksum() -> bool:

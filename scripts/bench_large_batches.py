@@ -259,14 +259,19 @@ def numpy_reduction_encode(obj):
     return body, buffers, offsets.tobytes()
 
 
-def _median_us(fn, repeat, warmup=5):
+def _samples_s(fn, repeat, warmup):
+    """Seconds per call of ``fn``, ``repeat`` calls after ``warmup`` untimed ones."""
     samples = []
     for i in range(repeat + warmup):
         t = time.perf_counter()
         fn()
         if i >= warmup:
             samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
+    return samples
+
+
+def _median_us(fn, repeat, warmup=5):
+    return statistics.median(_samples_s(fn, repeat, warmup)) * 1e6
 
 
 def codec_medians_us(batch, repeat):
@@ -299,13 +304,7 @@ def report_delivery(title, results, nbytes):
 
 
 def _fastest_us(fn, repeat, warmup=2):
-    samples = []
-    for i in range(repeat + warmup):
-        t = time.perf_counter()
-        fn()
-        if i >= warmup:
-            samples.append(time.perf_counter() - t)
-    return min(samples) * 1e6
+    return min(_samples_s(fn, repeat, warmup)) * 1e6
 
 
 def shm_parts_ms(batch, repeat=15):

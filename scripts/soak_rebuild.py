@@ -31,6 +31,8 @@ import sys
 import time
 import uuid
 
+from fastdeploy_sync import cleanup
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 FAST = (0.2, 1.0)  # heartbeat interval, timeout (s): restarts are noticed within ~1 s
@@ -294,11 +296,15 @@ def main():
           f"steps, engine lives 0.5-{args.max_life_s:g} s ({args.kill_fraction:.0%} killed)",
           flush=True)
     elapsed, lives = driver.run()
+    # engines killed on purpose leave their names (ack board, socket files); the next run
+    # of a name reclaims them, but each soak has a name of its own: remove them now
+    removed = cleanup.remove(cleanup.scan(driver.name))
     problems, steps = driver.check()
     rebuilds = driver.errors
     print(f"{args.batches} batches in {elapsed:.0f} s over {lives} engine lives "
           f"({dict(driver.restarts)}) and {len(driver.lives)} group incarnations, "
-          f"{steps} barrier steps; client lives ended by {dict(rebuilds)}")
+          f"{steps} barrier steps; client lives ended by {dict(rebuilds)}; "
+          f"{len(removed)} name(s) of killed engines removed")
     if problems:
         for p in problems[:20]:
             print("FAIL:", p)

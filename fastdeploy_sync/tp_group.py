@@ -31,6 +31,10 @@ The step protocol (the invariant: every rank takes the same batches at the same 
   * rank 0's ``exist_tasks()`` reads every rank's RECEIVED; if the minimum is past what
     the group has taken, it writes the decision "take (FROM, TO]" into the ring entry of
     the *next* barrier generation, then arrives at that barrier.
+  * when rank 0 holds a batch that a peer does not hold yet, its check first waits for
+    that peer to hold it, or to arrive at the barrier without it (``wait_peers``): the
+    peer is usually receiving it at that moment, and rank 0 would wait for it at the
+    barrier anyway. Deciding before that wait cost the batch a whole step.
   * after the barrier of generation G, every rank reads the entry tagged G. An entry
     tagged otherwise means "no decision this step". Indexing by generation is what makes
     a fast rank 0, already deciding for G+1, unable to change what a slow rank takes at G;
@@ -151,6 +155,8 @@ def rank_lock(rank: int) -> int:
 # 100; a dead peer is still noticed within ~0.2 s.
 _FALLBACK_WAIT_S = 0.01
 _IDLE_FALLBACK_WAIT_S = 0.1
+# wait_peers re-checks this often without a post (a lost wake-up costs at most this)
+_PEER_FALLBACK_WAIT_S = 0.0005
 _ATTACH_POLL_S = 0.01
 # An idle loop's barrier spins this many µs at most, and only when its partners came within
 # that (a sleep and a wake-up cost the waiter more CPU), so that ranks arriving together
@@ -385,6 +391,7 @@ class ShmTPGroup:
         self._received_slots = [b + R_RECEIVED for b in self._ranks]
         self._consumed_slots = [b + R_CONSUMED for b in self._ranks]
         self._arrived_slots = [b + R_ARRIVED for b in self._ranks]
+        self._received_arrived = [(b + R_RECEIVED, b + R_ARRIVED) for b in self._ranks[1:]]
         self._arrived_at_slots = [b + R_ARRIVED_AT for b in self._ranks]
         self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
         # How late (ns) the partners were at the last two barriers (0: this rank came last).
@@ -544,8 +551,9 @@ class ShmTPGroup:
         for a seq every rank now holds, post its semaphore (one read when it does not)."""
         v = self._view
         v[self._my + R_RECEIVED] = seq
-        # store RECEIVED, then load WAITING: the Dekker pair of wait_received (bounded fallback)
-        want = v[self._waiting_slot]
+        # store RECEIVED, then load WAITING: the Dekker pair of wait_received and wait_peers
+        # (bounded fallback); wait_peers announces its seq negated
+        want = abs(v[self._waiting_slot])
         if want and want <= seq and self.min_received() >= want:
             self._post(0)
 
@@ -611,6 +619,71 @@ class ShmTPGroup:
             except posix_ipc.BusyError:
                 pass
             self._leave_blocking()
+
+    def wait_peers(self, seq: int, timeout: float) -> int:
+        """Rank 0, in its check before the barrier of generation ``gen + 1``, when it holds
+        up to ``seq`` and a peer does not yet: wait until every rank holds ``seq``, or every
+        rank that lacks it has arrived at that barrier, or ``timeout`` seconds pass; return
+        ``min_received()``.
+
+        Why: a peer that lacks a batch rank 0 holds is usually receiving it right now (its
+        prefetch thread, or its event loop before it arrives: a step that holds the GIL
+        lets the peer's thread run only when that step blocks). Rank 0's check is quick and
+        came first, so it latched nothing and the batch waited a whole step more, although
+        rank 0 then waited for that peer at the barrier anyway. Waiting for the peer here
+        moves that wait in front of the decision: the step takes the batch, and rank 0
+        passes the barrier no later than it would have (the peer arrives when it has
+        arrived). A rank that arrived without ``seq`` ends the wait at once.
+
+        Spins as the barrier would for this loop (busy: up to the window), then blocks on
+        rank 0's semaphore (GIL released), posted by the receiver that completes ``seq`` and
+        by the arrival of a rank that lacks it; without a post it re-checks every 0.5 ms.
+        Never raises; returns at once when the group is closing or a peer published a
+        fault (the barrier then says why)."""
+        gen = self.gen + 1
+        if self._peers_settled(seq, gen):
+            return self.min_received()
+        start = time.perf_counter()
+        end = start + min(timeout, self._spin_budget_s(time.monotonic_ns()))
+        while time.perf_counter() < end:
+            if self._peers_settled(seq, gen):
+                return self.min_received()
+        deadline = start + timeout
+        sem = self._sems[0]
+        v = self._view
+        try:
+            self._enter_blocking()
+        except ClosedError:
+            return self.min_received()
+        try:
+            v[self._waiting_slot] = -seq
+            while not self._closing and self.peer_fault() is None:
+                if self._peers_settled(seq, gen):  # after announcing: see module docstring
+                    break
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                try:
+                    sem.acquire(min(remaining, _PEER_FALLBACK_WAIT_S))
+                except posix_ipc.BusyError:
+                    pass
+        finally:
+            v[self._waiting_slot] = 0
+            try:  # leave no stale post for the barrier (a stale one costs only a re-check)
+                while True:
+                    sem.acquire(0)
+            except posix_ipc.BusyError:
+                pass
+            self._leave_blocking()
+        return self.min_received()
+
+    def _peers_settled(self, seq: int, gen: int) -> bool:
+        """Every rank holds ``seq`` or has arrived at barrier generation ``gen``."""
+        v = self._view
+        for received, arrived in self._received_arrived:
+            if v[received] < seq and v[arrived] < gen:
+                return False
+        return True
 
     def publish_consumed(self, seq: int) -> None:
         self._view[self._my + R_CONSUMED] = seq
@@ -765,6 +838,8 @@ class ShmTPGroup:
         arrived_at = time.monotonic_ns()
         v[self._my + R_ARRIVED_AT] = arrived_at  # before ARRIVED: whoever sees one sees both
         v[self._my + R_ARRIVED] = gen
+        if v[self._waiting_slot] < 0:  # rank 0 waits for this rank in its check (wait_peers)
+            self._post(0)
         if self._all_arrived(gen):
             self._lateness(0)  # last to arrive: nobody was late
         else:

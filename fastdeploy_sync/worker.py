@@ -114,6 +114,12 @@ _RAISED_AS_IS = (EngineClosedError, EngineUnreachableError)
 
 # How long close() lets its BYE leave (the engine then knows at once that this rank left).
 _BYE_LINGER_MS = 200
+# The longest rank 0's check waits for a peer that is receiving a batch rank 0 holds
+# (ShmTPGroup.wait_peers); the wait ends as soon as the peer arrives at the barrier.
+_PEER_WAIT_S = 0.005
+# How long the event loop waits for a prefetch thread in the middle of handling what
+# arrived (decoding 64 x 512 token ids: ~40 us once it has the GIL) before going on.
+_DRAIN_WAIT_S = 0.002
 # How long close() waits for a step call in another thread to let go of a socket before it
 # keeps the sockets (leaks them until exit) rather than closing them under that thread.
 _CLOSE_WAIT_S = 2.0
@@ -269,6 +275,10 @@ class TaskClient:
         self.incarnation = self._group.incarnation
         self._missing_fault = getattr(self._group, "missing_fault", self._group.peer_fault)
         self._local_group = isinstance(self._group, (ShmTPGroup, SoloGroup))
+        # rank 0's check waits for peers still receiving what it holds (tp_group.wait_peers)
+        # where the barrier that follows is this group's own: its arrivals end the wait
+        self._waits_for_peers = (tp_rank == 0 and isinstance(self._group, ShmTPGroup)
+                                 and not self.external_barrier)
         # rank 0 checks, before latching, that every rank was welcomed by its engine
         self._engine_split = getattr(self._group, "engine_split", None)
         self._publish_engine = getattr(self._group, "publish_engine", None)
@@ -339,10 +349,16 @@ class TaskClient:
 
         On rank 0 a True result latches "the next barrier's step takes up to seq N" for
         the whole group; calling it again before the barrier may raise N. On other ranks
-        it only reports. Never blocks. Async mode: a few shared-memory reads, no socket,
-        no lock; only when the prefetch thread was woken by a batch it has not handled yet
-        (it waits for the GIL this thread holds) does it receive that batch itself, as sync
-        mode would (``_drain``). Sync mode: first receives whatever has arrived.
+        it only reports. Async mode: a few shared-memory reads, no socket, no lock; only
+        when the prefetch thread was woken by a batch it has not handled yet (it waits for
+        the GIL this thread holds) does it receive that batch itself, as sync mode would
+        (``_drain``). Sync mode: first receives whatever has arrived.
+
+        Waits only on rank 0 of a node-local group, and only while it holds a batch that a
+        peer is still receiving: until that peer holds it too or arrives at the barrier
+        without it, at most 5 ms (``tp_group.ShmTPGroup.wait_peers``). The barrier would
+        have waited for that peer just as long; waiting before the decision lets the step
+        take the batch instead of the next one.
 
         With ``coordinator="paddle"`` (ranks on several nodes) it can only speak for rank 0;
         the barrier's all-reduce then takes what every rank holds (see ``paddle_group``).
@@ -355,6 +371,9 @@ class TaskClient:
         if self._received <= taken:  # this rank holds nothing new: no shared memory read
             return False
         upto = self._group.min_received()
+        if upto < self._received and self._waits_for_peers:
+            # a peer is still receiving what this rank holds: take it this step (tp_group)
+            upto = self._group.wait_peers(self._received, _PEER_WAIT_S)
         if upto <= taken:
             return False
         if self.tp_rank == 0:
@@ -676,17 +695,25 @@ class TaskClient:
         Looked at by ``exist_tasks()`` and before arriving at ``barrier()`` (~40 ns: the
         prefetch thread's poll result, which the kernel wrote before that thread woke,
         ``ReadinessPoll``), and while this rank waits in a busy loop's barrier: where sync
-        mode would receive, so that a batch is taken at the same step as in sync mode. Never waits, and gives the GIL away only when
-        there is a batch: the receive lock is taken only if it is free, and the data socket
-        is asked with ZMQ_EVENTS (~1.2 µs; pyzmq keeps the GIL for it, while every recv or
-        poll call releases it). A failure is latched as the prefetch thread's would be (the
+        mode would receive, so that a batch is taken at the same step as in sync mode.
+        Gives the GIL away only when there is a batch: the data socket is asked with
+        ZMQ_EVENTS (~1.2 µs; pyzmq keeps the GIL for it, while every recv or poll call
+        releases it). Waits only when the prefetch thread is in the middle of handling
+        what arrived (it holds the receive lock): until it has, at most ``_DRAIN_WAIT_S``
+        (2 ms), so that this rank does not arrive at the barrier without a batch it is
+        about to hold. A failure is latched as the prefetch thread's would be (the
         next step call raises it). True if it received a batch. The socket monitor is left
         to the prefetch thread (connection events are rare and not urgent)."""
         if not self._ready.ready(0):
             return False
         if not self._recv_lock.acquire(False):
-            # the prefetch thread is at it, and waits for the GIL to finish: hand it over
-            time.sleep(0)
+            # The prefetch thread is handling what arrived and needs the GIL to finish.
+            # Yielding once (sleep(0)) let it run only to its next release of the GIL (a
+            # recv, a checksum) and this rank then arrived at the barrier without the
+            # batch, so rank 0 could not take it at this step (tp_group.wait_peers): wait
+            # for the thread to finish, bounded.
+            if self._recv_lock.acquire(timeout=_DRAIN_WAIT_S):
+                self._recv_lock.release()
             return False
         try:
             if (self._closed or self._close_seq is not None

@@ -174,6 +174,44 @@ def barrier_once_rank(out, rank, name, tp, delay_s, timeout):
         out.put(("passed", rank, None))
 
 
+@_report_errors
+def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_wait_s):
+    """TP=2. Rank 1 holds the GIL for ``hold_s`` (``holding.value`` set to 1 first: a raw
+    shared int, because a multiprocessing Event's waiter is released only once the setter
+    runs Python again, i.e. after the hold), so a batch put
+    meanwhile reaches it only when it steps again: its receiver publishes it just before
+    the barrier. Rank 0 checks as soon as it holds the batch itself. Both report what the
+    check said, how long it took, and what the step took. ``peer_wait_s``: the bound of
+    rank 0's wait for a receiving peer, raised so that the test does not race it."""
+    from engine_peers import hold_gil
+    import fastdeploy_sync.worker as worker_module
+
+    worker_module._PEER_WAIT_S = peer_wait_s
+    with TaskClient(name, 2, rank, async_prefetch=async_prefetch) as client:
+        client.barrier(timeout=30)
+        found = elapsed = None
+        if rank == 1:  # says nothing through ``out`` first: its feeder thread needs the GIL
+            hold_gil(0.001)  # its imports and set-up release the GIL: done before the hold
+            # its prefetch thread back in its poll (not stopped half-way through a loop by
+            # the hold, where it would not see the batch come)
+            time.sleep(0.1)
+            holding.value = 1
+            hold_gil(hold_s)
+        else:
+            out.put(("ready", rank, None))
+            deadline = time.monotonic() + 30
+            while client.num_tasks() == 0:  # this rank's own receiver has the batch
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 0 never received the batch")
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            found = client.exist_tasks()
+            elapsed = time.monotonic() - t0
+        client.barrier(timeout=30)
+        tasks, _ = client.get_tasks()
+        out.put(("took", rank, (found, elapsed, tasks)))
+
+
 # Messages a collect() call received but did not ask for, per queue: a later collect()
 # for their tag gets them. Children report asynchronously (each through its own feeder
 # thread), so one rank's next-phase message can overtake another rank's current one.

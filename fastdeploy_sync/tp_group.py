@@ -883,6 +883,14 @@ class ShmTPGroup:
         self._cpu_at, self._wall_at = cpu, now_ns
         return self._busy
 
+    def last_arrival_ns(self) -> int:
+        """CLOCK_MONOTONIC ns at which the last rank arrived at the barrier this rank last
+        passed: the moment that barrier completed, the same on every rank. Valid until a
+        partner arrives at the next generation (it then overwrites its time). Never
+        blocks."""
+        v = self._view
+        return max(int(v[s]) for s in self._arrived_at_slots)
+
     def _partner_lateness(self, gen, arrived_at) -> int:
         """ns between this rank's arrival at ``gen`` and the last partner's."""
         v = self._view

@@ -175,3 +175,24 @@ def test_a_rebuilt_rank_never_rejoins_the_incarnation_it_served(name):
             new.close()
     finally:
         rank0.close()
+
+
+def test_every_rank_reads_the_same_last_arrival(name):
+    """``last_arrival_ns()``: the moment a barrier completed, the same on every rank (the
+    profile's model collective releases its ranks at one instant after it)."""
+    import threading
+    import time
+
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    rank1 = ShmTPGroup(name, 0, 2, 1, attach_timeout=5)
+    try:
+        late = threading.Thread(target=lambda: (time.sleep(0.05), rank1.barrier(5)))
+        t0 = time.monotonic_ns()
+        late.start()
+        rank0.barrier(5)
+        late.join(5)
+        assert rank0.last_arrival_ns() == rank1.last_arrival_ns()
+        assert rank0.last_arrival_ns() >= t0 + 40_000_000  # rank 1's, ~50 ms after rank 0's
+    finally:
+        rank1.close()
+        rank0.close()

@@ -33,7 +33,12 @@ ranks), a rank spinning up to 3 ms for a descheduled peer takes the core that pe
 and the reference loop, whose ranks meet only in this collective, ran 30-50 % slower than
 the loops with task sync (measured on 2 cores: its collective averaged ~3 ms, theirs
 0.4-2 ms). There the runner asks for ``COLLECTIVE_SPIN_SHARED_US`` instead (the library's
-own barrier default), and the wake-up skew it leaves is charged to the next barrier.
+own barrier default). A rank that blocked then wakes one semaphore wake-up (30-80 µs)
+after its partner left, and that skew was charged to the next barrier: for a whole run,
+since which rank is faster, and so blocks, stays the same (one run's critical path p50
+was 8x below fd-manager's, the next run's 45x). So every rank leaves the collective
+``COLLECTIVE_RELEASE_NS`` after the last rank arrived, spinning to that instant: the ranks
+leave together, as a device all-reduce releases them, whatever each waited in.
 
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
@@ -76,6 +81,10 @@ CONTROL_TIMEOUT_S = 600.0  # the runner's longest silence (a long segment) befor
 DRAIN_TIMEOUT_S = 60.0
 COLLECTIVE_SPIN_US = 3000.0  # every process has a core of its own
 COLLECTIVE_SPIN_SHARED_US = 50.0  # fewer cores than processes: do not spin the peer off its core
+# Every rank leaves the model collective this long after the last rank arrived (then
+# spins to that instant): longer than a blocked rank's wake-up here (~30-80 us), so the
+# ranks leave together as a device all-reduce releases them (module docstring)
+COLLECTIVE_RELEASE_NS = 150_000
 IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 
@@ -269,6 +278,10 @@ class TPModel:
         t1 = now()
         if self.collective is not None:
             self.collective.barrier(BARRIER_TIMEOUT_S)
+            # every rank leaves at one instant after the last arrival (module docstring)
+            release = self.collective.last_arrival_ns() + COLLECTIVE_RELEASE_NS
+            while time.monotonic_ns() < release:
+                pass
         i = self._i
         if i < len(self.compute_ns):
             self.compute_ns[i] = t1 - t0

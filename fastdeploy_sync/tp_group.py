@@ -610,15 +610,7 @@ class ShmTPGroup:
                 if check is not None:
                     check()
         finally:
-            v[self._waiting_slot] = 0
-            # Several receivers may have posted for the same seq: leave no stale count
-            # behind for the next wait or barrier (a stale post only costs a re-check).
-            try:
-                while True:
-                    sem.acquire(0)
-            except posix_ipc.BusyError:
-                pass
-            self._leave_blocking()
+            self._end_rank0_wait(sem)
 
     def wait_peers(self, seq: int, timeout: float) -> int:
         """Rank 0, in its check before the barrier of generation ``gen + 1``, when it holds
@@ -668,14 +660,21 @@ class ShmTPGroup:
                 except posix_ipc.BusyError:
                     pass
         finally:
-            v[self._waiting_slot] = 0
-            try:  # leave no stale post for the barrier (a stale one costs only a re-check)
-                while True:
-                    sem.acquire(0)
-            except posix_ipc.BusyError:
-                pass
-            self._leave_blocking()
+            self._end_rank0_wait(sem)
         return self.min_received()
+
+    def _end_rank0_wait(self, sem) -> None:
+        """End a ``wait_received`` or ``wait_peers``: withdraw the WAITING announcement and
+        drop every post it drew. Several receivers (and arrivals) may have posted for the
+        same wait: leave no stale count behind for the next wait or barrier (a stale post
+        only costs a re-check)."""
+        self._view[self._waiting_slot] = 0
+        try:
+            while True:
+                sem.acquire(0)
+        except posix_ipc.BusyError:
+            pass
+        self._leave_blocking()
 
     def _peers_settled(self, seq: int, gen: int) -> bool:
         """Every rank holds ``seq`` or has arrived at barrier generation ``gen``."""

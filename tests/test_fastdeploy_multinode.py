@@ -131,9 +131,8 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
                     deadline_s=timeout - 20))
         for i, ranks in sorted(per_node.items()):
             proc, pipes = start_node(f"fdnode{i}", ranks)
-            nodes.append((proc, pipes))
-            readers.extend(_PipeReader(fd) for fd in pipes)
-            pipes.clear()  # the readers own them now
+            nodes.append(proc)
+            readers.extend(_PipeReader(fd) for fd in pipes)  # each closes its pipe at EOF
         put = {d: batches(d, n, every_control=every_control, array_len=8 if n > 1000 else 64)
                for d in range(dp)}
         errors = []
@@ -150,7 +149,7 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         for t in threads:
             t.start()
         reports, logs = {}, []
-        for p, _ in nodes:
+        for p in nodes:
             _, err = p.communicate(timeout=timeout)
             logs.append(err[-3000:])
         for reader in readers:
@@ -164,12 +163,10 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         assert len(reports) == tp * dp and not bad, (bad, sorted(reports), logs)
         assert not errors, errors
     finally:
-        for p, pipes in nodes:
+        for p in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait(timeout=10)
-            for fd in pipes:
-                os.close(fd)
         server.cleanup()
     for d in range(dp):
         ref = reports[(d, 0)]["calls"]

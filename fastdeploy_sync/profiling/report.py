@@ -484,8 +484,9 @@ def _delivery_note(kind, a, s, row):
     # the batches were taken at about the same boundary in both modes, the gap lies
     # within the steps and the GIL story below would not be what the figures say.
     gap_ms = a["delivery_p50_ms"]["value"] - s["delivery_p50_ms"]["value"]
-    later = (ab["mean"] is not None and sb["mean"] is not None
-             and (ab["mean"] - sb["mean"]) * a["step_ms"]["mean_ms"] >= 0.5 * gap_ms)
+    by_boundaries_ms = (None if ab["mean"] is None or sb["mean"] is None
+                        else (ab["mean"] - sb["mean"]) * a["step_ms"]["mean_ms"])
+    later = by_boundaries_ms is not None and by_boundaries_ms >= 0.5 * gap_ms
     if kind in _HOLDS_GIL and later:
         return (f"{kind}: async delivered slower than sync ({where}). The {kind} step "
                 f"{STEP_KIND_GIL[kind]}. The prefetch thread needs the GIL to decode a batch it "
@@ -494,11 +495,11 @@ def _delivery_note(kind, a, s, row):
                 f"the first boundary after the put; the sync loop receives and decodes at the "
                 f"boundary itself. A step that releases the GIL lets the prefetch thread "
                 f"decode while the step runs")
-    if not later and ab["mean"] is not None and sb["mean"] is not None:
+    if by_boundaries_ms is not None and not later:
         return (f"{kind}: async delivered slower than sync ({where}) with a step that "
                 f"{STEP_KIND_GIL.get(kind, 'runs')}. The batches were taken at about the "
                 f"same step boundary in both modes, which accounts for "
-                f"{_val(max(0.0, (ab['mean'] - sb['mean']) * a['step_ms']['mean_ms']), 'ms', 2)} "
+                f"{_val(max(0.0, by_boundaries_ms), 'ms', 2)} "
                 f"of the {_val(gap_ms, 'ms', 2)}: the gap is not the prefetch thread waiting "
                 f"for the GIL, and these figures do not say where it is")
     return (f"{kind}: async delivered slower than sync ({where}) with a step that "

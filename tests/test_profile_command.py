@@ -171,13 +171,15 @@ def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
     """The fd-manager's server stops answering (SIGSTOP) before the run ends: the workers'
     manager clients then hang while closing, and the runner kills them after its exit
     bound. Their model collective's shared memory must be gone all the same (a worker
-    closed it last, after the manager client, and a killed run left it in /dev/shm)."""
+    closed it last, after the manager client, and a killed run left it in /dev/shm), and
+    so must the killed engine's flags segment."""
     import signal
     import uuid
 
     from fastdeploy_sync.profiling import runner
 
     monkeypatch.setattr(runner, "_EXIT_TIMEOUT_S", 5.0)
+    flags_before = set(glob.glob("/dev/shm/fdsync-fdq-exist-*"))
     options = runner.ProfileOptions(mode="fd-manager", step_kinds=["python"], steps=20,
                                     rounds=1, idle_steps=0).validate()
     run_name = f"prof{uuid.uuid4().hex[:10]}"
@@ -203,6 +205,9 @@ def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
             except ProcessLookupError:
                 pass
     assert not glob.glob(f"/dev/shm/*{run_name}*")
+    # nor the killed engine's fd-manager flags segment (named by its server's port, not
+    # by the run: it stayed in /dev/shm after every full test run)
+    assert set(glob.glob("/dev/shm/fdsync-fdq-exist-*")) <= flags_before
 
 
 @pytest.mark.parametrize("args, message", [

@@ -88,7 +88,7 @@ import numpy as np
 
 from ..shm import Segment, unlink_segment
 
-__all__ = ["FDManagerQueue"]
+__all__ = ["FDManagerQueue", "remove_stale_flags"]
 
 # How long put_tasks() sleeps between polls of the read flags: FastDeploy's 1 ms, with the
 # lock released in between (the same put latency and the same load on the manager).
@@ -115,9 +115,10 @@ def _signal_name(port: int) -> str:
 _SIGNAL_RE = re.compile(r"fdsync-fdq-exist-\d+")
 
 
-def _reclaim_stale_signals() -> None:
+def remove_stale_flags() -> None:
     """Unlink the flags segments of servers that are gone (a profile run that killed its
-    engine at the exit bound left one per run). Whatever their port: a live server holds
+    engine at the exit bound left one per run; a new server and the profile runner call
+    this). Whatever their port: a live server holds
     its segment's owner lock, and ``unlink_segment`` leaves a locked segment alone."""
     try:
         entries = os.listdir("/dev/shm")
@@ -329,7 +330,7 @@ class FDManagerQueue:
         name = _signal_name(self.address[1])
         size = _SIGNAL_SLOTS * 8
         if self.is_server:
-            _reclaim_stale_signals()
+            remove_stale_flags()
             unlink_segment(name)
             self._segment = Segment.create(name, size)
         else:

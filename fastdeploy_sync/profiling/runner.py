@@ -30,6 +30,7 @@ from typing import Optional
 
 from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
                     engine_main, worker_main)
+from .fd_baseline import remove_stale_flags
 from .workload import STEP_KINDS, TOKEN_KINDS, default_step_kinds
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile"]
@@ -249,6 +250,10 @@ class _Processes:
                 proc.join(timeout=5)
         for conn in self.conns:
             conn.close()
+        # An engine killed before its cleanup leaves its fd-manager server's flags segment
+        # (not a name of this run: the server's port names it); only a server that is
+        # gone has its segment removed, never a live one's.
+        remove_stale_flags()
 
 
 def run_profile(options: ProfileOptions, progress_bar=None) -> dict:

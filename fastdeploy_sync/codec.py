@@ -106,9 +106,10 @@ PUT_REPLY = 12  # engine -> producer: seq = request id, aux = P_* status, group 
 #                 seq for the batch when accepted
 QUERY = 13  # producer -> engine: how many batches are in flight
 QUERY_REPLY = 14  # engine -> producer: aux = batches not yet consumed by every rank
-BYE = 15  # worker -> engine: this rank closed its client on purpose (TaskClient.close());
-#           seq = the highest seq it has taken. The engine knows at once instead of
-#           waiting for the rank's connection or heartbeats to go silent.
+BYE = 15  # worker -> engine: this rank closed its client on purpose (TaskClient.close()),
+#           or it received the engine's CLOSE (the engine closes its socket once every
+#           rank answered); seq = the highest seq it has taken. The engine knows at once
+#           instead of waiting for the rank's connection or heartbeats to go silent.
 _KINDS = frozenset((HELLO, DATA, ACK, ERROR, WELCOME, PING, PONG, CLOSE, STATUS, STATUS_REPLY,
                     PUT, PUT_REPLY, QUERY, QUERY_REPLY, BYE))
 

@@ -90,8 +90,14 @@ _PROBE_AFTER_DROP_S = 0.02
 # A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
 # flood of STATUS requests must not cost a JSON encoding each).
 _STATUS_CACHE_S = 0.2
-# How long close() lets CLOSE messages leave before dropping them (a gone worker must not
-# make close() hang).
+# How long close() waits, after sending CLOSE, for every rank it told to answer BYE (a
+# gone or stopped worker must not make close() hang). The workers' socket is read all
+# that time and closed with no linger: libzmq 4.3.5 aborts the process ("Assertion
+# failed: !_io_error (src/stream_engine_base.cpp:310)") when a socket closed with a
+# linger receives a message on a connection it still flushes, that peer then hangs up,
+# and the connection's ZMTP heartbeat fires before the linger ends (libzmq issues #4364,
+# #4841; measured: every time, tests/test_engine.py). A rank whose BYE came sends nothing
+# more, so nothing can arrive on a closing socket.
 _CLOSE_LINGER_MS = 1000
 
 # Delivery latency (put -> consumed by every rank) histogram, upper bounds in seconds (the
@@ -600,7 +606,34 @@ class TaskQueue:
                         codec.CLOSE, link.rank, self.tp_size, seq=last, engine=self.instance,
                         group=group.incarnation, worker=link.worker)])
                 link.disconnect("the queue closed")
-        self._sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+            self._await_goodbyes({link.identity.bytes for link in group.links
+                                  if link.identity is not None})
+        # Whatever was not written by now goes to a rank that did not answer: it learns
+        # the engine is gone from its heartbeats instead.
+        self._sock.setsockopt(zmq.LINGER, 0)
+
+    def _await_goodbyes(self, told):
+        """After CLOSE (I/O thread): read the workers' socket until every connection in
+        ``told`` (routing ids) answered BYE, at most ``_CLOSE_LINGER_MS``. Everything else
+        that arrives is dropped unread; a message that does not decode is too."""
+        deadline = time.monotonic() + _CLOSE_LINGER_MS / 1000
+        while told:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                log.info("TaskQueue %s: %d rank(s) did not answer CLOSE within %d ms",
+                         self.name, len(told), _CLOSE_LINGER_MS)
+                return
+            for _ in range(_RECEIVE_BUDGET):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    kind = codec.unpack_header(frames[1]).kind if len(frames) >= 2 else None
+                except ProtocolError:
+                    continue
+                if kind == codec.BYE:
+                    told.discard(frames[0])
 
     def _send(self, link_or_identity, frames) -> bool:
         """Send to a peer without ever blocking; False if it was not sent. The only place

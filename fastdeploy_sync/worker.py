@@ -1015,6 +1015,13 @@ class TaskClient:
                 self._board = AckBoard.attach(self.name, self.dp_id, self.tp_size)
             self._bound = True
         elif kind == codec.CLOSE:
+            if self._close_seq is None:
+                # The engine reads its socket until every rank it told answers (at most
+                # 1 s), then closes it without lingering (engine._await_goodbyes).
+                try:
+                    self._data.send(self._header(codec.BYE, seq=self._taken), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # no room or no connection: the engine stops waiting at its bound
             self._close_seq = header.seq
             if self._error is None:
                 self._error = EngineClosedError(

@@ -146,9 +146,10 @@ def engine_close(async_prefetch, hb):
     wait_for(q, "took", 2)
     t0 = time.monotonic()
     queue.close(timeout=10)
+    returned = time.monotonic() - t0
     raised = wait_for(q, "raised", 2)
     reap(ranks)
-    return [(cause, t - t0) for cause, t in raised.values()]
+    return [(cause, t - t0) for cause, t in raised.values()] + [("close() returned", returned)]
 
 
 def rank_fault(sig, hb):

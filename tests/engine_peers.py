@@ -22,11 +22,13 @@ class RawRank:
     that WELCOMEs it (``engine``), as a TaskClient does."""
 
     def __init__(self, endpoint, name, tp_size, rank, *, group=None, worker=None, ctx=None,
-                 curve=None):
+                 curve=None, options=None):
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        for option, value in (options or {}).items():  # before connect: they apply to it
+            self.sock.setsockopt(option, value)
         if curve is not None:
             self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = curve
         self.sock.connect(endpoint)
@@ -125,6 +127,27 @@ def raw_rank_process(out, rank, endpoint, name, tp_size, group, seconds, ping_ev
             return
     out.put(("done", rank, list(seqs)))
     peer.close()
+
+
+def engine_closing_on_a_reader_that_stopped(out, name, interval):
+    """A child process: an engine (ZMTP heartbeats every ``interval`` s, batches over the
+    socket) that waits for its one rank, puts 4 batches of 4 MiB, reports ("closing", pid)
+    and closes with a 0.3 s drain bound; ("closed", unconsumed) if the process survived."""
+    os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = "off"
+    import numpy as np
+
+    from fastdeploy_sync import TaskQueue
+    from fastdeploy_sync.liveness import Heartbeat
+
+    queue = TaskQueue(name, 1, max_inflight=8, heartbeat=Heartbeat(interval, 3.0))
+    out.put(("ready", 0, queue.endpoint))
+    deadline = time.monotonic() + 30
+    while queue.stats().get("hellos", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(4):
+        queue.put_tasks(np.full(4 << 17, i, dtype=np.int64), timeout=10)
+    out.put(("closing", 0, os.getpid()))
+    out.put(("closed", 0, queue.close(timeout=0.3)))
 
 
 def suicide(delay):

@@ -13,6 +13,7 @@ import zmq
 from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
 from fastdeploy_sync.codec import ACK, pack_header
 
+from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
 from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank, wait_until
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
@@ -563,3 +564,28 @@ def test_a_bye_is_not_counted_as_an_ack_message(name):
                 time.sleep(0.001)
         assert wait_until(lambda: queue.stats().get("byes", 0) == 1)
         assert queue.stats().get("acks", 0) == 0
+
+
+def test_close_survives_a_rank_that_stopped_reading_then_talks_and_hangs_up(name, procs,
+                                                                             results):
+    """The engine closes while a batch to a rank is still unwritten (the rank stopped
+    reading), and that rank then sends a message and hangs up. With the workers' socket
+    closed on a linger, libzmq 4.3.5 aborted the engine process at the connection's next
+    ZMTP heartbeat ("Assertion failed: !_io_error"), every time. Now the engine reads its
+    socket until its ranks answer CLOSE (this one never does: 1 s), then closes without
+    lingering, and the process closes cleanly."""
+    engine = procs(engine_closing_on_a_reader_that_stopped, results, name, 0.1)
+    endpoint = collect(results, "ready", 1)[0]
+    peer = RawRank(endpoint, name, 1, 0, options={zmq.RCVHWM: 1, zmq.RCVBUF: 4096})
+    try:
+        peer.join(timeout=10)
+        collect(results, "closing", 1, timeout=30)
+        deadline = time.monotonic() + 0.6  # past the 0.3 s drain: the socket closes
+        while time.monotonic() < deadline:
+            peer.ping()
+            time.sleep(0.02)
+    finally:
+        peer.close()  # hangs up
+    engine.join(timeout=20)
+    assert engine.exitcode == 0, f"the engine process ended with {engine.exitcode}"
+    assert collect(results, "closed", 1, timeout=5)[0] == [1, 2, 3, 4]

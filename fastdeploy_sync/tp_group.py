@@ -393,6 +393,10 @@ class ShmTPGroup:
         self._arrived_slots = [b + R_ARRIVED for b in self._ranks]
         self._received_arrived = [(b + R_RECEIVED, b + R_ARRIVED) for b in self._ranks[1:]]
         self._arrived_at_slots = [b + R_ARRIVED_AT for b in self._ranks]
+        # The barrier's fast path reads only these (every µs there is paid every step):
+        # the partners' ARRIVED slots, and (slot, rank) of every rank's SLEEPING.
+        self._partner_arrived = [s for r, s in enumerate(self._arrived_slots) if r != tp_rank]
+        self._sleeping_slots = [(b + R_SLEEPING, r) for r, b in enumerate(self._ranks)]
         self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
         # How late (ns) the partners were at the last two barriers (0: this rank came last).
         self._late_prev = self._late_last = 0
@@ -770,8 +774,8 @@ class ShmTPGroup:
 
     def _wake_sleepers(self, gen: int) -> None:
         v = self._view
-        for r, base in enumerate(self._ranks):
-            if v[base + R_SLEEPING] == gen:
+        for slot, r in self._sleeping_slots:
+            if v[slot] == gen:
                 self._sems[r].release()
 
     def wake(self) -> None:
@@ -839,16 +843,14 @@ class ShmTPGroup:
         v[self._my + R_ARRIVED] = gen
         if v[self._waiting_slot] < 0:  # rank 0 waits for this rank in its check (wait_peers)
             self._post(0)
-        if self._all_arrived(gen):
-            self._lateness(0)  # last to arrive: nobody was late
-        else:
-            self._wait(gen, timeout, service, check, arrived_at, on_wait)
-            self._lateness(self._partner_lateness(gen, arrived_at))
+        late = 0  # last to arrive: nobody was late
+        for s in self._partner_arrived:
+            if v[s] < gen:
+                late = self._wait(gen, timeout, service, check, arrived_at, on_wait)
+                break
+        self._late_prev, self._late_last = self._late_last, late
         self._wake_sleepers(gen)
         self.gen = gen
-
-    def _lateness(self, late_ns: int) -> None:
-        self._late_prev, self._late_last = self._late_last, late_ns
 
     def _spin_budget_s(self, now_ns: int) -> float:
         """How long to spin before blocking (see the module docstring): the window while
@@ -900,24 +902,36 @@ class ShmTPGroup:
                 last = int(v[s])
         return last - arrived_at
 
-    def _wait(self, gen, timeout, service, check, arrived_at, on_wait=None):
+    def _wait(self, gen, timeout, service, check, arrived_at, on_wait=None) -> int:
+        """Wait until every rank arrived at ``gen`` (see ``barrier``); returns how late the
+        last partner was (ns). While spinning that is the time spun (within one poll,
+        ~0.2 µs: no slot is read for it); after blocking, read from the partners' slots."""
         start = now = time.perf_counter()
         if (self._busy or max(self._late_prev, self._late_last) <= self._cheap_ns
                 or arrived_at - self._wall_at >= _REASK_NS):
             # it may spin: spin briefly first (partners arriving with us are released
-            # without the question), then ask how long
+            # without the question), then ask how long. The partners' slots are read
+            # inline: a poll is ~2x shorter than through _all_arrived.
+            v, partners = self._view, self._partner_arrived
             spin_end = now + _FIRST_SPIN_S
             while now < spin_end:
-                if self._all_arrived(gen):
-                    return
+                for s in partners:
+                    if v[s] < gen:
+                        break
+                else:
+                    return int((now - start) * 1e9)
                 now = time.perf_counter()
             budget = self._spin_budget_s(arrived_at)
             if budget >= self._spin_s and on_wait is not None:
                 on_wait()  # a busy loop: use the wait (an idle one sleeps: nothing starves)
+                now = time.perf_counter()
             spin_end = start + budget
             while now < spin_end:
-                if self._all_arrived(gen):
-                    return
+                for s in partners:
+                    if v[s] < gen:
+                        break
+                else:
+                    return int((now - start) * 1e9)
                 now = time.perf_counter()
         # else an idle loop whose partners came late: block at once (what spinning or
         # asking would cost it is a tax on every idle iteration)
@@ -933,7 +947,7 @@ class ShmTPGroup:
             while True:
                 v[sleeping_slot] = gen
                 if self._all_arrived(gen):  # re-check after announcing: see module docstring
-                    return
+                    return self._partner_lateness(gen, arrived_at)
                 if service is not None:
                     service()
                 posted = True
@@ -947,7 +961,7 @@ class ShmTPGroup:
                 if self._closing:
                     raise self._closed_error()
                 if self._all_arrived(gen):
-                    return
+                    return self._partner_lateness(gen, arrived_at)
                 if check is not None:
                     check()
                 now = time.perf_counter()

@@ -215,7 +215,8 @@ def _profile(args) -> int:
     options = ProfileOptions(mode=args.mode, tp=args.tp, step_kinds=args.step,
                              step_ms=args.step_ms, rate=args.rate, batch=args.batch,
                              prompt_len=args.prompt_len, tokens=args.tokens, steps=steps,
-                             rounds=args.rounds, idle_steps=args.idle_steps,
+                             rounds=args.rounds, placements=args.placements,
+                             idle_steps=args.idle_steps,
                              max_inflight=args.max_inflight, cpus=args.cpus)
     try:
         options.validate()
@@ -260,7 +261,7 @@ def _cpu_list(text):
 
 def _add_profile_parser(sub):
     from .profiling.loops import MODES
-    from .profiling.runner import ProfileOptions
+    from .profiling.runner import DEFAULT_PLACEMENTS, ProfileOptions
     from .profiling.workload import STEP_KINDS, TOKEN_KINDS
 
     d = ProfileOptions()
@@ -306,6 +307,12 @@ def _add_profile_parser(sub):
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help=f"paired, interleaved rounds the steps are split into; intervals need "
                         f"at least 5 (default {d.rounds})")
+    p.add_argument("--placements", type=int, default=None,
+                   help=f"blocks the rounds are split into, each run by freshly started "
+                        f"engine and worker processes; the intervals resample them too, so "
+                        f"what lasts a process lifetime (where the OS placed the ranks) "
+                        f"widens an interval instead of flipping a verdict between runs; "
+                        f"1 to --rounds (default {DEFAULT_PLACEMENTS}, 1 with one round)")
     p.add_argument("--idle-steps", type=int, default=d.idle_steps,
                    help=f"idle-phase iterations per mode, split across the rounds, 0 to skip "
                         f"(default {d.idle_steps})")

@@ -477,3 +477,39 @@ def test_plot_has_a_row_per_step_kind_and_the_targets(tmp_path):
         plt.close(fig)
     report.plot(summary, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_placement_runs_its_rounds_in_freshly_started_processes():
+    """--placements 2: the first round's segments ran in one set of worker processes, the
+    second round's in another (process placement is sampled, not fixed for the run)."""
+    from fastdeploy_sync.profiling import runner
+
+    options = runner.ProfileOptions(mode="async", step_kinds=["python"], steps=20, rounds=2,
+                                    placements=2, idle_steps=0)
+    raw = runner.run_profile(options)
+    first, second = raw["placement_pids"]
+    assert len(first) == len(second) == 3 and not set(first) & set(second)
+    for seg in raw["segments"]:
+        pids = {w["pid"] for w in seg["workers"]}
+        assert pids <= set((first, second)[seg["round"]][1:]), (seg["round"], pids)
+
+
+def test_two_stage_intervals_span_placements_that_disagree():
+    """Rounds of one placement read 1.0, of the other 2.0 (a condition that lasts as long
+    as the processes). A bootstrap over rounds alone gives an interval around 1.5 that
+    excludes both, so a threshold of 1.2 would read MISSED in this run and met in a run
+    that drew two placements like the first; the two-stage interval spans both and says
+    inconclusive."""
+    from fastdeploy_sync.profiling.intervals import Bootstrap, pooled_mean, verdict
+
+    rng = np.random.default_rng(3)
+    X = np.concatenate([1.0 + 0.01 * rng.standard_normal((5, 40)),
+                        2.0 + 0.01 * rng.standard_normal((5, 40))])
+    plain = Bootstrap(10, placements=1).interval(pooled_mean(X))
+    two_stage = Bootstrap(10, placements=2).interval(pooled_mean(X))
+    assert 1.1 < plain[0] < plain[1] < 1.9, plain
+    assert verdict(plain, 1.2, "below") == "MISSED"
+    assert two_stage[0] < 1.05 and two_stage[1] > 1.95, two_stage
+    assert verdict(two_stage, 1.2, "below") == "inconclusive"
+    with pytest.raises(ValueError):
+        Bootstrap(3, placements=4)

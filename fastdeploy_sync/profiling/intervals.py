@@ -9,6 +9,16 @@ from a percentile bootstrap that resamples whole rounds with replacement. A figu
 compares two modes evaluates both on the *same* resampled rounds (paired), so a round in
 which everything ran slow moves both sides together instead of widening the interval.
 
+Some conditions last a whole process lifetime rather than a round: where the scheduler
+placed the engine and the ranks relative to each other, which rank of a pair is the faster
+one (and so always waits for the other). They moved a figure between runs of the same code
+by more than its interval within one run (a ratio read 3.2x in one run and 6.5x in the
+next, each interval excluding 5). So the runner splits the rounds into ``placements``
+blocks, each run by freshly started processes, and the bootstrap is two-stage: it
+resamples the placements with replacement, then rounds within each drawn placement. A
+figure that differs between placements gets an interval spanning both, i.e. the verdict
+says inconclusive where two runs would otherwise contradict each other.
+
 Verdicts: ``met`` only when the whole interval lies on the good side of the threshold,
 ``MISSED`` only when it lies wholly on the bad side; otherwise ``inconclusive``. With fewer
 than ``MIN_ROUNDS`` rounds there is no interval and every verdict is inconclusive. The
@@ -17,7 +27,7 @@ resampling is seeded: the same run gives the same intervals.
 
 import numpy as np
 
-__all__ = ["Bootstrap", "verdict", "pooled_median", "pooled_mean", "ragged_median", "LEVEL",
+__all__ = ["Bootstrap", "placement_blocks", "verdict", "pooled_median", "pooled_mean", "ragged_median", "LEVEL",
            "RESAMPLES", "MIN_ROUNDS", "WORDS"]
 
 LEVEL = 0.95
@@ -29,7 +39,9 @@ WORDS = ("met", "MISSED", "inconclusive")
 
 
 class Bootstrap:
-    """Intervals over ``rounds`` rounds.
+    """Intervals over ``rounds`` rounds, run in ``placements`` blocks of consecutive rounds
+    (``placement_blocks``) by separately started processes (1: one block, a plain bootstrap
+    over rounds).
 
     A *statistic* is a function of an integer array ``idx`` of shape ``(n, rounds)``, each
     row a selection of round indices (with repetition), returning a float array ``(n,)``:
@@ -41,15 +53,29 @@ class Bootstrap:
     """
 
     def __init__(self, rounds: int, resamples: int = RESAMPLES, level: float = LEVEL,
-                 seed: int = _SEED):
+                 seed: int = _SEED, placements: int = 1):
         if rounds < 1:
             raise ValueError(f"rounds={rounds}: expected >= 1")
+        if not 1 <= placements <= rounds:
+            raise ValueError(f"placements={placements}: expected 1..rounds ({rounds})")
         self.rounds, self.resamples, self.level = rounds, resamples, level
+        self.placements = placements
         self.all_rounds = np.arange(rounds)[None, :]
         # One set of resamples for every statistic of the run: figures compared with each
         # other (a ratio and its parts, two step kinds) are judged on the same rounds.
+        # Two stages, slot by slot of the run's blocks (so a resample has ``rounds``
+        # rounds whatever the block sizes): which placement fills the slot (with
+        # replacement), then that many of its rounds (with replacement).
         rng = np.random.default_rng(seed)
-        self.idx = rng.integers(0, rounds, size=(resamples, rounds))
+        blocks = placement_blocks(rounds, placements)
+        starts = np.array([b[0] for b in blocks])
+        sizes = np.array([len(b) for b in blocks])
+        columns = []
+        for slot_size in sizes:
+            drawn = rng.integers(0, placements, size=(resamples, 1))
+            offset = np.floor(rng.random((resamples, slot_size)) * sizes[drawn]).astype(int)
+            columns.append(starts[drawn] + offset)
+        self.idx = np.concatenate(columns, axis=1)
 
     @property
     def has_intervals(self) -> bool:
@@ -75,6 +101,12 @@ class Bootstrap:
     def figure(self, stat) -> dict:
         """``{"value", "interval"}`` of one statistic."""
         return {"value": self.estimate(stat), "interval": self.interval(stat)}
+
+
+def placement_blocks(rounds: int, placements: int) -> list:
+    """The rounds of each placement: ``placements`` blocks of consecutive round indices,
+    sizes differing by at most one (the first ones larger)."""
+    return [list(map(int, b)) for b in np.array_split(np.arange(rounds), placements)]
 
 
 def verdict(interval, threshold: float, better: str) -> str:

@@ -381,8 +381,8 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
         if steps is not None and steps is not kept.get("fd-manager"):
             steps.close()
     return {"mode": spec["mode"], "kind": spec["kind"], "phase": spec["phase"],
-            "round": spec["round"], "rank": tp_rank, "steps": spec["steps"],
-            "start_ns": start_ns, "iter_ns": iter_ns, "sync_ns": sync_ns,
+            "round": spec["round"], "rank": tp_rank, "pid": os.getpid(),
+            "steps": spec["steps"], "start_ns": start_ns, "iter_ns": iter_ns, "sync_ns": sync_ns,
             "compute_ns": tp_model.compute_ns,
             "collective_ns": tp_model.collective_ns, "interruption": interruption,
             "taken": taken, "drain_steps": drain_steps, "cpu_s": cpu, "wall_s": wall,

@@ -44,9 +44,13 @@ REFERENCE_CONFIG = {"step_ms": 2.0, "rate": 100.0, "batch": 64, "prompt_len": 51
 DEFINITIONS = {
     "round": "every mode once, back to back, under the same machine conditions (the "
              "modes' order rotates from round to round); the unit of evidence",
-    "interval": f"{LEVEL:.0%} percentile bootstrap over rounds: whole rounds resampled with "
-                f"replacement ({RESAMPLES} resamples, seeded); a figure comparing two modes "
-                f"uses the same resampled rounds for both (paired)",
+    "placement": "a block of consecutive rounds run by freshly started engine and worker "
+                 "processes (--placements blocks per run): where the OS placed them, and "
+                 "which rank came out faster, lasts as long as the processes",
+    "interval": f"{LEVEL:.0%} percentile bootstrap, two-stage: the placements resampled with "
+                f"replacement, then whole rounds within each ({RESAMPLES} resamples, "
+                f"seeded); a figure comparing two modes uses the same resampled rounds for "
+                f"both (paired); with one placement, a bootstrap over rounds",
     "verdict": f"met or MISSED only when the interval lies wholly on one side of the target, "
                f"otherwise inconclusive; fewer than {MIN_ROUNDS} rounds give no interval and "
                f"every verdict is inconclusive; the inflation is also inconclusive when the "
@@ -154,7 +158,7 @@ def summarize(raw) -> dict:
     """Every figure of the run, JSON-ready (plain floats, ints, lists, dicts)."""
     options = raw["options"]
     kinds, modes = options["step_kinds"], options["modes"]
-    boot = Bootstrap(options["rounds"])
+    boot = Bootstrap(options["rounds"], placements=options.get("placements", 1))
     out = {"schema": SCHEMA,
            "parameters": {**{k: v for k, v in options.items() if k != "modes"},
                           "modes": modes, "units_per_step": raw["units"],
@@ -165,6 +169,7 @@ def summarize(raw) -> dict:
                        "platform": platform.platform()},
            "elapsed_s": raw["elapsed_s"], "definitions": DEFINITIONS,
            "intervals": {"level": LEVEL, "resamples": RESAMPLES, "rounds": options["rounds"],
+                         "placements": boot.placements,
                          "min_rounds": MIN_ROUNDS, "method": DEFINITIONS["interval"]},
            "step_kinds": {}}
     targets, notes = [], []
@@ -506,6 +511,10 @@ def _delivery_note(kind, a, s, row):
             f"{STEP_KIND_GIL.get(kind, 'runs')}; the boundaries do not point at the GIL")
 
 
+def _in_placements(placements) -> str:
+    return f" in {placements} process placements" if placements > 1 else ""
+
+
 def _pct(share):
     return "-" if share is None else f"{100 * share:.0f} %"
 
@@ -513,7 +522,8 @@ def _pct(share):
 def _count_verdicts(targets, boot):
     counts = {w: sum(t["verdict"] == w for t in targets) for w in WORDS}
     counts["n/a"] = sum(t["verdict"] == "n/a" for t in targets)
-    basis = (f"{LEVEL:.0%} intervals from a bootstrap over {boot.rounds} paired rounds; met or "
+    basis = (f"{LEVEL:.0%} intervals from a bootstrap over {boot.rounds} paired rounds"
+             f"{_in_placements(boot.placements)}; met or "
              f"MISSED only where the interval excludes the target" if boot.has_intervals else
              f"only {boot.rounds} round(s): no intervals (--rounds {MIN_ROUNDS} or more), so "
              f"every verdict is inconclusive")
@@ -588,7 +598,8 @@ def parameters_line(summary) -> str:
     return (f"fastdeploy-sync profile: tp {p['tp']}, {p['rate']:g} batches/s of {p['batch']} x "
             f"{p['prompt_len']} token ids ({p['tokens']}), model step kinds "
             f"{' and '.join(p['step_kinds'])} of {p['step_ms']:g} ms (calibrated), "
-            f"{p['rounds']} paired rounds x {per_round} steps per mode and step kind{idle}; "
+            f"{p['rounds']} paired rounds{_in_placements(p.get('placements', 1))} x "
+            f"{per_round} steps per mode and step kind{idle}; "
             f"python {m['python']}, {m['cpus']} cpus, {summary['elapsed_s']:.0f} s{pinned}")
 
 
@@ -607,7 +618,8 @@ def format_table(summary) -> str:
         where = ("this is the reference configuration" if summary["reference_config"] else
                  "NOT the reference configuration (--step-ms 2 --rate 100 --batch 64 "
                  "--prompt-len 512 --tp 2 --tokens numpy): indicative only")
-        lines += ["", f"targets ({LEVEL:.0%} interval over {p['rounds']} paired rounds; {where}):",
+        lines += ["", f"targets ({LEVEL:.0%} interval over {p['rounds']} paired rounds"
+                      f"{_in_placements(p.get('placements', 1))}; {where}):",
                   f"  {'step':<7}{'target':<52}{'measured':>12}  {'interval':<24}verdict"]
         for t in summary["targets"]:
             unit = t["unit"]

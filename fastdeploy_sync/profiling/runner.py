@@ -13,9 +13,14 @@ instead of charging it to whichever ran last, and makes each round a *pair*: the
 one round ran under the same conditions, so ``report`` compares them round by round and
 bootstraps over rounds for its intervals.
 
-The processes stay up for the whole run (each segment opens and closes its own queue and
-clients under a fresh name; the fd-manager queue is built once, see ``loops``), so that the
-paddle import and the step calibration happen once.
+The rounds are split into ``placements`` blocks of consecutive rounds, and each block is run
+by freshly started engine and worker processes: where the OS places processes relative to
+each other, and which rank of a pair comes out faster, last as long as the processes and
+moved figures between runs by more than their intervals within one run (``intervals``
+resamples the placements too). Within a block the processes stay up (each segment opens and
+closes its own queue and clients under a fresh name; the fd-manager queue is built once per
+engine, see ``loops``); every block runs the first block's calibration, so every block
+does the same work per step.
 """
 
 import contextlib
@@ -31,6 +36,7 @@ from typing import Optional
 from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
                     engine_main, worker_main)
 from .fd_baseline import remove_stale_flags
+from .intervals import placement_blocks
 from .workload import STEP_KINDS, TOKEN_KINDS, default_step_kinds
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile"]
@@ -43,6 +49,10 @@ _START_TIMEOUT_S = 180.0  # process start, imports (paddle: seconds), calibratio
 _SEGMENT_TIMEOUT_S = 600.0
 _TICK_S = 0.2  # progress bar refresh while waiting
 _EXIT_TIMEOUT_S = 60.0  # every process's exit, together (measured 2-6 s, more under load)
+
+
+# Process placements per run when --placements is not given (see the module docstring).
+DEFAULT_PLACEMENTS = 2
 
 
 class ProfileError(RuntimeError):
@@ -63,6 +73,8 @@ class ProfileOptions:
     tokens: str = "numpy"
     steps: int = 600  # load-phase steps per mode and step kind (split across the rounds)
     rounds: int = 10
+    # blocks of rounds, each run by freshly started processes; None: 2 (1 for one round)
+    placements: Optional[int] = None
     idle_steps: int = 600  # idle-phase iterations per mode (split across the rounds); 0: none
     max_inflight: int = 8
     cpus: Optional[list] = None  # [engine core, rank 0 core, ...] or None: not pinned
@@ -78,6 +90,8 @@ class ProfileOptions:
             raise ValueError(f"--mode {self.mode!r}: expected all or one of {', '.join(MODES)}")
         if self.step_kinds is None:
             self.step_kinds = default_step_kinds()
+        if self.placements is None:
+            self.placements = min(DEFAULT_PLACEMENTS, max(1, self.rounds))
         unknown = [k for k in self.step_kinds if k not in STEP_KINDS]
         checks = [
             (bool(self.step_kinds) and not unknown and
@@ -91,6 +105,8 @@ class ProfileOptions:
             (self.batch >= 1, f"--batch {self.batch}: expected >= 1"),
             (self.prompt_len >= 1, f"--prompt-len {self.prompt_len}: expected >= 1"),
             (self.rounds >= 1, f"--rounds {self.rounds}: expected >= 1"),
+            (1 <= self.placements <= self.rounds,
+             f"--placements {self.placements}: expected 1..--rounds ({self.rounds})"),
             (self.steps >= self.rounds, f"--steps {self.steps}: expected >= --rounds ({self.rounds})"),
             (self.idle_steps == 0 or self.idle_steps >= self.rounds,
              f"--idle-steps {self.idle_steps}: expected 0 or >= --rounds ({self.rounds})"),
@@ -269,29 +285,41 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
         progress_bar.total = sum(steps for *_, steps in schedule)
         progress_bar.refresh()
     started = time.time()
-    procs = _Processes(options, run_name)
-    try:
-        (engine,) = procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
-        by_rank = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
-        calibration = {kind: [c[kind] for c in by_rank] for kind in options.step_kinds}
-        # One amount of work for every rank (the median rank's calibration): TP ranks run
-        # the same model, and unequal steps would show up as barrier waits.
-        units = {kind: sorted(c["units"] for c in cs)[len(cs) // 2]
-                 for kind, cs in calibration.items()}
-        procs.send(procs.workers, ("units", units))
-        segments = []
-        for k, (mode, kind, phase, rnd, steps) in enumerate(schedule):
-            if progress_bar is not None:
-                progress_bar.set_description(f"{kind or 'idle'} {mode}")
-            segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, kind, phase,
-                                         rnd, steps, progress_bar))
-    finally:
-        procs.close()
-        _sweep([f"{run_name}m"] + [f"{run_name}s{k}" for k in range(len(schedule))])
+    block_of = {r: b for b, rounds in enumerate(placement_blocks(options.rounds,
+                                                                  options.placements))
+                for r in rounds}
+    calibration = units = engine_cpus = None
+    segments, pids = [], []
+    for block in range(options.placements):
+        block_name = f"{run_name}p{block}"
+        procs = _Processes(options, block_name)
+        try:
+            (engine,) = procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
+            by_rank = procs.expect(procs.workers, "calibrated", _START_TIMEOUT_S)
+            if units is None:
+                calibration = {kind: [c[kind] for c in by_rank] for kind in options.step_kinds}
+                # One amount of work for every rank (the median rank's calibration): TP
+                # ranks run the same model, and unequal steps would show up as barrier
+                # waits. Later placements get the same, so every block does the same work.
+                units = {kind: sorted(c["units"] for c in cs)[len(cs) // 2]
+                         for kind, cs in calibration.items()}
+                engine_cpus = engine["cpus"]
+            procs.send(procs.workers, ("units", units))
+            pids.append([proc.pid for proc in procs.procs])
+            for k, (mode, kind, phase, rnd, steps) in enumerate(schedule):
+                if block_of[rnd] != block:
+                    continue
+                if progress_bar is not None:
+                    progress_bar.set_description(f"{kind or 'idle'} {mode}")
+                segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, kind,
+                                             phase, rnd, steps, progress_bar))
+        finally:
+            procs.close()
+            _sweep([f"{block_name}m"] + [f"{run_name}s{k}" for k in range(len(schedule))])
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
-            "engine_cpus": engine["cpus"], "collective_spin_us": options.collective_spin_us(),
-            "segments": segments}
+            "engine_cpus": engine_cpus, "collective_spin_us": options.collective_spin_us(),
+            "placement_pids": pids, "segments": segments}
 
 
 def _sweep(names):

@@ -41,6 +41,12 @@ _HOLDS_GIL = {"python"}
 REFERENCE_CONFIG = {"step_ms": 2.0, "rate": 100.0, "batch": 64, "prompt_len": 512, "tp": 2,
                     "tokens": "numpy"}
 
+# The delivery of a batch in three parts that add up to it (``_boundaries``).
+DELIVERY_PARTS = ("to_first_boundary", "boundaries_passed", "taking_step")
+_DELIVERY_PART_WORDS = {"to_first_boundary": "put -> first boundary",
+                        "boundaries_passed": "boundaries passed",
+                        "taking_step": "the taking step"}
+
 DEFINITIONS = {
     "round": "every mode once, back to back, under the same machine conditions (the "
              "modes' order rotates from round to round); the unit of evidence",
@@ -96,6 +102,12 @@ DEFINITIONS = {
     "boundaries": "rank 0's step boundaries (checks) from put_tasks() to the take, the take's "
                   "included (1 = taken at the first boundary after the put): the share of "
                   "batches taken at the first, and the mean; batches taken in measured steps",
+    "delivery_parts": "a batch's delivery in three parts that add up to it, means over the "
+                      "batches taken in measured steps (ms): to_first_boundary (put_tasks() "
+                      "called -> rank 0's first check after it), boundaries_passed (-> the "
+                      "check of the step that took it), taking_step (-> the last rank's "
+                      "get_tasks() returned it: the barrier waiting for the last rank, and "
+                      "the take)",
     "loaded_cpu": "while the engine puts: the engine process (all threads) and a worker's "
                   "prefetch thread, % of one core",
     "idle_cpu": "rate 0 (nothing put; FastDeploy's loop sleeps 1 ms per iteration): worker "
@@ -277,7 +289,7 @@ def _scaled(figure, factor):
 def _delivery(segments, tp):
     """Delivery latency per batch (the last rank's take), step boundaries to the take,
     counts and the agreement check, over the rounds' segments."""
-    per_round, boundaries, put, taken, problems = [], [], 0, [0] * tp, []
+    per_round, boundaries, parts, put, taken, problems = [], [], [], 0, [0] * tp, []
     for s in segments:
         put += s["put"]
         ranks = [_rank(s, r)["taken"] for r in range(tp)]
@@ -292,37 +304,49 @@ def _delivery(segments, tp):
         if ids != list(range(s["put"])):
             problems.append(f"round {s['round']}: rank 0 took {len(ids)} batches, expected ids "
                             f"0..{s['put'] - 1} in order")
-        last_take = {}
+        last_take = {}  # batch id -> (put_ns, the last rank's take_ns)
         for t in ranks:
             for _, bid, put_ns, take_ns in t:
-                last_take[bid] = max(last_take.get(bid, 0), take_ns - put_ns)
-        per_round.append(np.asarray(list(last_take.values()), dtype=float))
-        boundaries += _boundaries(_rank(s, 0))
+                last_take[bid] = (put_ns, max(last_take.get(bid, (0, 0))[1], take_ns))
+        per_round.append(np.asarray([t - p for p, t in last_take.values()], dtype=float))
+        rank_boundaries, rank_parts = _boundaries(_rank(s, 0), last_take)
+        boundaries += rank_boundaries
+        parts += rank_parts
     lat = np.concatenate(per_round) if per_round else np.zeros(0)
     b = np.asarray(boundaries, dtype=float)
+    parts = np.asarray(parts, dtype=float).reshape(-1, 3) / 1e6
     return {"delivery_ms": _ms(distribution_us(lat)),
             "delivery_samples_ms": np.round(lat / 1e6, 3).tolist(),
             "delivery_boundaries": {"p50": float(np.median(b)) if b.size else None,
                                     "mean": float(b.mean()) if b.size else None,
                                     "share_first": float(np.mean(b <= 1)) if b.size else None,
                                     "count": int(b.size)},
+            "delivery_parts_mean_ms": {
+                name: float(parts[:, k].mean()) if len(parts) else None
+                for k, name in enumerate(DELIVERY_PARTS)},
             "_delivery_rounds_ns": per_round,
             "batches": {"put": put, "taken_per_rank": taken,
                         "all_delivered": all(t == put for t in taken)},
             "ranks_agree": not problems, "problems": problems}
 
 
-def _boundaries(worker):
+def _boundaries(worker, last_take):
     """For each batch rank 0 took in a measured step: how many of its step boundaries
-    (checks) passed from the put to the take, the take's included."""
+    (checks) passed from the put to the take, the take's included; and its delivery in
+    the three ``DELIVERY_PARTS`` (ns; they add up to the delivery): the put to the first
+    boundary after it, the boundaries that passed without taking it, and the step that
+    took it (rank 0's check to the last rank's take, from ``last_take``)."""
     iter_ns = np.asarray(worker["iter_ns"], dtype=np.int64)
     starts = worker["start_ns"] + np.concatenate([[0], np.cumsum(iter_ns)[:-1]])
-    out = []
-    for step, _, put_ns, _ in worker["taken"]:
+    counts, parts = [], []
+    for step, bid, put_ns, _ in worker["taken"]:
         if step < len(starts):
-            first = int(np.searchsorted(starts, put_ns, side="left"))
-            out.append(step - min(first, step) + 1)
-    return out
+            first = min(int(np.searchsorted(starts, put_ns, side="left")), step)
+            counts.append(step - first + 1)
+            at_first, at_take = int(starts[first]), int(starts[step])
+            parts.append((at_first - put_ns, at_take - at_first,
+                          last_take[bid][1] - at_take))
+    return counts, parts
 
 
 def _cpu_pct(segments, tp):
@@ -505,10 +529,28 @@ def _delivery_note(kind, a, s, row):
                 f"{STEP_KIND_GIL.get(kind, 'runs')}. The batches were taken at about the "
                 f"same step boundary in both modes, which accounts for "
                 f"{_val(max(0.0, by_boundaries_ms), 'ms', 2)} "
-                f"of the {_val(gap_ms, 'ms', 2)}: the gap is not the prefetch thread waiting "
-                f"for the GIL, and these figures do not say where it is")
+                f"of the {_val(gap_ms, 'ms', 2)} at p50: the gap is not the prefetch thread "
+                f"waiting for the GIL before the boundary. {_parts_gap(a, s)}")
     return (f"{kind}: async delivered slower than sync ({where}) with a step that "
             f"{STEP_KIND_GIL.get(kind, 'runs')}; the boundaries do not point at the GIL")
+
+
+def _parts_gap(a, s) -> str:
+    """Where async's mean delivery differs from sync's, part by part (DELIVERY_PARTS)."""
+    pa, ps = a["delivery_parts_mean_ms"], s["delivery_parts_mean_ms"]
+    if any(pa[k] is None or ps[k] is None for k in DELIVERY_PARTS):
+        return "No batch was taken in a measured step: the parts are not known"
+    diff = {k: pa[k] - ps[k] for k in DELIVERY_PARTS}
+    worst = max(DELIVERY_PARTS, key=lambda k: diff[k])
+    why = {"to_first_boundary": "the puts fell earlier in a step (the engine shares the "
+                                "cores with the ranks and puts when it gets one)",
+           "boundaries_passed": "more boundaries passed before the take",
+           "taking_step": "the step that took a batch waited longer for the last rank (rank "
+                          "0's check waits for a peer still receiving it; a peer whose "
+                          "prefetch thread is decoding it waits for that thread, which "
+                          "needs the GIL)"}[worst]
+    listed = ", ".join(f"{_DELIVERY_PART_WORDS[k]} {diff[k]:+.2f} ms" for k in DELIVERY_PARTS)
+    return (f"Mean delivery, async minus sync, part by part: {listed}; the largest: {why}")
 
 
 def _in_placements(placements) -> str:

@@ -278,11 +278,11 @@ def _add_profile_parser(sub):
                     "Targets get an interval from a bootstrap over the rounds and say met or "
                     "MISSED only where it excludes the target, else inconclusive. Exit status "
                     "1 if a mode lost, duplicated or misordered a batch; timing targets never "
-                    "set the exit status. A default run takes 20-55 s on a 2-core machine "
-                    "(measured 21-27 s wall in six runs on a quiet machine, 50-55 s in "
-                    "three while other work ran; about half with the python step alone, "
-                    "the default where paddle is not installed); --steps, --idle-steps and "
-                    "--step scale it.")
+                    "set the exit status. A default run takes 30-60 s on a 2-core machine "
+                    "(measured 31-35 s wall in three runs at load average 1.3; two process "
+                    "placements, each starting its processes; about half with the python "
+                    "step alone, the default where paddle is not installed); --steps, "
+                    "--idle-steps, --step and --placements scale it.")
     p.add_argument("--mode", default=d.mode, choices=["all", *MODES],
                    help="all: every mode, interleaved, same load (default)")
     p.add_argument("--tp", type=int, default=d.tp, help=f"TP ranks (default {d.tp})")

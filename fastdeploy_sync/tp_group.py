@@ -396,6 +396,7 @@ class ShmTPGroup:
         # The barrier's fast path reads only these (every µs there is paid every step):
         # the partners' ARRIVED slots, and (slot, rank) of every rank's SLEEPING.
         self._partner_arrived = [s for r, s in enumerate(self._arrived_slots) if r != tp_rank]
+        self._my_arrived, self._my_arrived_at = self._my + R_ARRIVED, self._my + R_ARRIVED_AT
         self._sleeping_slots = [(b + R_SLEEPING, r) for r, b in enumerate(self._ranks)]
         self._waiting_slot = RANK_BASE + R_WAITING  # rank 0's
         # How late (ns) the partners were at the last two barriers (0: this rank came last).
@@ -772,12 +773,6 @@ class ShmTPGroup:
                 return False
         return True
 
-    def _wake_sleepers(self, gen: int) -> None:
-        v = self._view
-        for slot, r in self._sleeping_slots:
-            if v[slot] == gen:
-                self._sems[r].release()
-
     def wake(self) -> None:
         """Wake this rank's barrier wait or ``wait_received`` early (e.g. its prefetch
         thread just failed). Thread-safe; does nothing once the group is closed."""
@@ -839,8 +834,8 @@ class ShmTPGroup:
         gen = self.gen + 1
         v = self._view
         arrived_at = time.monotonic_ns()
-        v[self._my + R_ARRIVED_AT] = arrived_at  # before ARRIVED: whoever sees one sees both
-        v[self._my + R_ARRIVED] = gen
+        v[self._my_arrived_at] = arrived_at  # before ARRIVED: whoever sees one sees both
+        v[self._my_arrived] = gen
         if v[self._waiting_slot] < 0:  # rank 0 waits for this rank in its check (wait_peers)
             self._post(0)
         late = 0  # last to arrive: nobody was late
@@ -849,7 +844,9 @@ class ShmTPGroup:
                 late = self._wait(gen, timeout, service, check, arrived_at, on_wait)
                 break
         self._late_prev, self._late_last = self._late_last, late
-        self._wake_sleepers(gen)
+        for slot, r in self._sleeping_slots:  # wake the ranks asleep in this generation
+            if v[slot] == gen:
+                self._sems[r].release()
         self.gen = gen
 
     def _spin_budget_s(self, now_ns: int) -> float:

@@ -422,7 +422,13 @@ def bench_questions(iters=20000):
 
     from fastdeploy_sync.tp_group import _RunQueueWait
 
+    from fastdeploy_sync.tp_group import R_ARRIVED, RANK_BASE, RANK_STRIDE, ShmTPGroup
+
     runq = _RunQueueWait()
+    # rank 0 of a TP=2 group whose rank 1 is always already there: barrier()'s own work,
+    # without a partner to wait for or another core's cache line to fetch
+    group = ShmTPGroup("bq" + uuid.uuid4().hex[:8], 0, 2, 0)
+    group._view[RANK_BASE + RANK_STRIDE + R_ARRIVED] = 1 << 62
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect("tcp://127.0.0.1:9")  # never connects: an idle socket's descriptor
@@ -440,7 +446,8 @@ def bench_questions(iters=20000):
                   ("schedstat run-queue wait (pread, kept open)", runq.read),
                   ("zmq socket getsockopt(EVENTS)", lambda: sock.getsockopt(zmq.EVENTS)),
                   ("poll(0) of the socket's descriptor", lambda: poller.poll(0)),
-                  ("lock acquire(False) + release", lock_pair))
+                  ("lock acquire(False) + release", lock_pair),
+                  ("ShmTPGroup.barrier(), the partner already arrived", group.barrier))
     rows = {}
     try:
         for label, fn in candidates:
@@ -452,6 +459,7 @@ def bench_questions(iters=20000):
                 best = min(best, (ns() - t0) / iters)
             rows[label] = best
     finally:
+        group.close()
         runq.close()
         ctx.destroy(linger=0)
     return rows

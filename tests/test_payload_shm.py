@@ -583,3 +583,27 @@ def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name,
         encoder.forget(dropped)
     finally:
         encoder.close()
+
+
+def test_the_engine_writes_into_a_new_pool_without_page_faults(name):
+    """The pool's pages are reserved and mapped when it is created (posix_fallocate, then
+    MAP_POPULATE), so the engine's copy of a batch never takes a page fault, even on the
+    ring's first lap: the property the pool exists for (issue 16). Without MAP_POPULATE
+    these 4 MiB took 1 026 minor faults."""
+    import resource
+
+    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 8 << 20)
+    try:
+        parts = codec.encode_parts({"ids": np.arange(1 << 17, dtype=np.int64)})  # 1 MiB
+        regions = []
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(4):  # 4 MiB of never-written pool pages
+            region = pool.allocate(parts.data_size)
+            region.write_payload(parts)
+            regions.append(region)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < 64, f"{faults} minor faults writing 4 MiB (1024 pages) into the pool"
+    finally:
+        for region in regions:
+            pool.discarded(region)
+        pool.close()

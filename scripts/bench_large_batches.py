@@ -21,7 +21,8 @@ shared memory (one copy per node, ``payload_shm``), side by side in one run.
       RSS of the caller's own arrays and the queue after a first 2 MiB batch (which
       creates the shm mode's pool), as a multiple of the batch size; and the bytes of
       /dev/shm the queue's names hold (the pool is a fixed reservation, FD_SYNC_SHM_POOL_MB,
-      mapped by the engine and by each rank: shared pages, held once by the node).
+      mapped by the engine and by each rank: shared pages, held once by the node), and
+      how long the first put_tasks() took (in the shm mode it creates the pool).
   (3) small batches, 64 requests x 512 int64 token ids (256 KiB of arrays): delivery over
       the socket (below the default threshold) and through the pool (threshold 64 KiB);
       ``codec.encode_parts`` and ``decode_payload`` next to numpy's own pickle reduction
@@ -205,7 +206,10 @@ def memory_probe(settings, mb, out):
     rank = SPAWN.Process(target=rank_main, args=(name, 1, 0, 2, ranks), daemon=True)
     rank.start()
     _wait(ranks, "ready", 1)
-    queue.put_tasks(big_batch(2), timeout=30)
+    first = big_batch(2)
+    t0 = time.perf_counter()
+    queue.put_tasks(first, timeout=30)  # shm mode: creates the pool, in this call
+    first_put_ms = (time.perf_counter() - t0) * 1e3
     while queue.num_tasks():
         time.sleep(0.001)
     base = _vm_hwm()
@@ -218,7 +222,7 @@ def memory_probe(settings, mb, out):
     peak = _vm_hwm()
     queue.close(timeout=10)
     rank.join(timeout=10)
-    out.put(((peak - base) / (mb * MiB), shared / (mb * MiB)))
+    out.put(((peak - base) / (mb * MiB), shared / (mb * MiB), first_put_ms))
 
 
 def engine_memory(mb):
@@ -381,9 +385,10 @@ def main():
         print(f"\n(2) engine peak RSS of one put_tasks() (until its one rank took it) above "
               f"the caller's arrays and a warm queue, {args.mb:g} MiB batch (fresh process "
               f"per mode)")
-        for mode, (ratio, shared) in ratios.items():
+        for mode, (ratio, shared, first_ms) in ratios.items():
             print(f"  {mode:6s}: engine RSS +{ratio:5.2f}x the batch; /dev/shm held by the "
-                  f"queue {shared:5.2f}x the batch")
+                  f"queue {shared:5.2f}x the batch; the queue's first 2 MiB put_tasks() "
+                  f"took {first_ms:6.1f} ms" + (" (it created the pool)" if mode == "shm" else ""))
     if "3" in args.sections:
         small_section(args)
     if args.huge:

@@ -101,7 +101,7 @@ class BatchEncoder:
         a node-local batch whose arrays take at least the threshold, into shared memory
         (the pool; else a segment of its own; else, when ``/dev/shm`` has no room, the
         data frame after all). Any thread. Blocks for the copy, and, at the first shared
-        batch of a worker group, while the pool is created (~0.1 s per 256 MiB here).
+        batch of a worker group, while the pool is created (0.17 s for 256 MiB here).
 
         Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
         message would exceed the workers' limit (or a codec bound); nothing is held then.

@@ -96,8 +96,8 @@ _STATUS_CACHE_S = 0.2
 # failed: !_io_error (src/stream_engine_base.cpp:310)") when a socket closed with a
 # linger receives a message on a connection it still flushes, that peer then hangs up,
 # and the connection's ZMTP heartbeat fires before the linger ends (libzmq issues #4364,
-# #4841; measured: every time, tests/test_engine.py). A rank whose BYE came sends nothing
-# more, so nothing can arrive on a closing socket.
+# #4841; measured: every time, tests/test_engine.py, scripts/libzmq_linger_abort.py).
+# Without a linger nothing keeps a connection's object alive past the close.
 _CLOSE_LINGER_MS = 1000
 
 # Delivery latency (put -> consumed by every rank) histogram, upper bounds in seconds (the

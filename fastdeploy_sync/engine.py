@@ -600,22 +600,24 @@ class TaskQueue:
         group = self._group
         if group is not None:
             last = self._next_seq - 1 - self._base
+            told = set()  # routing ids the CLOSE went to (disconnect() forgets them)
             for link in group.links:
-                if link.identity is not None:
-                    self._send(link, [codec.pack_header(
+                identity = link.identity
+                if identity is not None and self._send(link, [codec.pack_header(
                         codec.CLOSE, link.rank, self.tp_size, seq=last, engine=self.instance,
-                        group=group.incarnation, worker=link.worker)])
+                        group=group.incarnation, worker=link.worker)]):
+                    told.add(identity)
                 link.disconnect("the queue closed")
-            self._await_goodbyes({link.identity.bytes for link in group.links
-                                  if link.identity is not None})
+            self._await_goodbyes(told)
         # Whatever was not written by now goes to a rank that did not answer: it learns
         # the engine is gone from its heartbeats instead.
         self._sock.setsockopt(zmq.LINGER, 0)
 
     def _await_goodbyes(self, told):
         """After CLOSE (I/O thread): read the workers' socket until every connection in
-        ``told`` (routing ids) answered BYE, at most ``_CLOSE_LINGER_MS``. Everything else
-        that arrives is dropped unread; a message that does not decode is too."""
+        ``told`` (routing ids) answered BYE, at most ``_CLOSE_LINGER_MS``; counts the
+        answers (``stats()["close_answered"]``). Everything else that arrives is dropped
+        unread; a message that does not decode is too."""
         deadline = time.monotonic() + _CLOSE_LINGER_MS / 1000
         while told:
             remaining = deadline - time.monotonic()
@@ -632,8 +634,9 @@ class TaskQueue:
                     kind = codec.unpack_header(frames[1]).kind if len(frames) >= 2 else None
                 except ProtocolError:
                     continue
-                if kind == codec.BYE:
+                if kind == codec.BYE and frames[0] in told:
                     told.discard(frames[0])
+                    self._counters["close_answered"] += 1
 
     def _send(self, link_or_identity, frames) -> bool:
         """Send to a peer without ever blocking; False if it was not sent. The only place

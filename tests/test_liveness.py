@@ -101,6 +101,8 @@ def test_close_lets_every_rank_take_everything_then_reports_closed(name, procs, 
     finally:
         unconsumed = queue.close(timeout=30)
     assert unconsumed == []
+    # every rank answered the CLOSE before the engine closed its socket without a linger
+    assert queue.stats()["close_answered"] == 2
     raised = collect(results, "raised", 2, timeout=30)
     for rank in range(2):
         assert raised[rank]["type"] == raised[rank]["cause"] == "EngineClosedError", raised[rank]

@@ -910,26 +910,23 @@ class ShmTPGroup:
             # without the question), then ask how long. The partners' slots are read
             # inline: a poll is ~2x shorter than through _all_arrived.
             v, partners = self._view, self._partner_arrived
-            spin_end = now + _FIRST_SPIN_S
-            while now < spin_end:
-                for s in partners:
-                    if v[s] < gen:
-                        break
-                else:
-                    return int((now - start) * 1e9)
-                now = time.perf_counter()
-            budget = self._spin_budget_s(arrived_at)
-            if budget >= self._spin_s and on_wait is not None:
-                on_wait()  # a busy loop: use the wait (an idle one sleeps: nothing starves)
-                now = time.perf_counter()
-            spin_end = start + budget
-            while now < spin_end:
-                for s in partners:
-                    if v[s] < gen:
-                        break
-                else:
-                    return int((now - start) * 1e9)
-                now = time.perf_counter()
+            spin_end, asked = now + _FIRST_SPIN_S, False
+            while True:
+                while now < spin_end:
+                    for s in partners:
+                        if v[s] < gen:
+                            break
+                    else:
+                        return int((now - start) * 1e9)
+                    now = time.perf_counter()
+                if asked:
+                    break
+                asked = True
+                budget = self._spin_budget_s(arrived_at)
+                if budget >= self._spin_s and on_wait is not None:
+                    on_wait()  # a busy loop: use the wait (an idle one sleeps: nothing starves)
+                    now = time.perf_counter()
+                spin_end = start + budget
         # else an idle loop whose partners came late: block at once (what spinning or
         # asking would cost it is a tax on every idle iteration)
         deadline = None if timeout is None else start + timeout

@@ -27,8 +27,8 @@ resampling is seeded: the same run gives the same intervals.
 
 import numpy as np
 
-__all__ = ["Bootstrap", "placement_blocks", "verdict", "pooled_median", "pooled_mean", "ragged_median", "LEVEL",
-           "RESAMPLES", "MIN_ROUNDS", "WORDS"]
+__all__ = ["Bootstrap", "placement_blocks", "verdict", "pooled_median", "pooled_mean",
+           "ragged_median", "LEVEL", "RESAMPLES", "MIN_ROUNDS", "WORDS"]
 
 LEVEL = 0.95
 RESAMPLES = 2000

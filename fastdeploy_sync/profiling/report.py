@@ -41,7 +41,7 @@ _HOLDS_GIL = {"python"}
 REFERENCE_CONFIG = {"step_ms": 2.0, "rate": 100.0, "batch": 64, "prompt_len": 512, "tp": 2,
                     "tokens": "numpy"}
 
-# The delivery of a batch in three parts that add up to it (``_boundaries``).
+# The delivery of a batch in three parts that add up to it (``_boundaries_and_parts``).
 DELIVERY_PARTS = ("to_first_boundary", "boundaries_passed", "taking_step")
 _DELIVERY_PART_WORDS = {"to_first_boundary": "put -> first boundary",
                         "boundaries_passed": "boundaries passed",
@@ -309,7 +309,7 @@ def _delivery(segments, tp):
             for _, bid, put_ns, take_ns in t:
                 last_take[bid] = (put_ns, max(last_take.get(bid, (0, 0))[1], take_ns))
         per_round.append(np.asarray([t - p for p, t in last_take.values()], dtype=float))
-        rank_boundaries, rank_parts = _boundaries(_rank(s, 0), last_take)
+        rank_boundaries, rank_parts = _boundaries_and_parts(_rank(s, 0), last_take)
         boundaries += rank_boundaries
         parts += rank_parts
     lat = np.concatenate(per_round) if per_round else np.zeros(0)
@@ -330,7 +330,7 @@ def _delivery(segments, tp):
             "ranks_agree": not problems, "problems": problems}
 
 
-def _boundaries(worker, last_take):
+def _boundaries_and_parts(worker, last_take):
     """For each batch rank 0 took in a measured step: how many of its step boundaries
     (checks) passed from the put to the take, the take's included; and its delivery in
     the three ``DELIVERY_PARTS`` (ns; they add up to the delivery): the put to the first

@@ -292,6 +292,7 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
     segments, pids = [], []
     for block in range(options.placements):
         block_name = f"{run_name}p{block}"
+        mine = [k for k, (*_, rnd, _steps) in enumerate(schedule) if block_of[rnd] == block]
         procs = _Processes(options, block_name)
         try:
             (engine,) = procs.expect([procs.engine], "ready", _START_TIMEOUT_S)
@@ -306,16 +307,15 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
                 engine_cpus = engine["cpus"]
             procs.send(procs.workers, ("units", units))
             pids.append([proc.pid for proc in procs.procs])
-            for k, (mode, kind, phase, rnd, steps) in enumerate(schedule):
-                if block_of[rnd] != block:
-                    continue
+            for k in mine:
+                mode, kind, phase, rnd, steps = schedule[k]
                 if progress_bar is not None:
                     progress_bar.set_description(f"{kind or 'idle'} {mode}")
                 segments.append(_run_segment(procs, options, f"{run_name}s{k}", mode, kind,
                                              phase, rnd, steps, progress_bar))
         finally:
             procs.close()
-            _sweep([f"{block_name}m"] + [f"{run_name}s{k}" for k in range(len(schedule))])
+            _sweep([f"{block_name}m"] + [f"{run_name}s{k}" for k in mine])
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
             "engine_cpus": engine_cpus, "collective_spin_us": options.collective_spin_us(),

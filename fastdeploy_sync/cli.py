@@ -278,9 +278,10 @@ def _add_profile_parser(sub):
                     "Targets get an interval from a bootstrap over the rounds and say met or "
                     "MISSED only where it excludes the target, else inconclusive. Exit status "
                     "1 if a mode lost, duplicated or misordered a batch; timing targets never "
-                    "set the exit status. A default run takes 30-60 s on a 2-core machine "
-                    "(measured 31-35 s wall in three runs at load average 1.3; two process "
-                    "placements, each starting its processes; about half with the python "
+                    "set the exit status. A default run takes 25-60 s on a 2-core machine "
+                    "(measured 25.5-25.7 s in three runs on a quiet machine, 31-35 s wall in "
+                    "three at load average 1.3; two process placements, each starting its "
+                    "processes; about half with the python "
                     "step alone, the default where paddle is not installed); --steps, "
                     "--idle-steps, --step and --placements scale it.")
     p.add_argument("--mode", default=d.mode, choices=["all", *MODES],

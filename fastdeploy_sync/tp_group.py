@@ -535,7 +535,11 @@ class ShmTPGroup:
         v = seg.view
         if v[H_READY] != 1 or v[H_MAGIC] != MAGIC:
             return "rank 0 is creating it"
-        if not seg.owner_alive():
+        # Rank 0 holds both the owner lock and its rank lock for its life. A new rank 0
+        # reclaiming a dead group's segment holds the owner lock alone, for a moment before
+        # it removes the name: read that as stale too, or this rank would find its slot
+        # naming the dead rank and refuse to "rejoin a live group".
+        if not (seg.owner_alive() and seg.lock_held(rank_lock(0))):
             return (f"a stale segment of exited process {v[H_OWNER_PID]} waits for rank 0 to "
                     f"reclaim it")
         with _JOINED_LOCK:

@@ -3,11 +3,13 @@
 import glob
 import os
 import signal
+import time
 
 import pytest
 
 from fastdeploy_sync import BarrierTimeoutError, GroupInUseError
-from fastdeploy_sync.tp_group import ShmTPGroup
+from fastdeploy_sync.shm import OWNER_LOCK, Segment
+from fastdeploy_sync.tp_group import ShmTPGroup, group_shm_name
 
 from workers import barrier_once_rank, collect, hold_group_rank
 
@@ -57,6 +59,55 @@ def test_rank1_waits_while_a_stale_segment_awaits_its_rank0(name, procs, results
         collect(results, "passed", 1)
     finally:
         rank0.close()
+
+
+def test_rank1_of_a_restarted_group_waits_while_rank0_reclaims_the_old_segment(
+        name, procs, doomed):
+    """A whole group was killed and restarts. The new rank 0 reclaims the old segment: it
+    holds the old segment's owner lock for a moment before it removes the name. A new rank
+    1 that looks at the old segment in that moment must read it as stale and wait for the
+    new one, not refuse to "rejoin a live group" (its slot names the dead rank 1, and the
+    owner lock is held, but by the reclaimer, not by a rank 0 of that group)."""
+    for rank in range(2):
+        procs(hold_group_rank, doomed, rank, name, 2, 60)
+    pids = [pid for _, pid in sorted(collect(doomed, "ready", 2).items())]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        _wait_gone(pid)
+    reclaimer = Segment.attach(group_shm_name(name, 0))
+    try:
+        assert reclaimer.try_lock(OWNER_LOCK)  # what shm._reclaim holds while it unlinks
+        with pytest.raises(TimeoutError, match="stale segment"):
+            ShmTPGroup(name, 0, 2, 1, attach_timeout=0.3)
+        assert reclaimer.unlink_if_mine()
+    finally:
+        reclaimer.close()
+    rank0 = ShmTPGroup(name, 0, 2, 0)
+    try:
+        rank1 = ShmTPGroup(name, 0, 2, 1, attach_timeout=5)
+        try:
+            join = _in_thread(lambda: rank0.barrier(timeout=5))
+            rank1.barrier(timeout=5)
+            assert join() == ("ok", None)
+        finally:
+            rank1.close()
+    finally:
+        rank0.close()
+
+
+def _wait_gone(pid, timeout=10.0):
+    """Until ``pid`` is no longer a live process (reaped, or a zombie: its locks are gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still alive {timeout}s after SIGKILL")
 
 
 def test_a_live_group_of_another_process_is_not_stolen(name, procs, results):

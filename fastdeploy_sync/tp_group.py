@@ -116,7 +116,7 @@ import posix_ipc
 from . import envs
 from .errors import BarrierTimeoutError, ClosedError, GroupInUseError, GroupLostError
 from .shm import (OWNER_LOCK, Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
-                  open_semaphore, owner_alive, unlink_semaphore)
+                  open_semaphore, unlink_semaphore)
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name", "rank_lock", "remove_if_stale",
            "FAULT_LEFT"]
@@ -1081,8 +1081,3 @@ class _Resources:
         if unmap:
             seg.close()
 
-
-def owner_of_group_alive(name: str, dp_id: int) -> bool:
-    """True if rank 0 of the node-local group (name, dp_id) is alive; ``FileNotFoundError``
-    if there is no such group segment. Never blocks."""
-    return owner_alive(group_shm_name(name, dp_id))

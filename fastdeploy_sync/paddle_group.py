@@ -248,7 +248,7 @@ class PaddleTPGroup:
     def all_consumed(self, seq):
         return self._track_consumed and self._min_consumed >= seq
 
-    def barrier(self, timeout=None, service=None, check=None):
+    def barrier(self, timeout=None, service=None, check=None, on_wait=None):
         """One ``all_reduce(MIN)`` across the TP ranks; blocks until every rank joins it.
 
         ``timeout`` (seconds): the wait is bounded by ``min(timeout, GLOO_TIMEOUT_S)``;
@@ -259,6 +259,7 @@ class PaddleTPGroup:
 
         ``check`` runs first (the worker raises its prefetch failure this way); ``service``
         runs once before the offer is computed (sync mode receives what has arrived).
+        ``on_wait`` is not called: gloo's wait has no hook of ours (the worker passes None).
         """
         if check is not None:
             check()

@@ -13,8 +13,10 @@ need it any more (the pool also waits for every rank's arrays to be freed: see
 ``payload_shm``).
 
 Lock invariant: ``_lock`` guards the pools, ``_kept`` (seq -> the shared memory of a
-batch the engine retains) and ``counters``. ``encode`` holds it only to take a region
-(and, once per worker group, to create the pool); the copy runs outside it. The engine
+batch the engine retains) and ``counters``. ``encode`` holds it only to take a region;
+the copy runs outside it, and so does the pool's creation (once per worker group, by the
+put that needs it first: releases, stats and other puts never wait for it; a put that
+finds the pool being created takes a segment of its own). The engine
 calls ``keep``, ``release`` and ``drop_all`` under its own mutex, which is always taken
 before this lock, never after.
 """
@@ -78,6 +80,7 @@ class BatchEncoder:
         self._hash_shared = envs.shm_checksum()
         self._lock = threading.Lock()
         self._pool = None  # the current group's pool, created at its first shared batch
+        self._creating_pool = False  # a put is creating it (outside _lock)
         self._retired = []  # retired pools a batch of the next group may still sit in
         self._pool_retry_at = 0.0  # no pool until then (the last attempt failed)
         self._numbers = itertools.count(1)  # names of pools and segments
@@ -101,7 +104,8 @@ class BatchEncoder:
         a node-local batch whose arrays take at least the threshold, into shared memory
         (the pool; else a segment of its own; else, when ``/dev/shm`` has no room, the
         data frame after all). Any thread. Blocks for the copy, and, at the first shared
-        batch of a worker group, while the pool is created (0.17 s for 256 MiB here).
+        batch of a worker group, while the pool is created (0.17 s for 256 MiB here; only
+        this call waits for it: see the module docstring).
 
         Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
         message would exceed the workers' limit (or a codec bound); nothing is held then.
@@ -146,21 +150,26 @@ class BatchEncoder:
         with self._lock:
             if self._closed:
                 return None  # the put fails with ClosedError anyway
-            pool = self._current_pool()
-            if pool is not None:
-                region = pool.allocate(size)
+            pool = self._pool
+            plan = self._plan_pool() if pool is None else None
+            number = next(self._numbers)
+        if plan is not None:
+            pool = self._create_pool(*plan)  # this put only: nothing else waits for it
+        if pool is not None:
+            with self._lock:
+                region = pool.allocate(size) if pool is self._pool else None
                 if region is not None:
                     self.counters["shm_pool_batches"] += 1
                     return region
-                held = pool.stats()
-                why = (f"the pool ({pool.data_size >> 20} MiB) holds {held['regions']} "
-                       f"batch(es) not yet consumed and freed by every rank "
-                       f"({held['bytes_held'] >> 20} MiB)" if size <= pool.data_size else
-                       f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
-                       f"FD_SYNC_SHM_POOL_MB)")
-                self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a segment "
-                           "of its own: %s", size / payload_shm.MiB, why)
-            number = next(self._numbers)
+                if pool is self._pool:
+                    held = pool.stats()
+                    why = (f"the pool ({pool.data_size >> 20} MiB) holds {held['regions']} "
+                           f"batch(es) not yet consumed and freed by every rank "
+                           f"({held['bytes_held'] >> 20} MiB)" if size <= pool.data_size else
+                           f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
+                           f"FD_SYNC_SHM_POOL_MB)")
+                    self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a "
+                               "segment of its own: %s", size / payload_shm.MiB, why)
         no_room = payload_shm.fresh_fits(size)
         if no_room is None:
             name = payload_shm.payload_name(self.name, self.dp_id, number)
@@ -185,10 +194,12 @@ class BatchEncoder:
                        size / payload_shm.MiB, no_room)
         return None
 
-    def _current_pool(self):
-        """The current group's pool, created now if it has none (under ``_lock``)."""
-        if self._pool is not None or not self._pool_bytes or self._closed:
-            return self._pool
+    def _plan_pool(self):
+        """(name, size) of the pool this put should create, or None: pools are off, one is
+        being created by another put (this batch takes a segment of its own meanwhile),
+        or the last attempt failed less than ``_POOL_RETRY_S`` ago. Under ``_lock``."""
+        if not self._pool_bytes or self._creating_pool:
+            return None
         now = time.monotonic()
         if now < self._pool_retry_at:
             return None
@@ -204,20 +215,40 @@ class BatchEncoder:
                        "%d MiB (FD_SYNC_SHM_POOL_MB=%d): %s", size >> 20, self._pool_bytes >> 20,
                        why)
         name = payload_shm.pool_name(self.name, self.dp_id, next(self._numbers))
+        self._creating_pool = True
+        self.names.add(name)  # from now on: the finalizer removes it if we die meanwhile
+        return name, size
+
+    def _create_pool(self, name, size):
+        """Create the pool ``_plan_pool`` named, outside ``_lock`` (its pages are reserved
+        and faulted in: 0.17 s for 256 MiB here, during which releases, stats and other
+        puts must not wait), and make it the current pool; None if it could not be
+        created or the queue closed meanwhile."""
+        pool = error = None
         try:
-            self._pool = payload_shm.PayloadPool.create(name, self.tp_size, size)
+            pool = payload_shm.PayloadPool.create(name, self.tp_size, size)
         except FileExistsError:
-            raise EndpointInUseError(
+            error = EndpointInUseError(
                 f"TaskQueue {self.name} dp_id={self.dp_id}: pool {name} exists: another "
-                f"TaskQueue of this name lives in this process; close it first") from None
+                f"TaskQueue of this name lives in this process; close it first")
         except OSError as exc:
-            self._note("pool-failed", logging.WARNING, "could not create the "
-                       "shared-memory pool %s (%d MiB): %s; retrying in %.0f s", name,
-                       size >> 20, exc, _POOL_RETRY_S)
-            return None
-        self.names.add(name)
-        self.counters["shm_pools_created"] += 1
-        return self._pool
+            error = exc
+        with self._lock:
+            self._creating_pool = False
+            if pool is None:
+                self.names.discard(name)
+                if isinstance(error, EndpointInUseError):
+                    raise error from None
+                self._note("pool-failed", logging.WARNING, "could not create the "
+                           "shared-memory pool %s (%d MiB): %s; retrying in %.0f s", name,
+                           size >> 20, error, _POOL_RETRY_S)
+                return None
+            if self._closed or self._pool is not None:
+                self._close_pool(pool)
+                return None
+            self._pool = pool
+            self.counters["shm_pools_created"] += 1
+            return pool
 
     def _note(self, key, level, msg, *args):
         self._log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, self.name, self.dp_id, *args)

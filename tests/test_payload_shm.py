@@ -8,6 +8,7 @@ import gc
 import glob
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -124,6 +125,57 @@ def test_batches_above_and_below_the_threshold_arrive_identical(name, procs, res
         assert batches == [expected(i) for i in range(n)], f"rank {rank}"
         assert shared == n // 2, f"rank {rank} mapped {shared} shared batches"
     assert shm_names(name) == []  # close() unlinked the pool
+
+
+def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
+        name, procs, results, small_threshold, monkeypatch):
+    """The first shared batch of a group creates the pool (0.17 s for 256 MiB here, longer
+    on a loaded node). Only that put may wait for it: num_tasks(), the I/O thread freeing
+    what the ranks consumed, and another producer's put (its large batch takes a segment
+    of its own meanwhile) go on."""
+    creating, finish = threading.Event(), threading.Event()
+    real_create = payload_shm.PayloadPool.create
+
+    def slow_create(*args, **kwargs):
+        creating.set()
+        finish.wait(30)
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(payload_shm.PayloadPool, "create", slow_create)
+
+    def in_thread(fn):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+        thread.start()
+        return thread, out
+
+    with TaskQueue(name, 2, max_inflight=8) as queue:
+        for rank in range(2):
+            procs(take_and_describe, results, rank, name, 2, 3, True)
+        collect(results, "ready", 2)
+        try:
+            first, seqs = in_thread(lambda: queue.put_tasks(make_batch(0), timeout=30))
+            assert creating.wait(10)
+            queue.put_tasks(make_batch(1), timeout=10)  # below the threshold
+            # the ranks take it and the engine frees it while the pool is being created
+            answered, counts = in_thread(
+                lambda: wait_until(lambda: queue.num_tasks() == 0, 20))
+            answered.join(25)
+            assert counts == [True], "num_tasks() waited for the pool's creation"
+            other, other_seq = in_thread(lambda: queue.put_tasks(make_batch(2), timeout=10))
+            other.join(15)
+            assert other_seq, "a second producer's put waited for the pool's creation"
+            assert not finish.is_set() and first.is_alive()  # the pool is still being made
+        finally:
+            finish.set()
+        first.join(30)
+        taken = collect(results, "taken", 2)
+        stats = shm_stats(queue)
+    assert seqs and other_seq[0] < seqs[0]
+    for rank, (batches, shared) in taken.items():
+        assert batches == [expected(1), expected(2), expected(0)], f"rank {rank}"
+        assert shared == 2, f"rank {rank}"
+    assert stats["shm_pool_batches"] == 1 and stats["shm_segment_batches"] == 1, stats
 
 
 def test_default_threshold_and_off(name, procs, results, monkeypatch):

@@ -279,8 +279,8 @@ class TaskClient:
         # per call cost ~80 ns of a ~450 ns barrier (measured with the partner already there)
         self._group_barrier = self._group.barrier
         self._check_in_wait = self._barrier_check
-        self._work_in_wait = self._drain if self._local_group and async_prefetch else None
-        self._service_in_wait = None if async_prefetch else self._receive_in_wait
+        self._work_in_wait = self._drain if self._local_group and self.async_prefetch else None
+        self._service_in_wait = None if self.async_prefetch else self._receive_in_wait
         # rank 0's check waits for peers still receiving what it holds (tp_group.wait_peers)
         # where the barrier that follows is this group's own: its arrivals end the wait
         self._waits_for_peers = (tp_rank == 0 and isinstance(self._group, ShmTPGroup)

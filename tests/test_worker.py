@@ -183,6 +183,36 @@ def test_async_mode_follows_the_environment(name, monkeypatch):
         TaskClient(name, 1, 0)
 
 
+@pytest.mark.parametrize("env,argument,expect_async",
+                         [(None, None, True), ("0", None, True), ("1", None, False),
+                          ("1", True, True), (None, False, False)],
+                         ids=["default", "env-0", "env-1", "argument-true", "argument-false"])
+def test_the_barrier_waits_the_way_of_the_mode_however_it_was_chosen(
+        name, monkeypatch, env, argument, expect_async):
+    """Async mode: the barrier's wait lets the event loop take what its prefetch thread has
+    not (on_wait) and never polls the socket itself; sync mode: the wait keeps receiving
+    (service). Whether the mode came from the argument or from
+    DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM (the default, async_prefetch=None)."""
+    from fastdeploy_sync.tp_group import SoloGroup
+
+    calls = []
+    monkeypatch.setattr(SoloGroup, "barrier",
+                        lambda self, timeout=None, service=None, check=None, on_wait=None:
+                        calls.append((service, on_wait)))
+    if env is None:
+        monkeypatch.delenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", raising=False)
+    else:
+        monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", env)
+    with TaskClient(name, 1, 0, async_prefetch=argument) as client:
+        assert client.async_prefetch is expect_async
+        client.barrier(timeout=5)
+        ((service, on_wait),) = calls
+        if expect_async:
+            assert service is None and on_wait == client._drain
+        else:
+            assert service == client._receive_in_wait and on_wait is None
+
+
 def _first_error(client, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -170,6 +170,8 @@ class BatchEncoder:
                            f"FD_SYNC_SHM_POOL_MB)")
                     self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a "
                                "segment of its own: %s", size / payload_shm.MiB, why)
+        if self._closed:  # while this put created the pool: it fails with ClosedError
+            return None
         no_room = payload_shm.fresh_fits(size)
         if no_room is None:
             name = payload_shm.payload_name(self.name, self.dp_id, number)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue, codec, payload_shm
+from fastdeploy_sync import (GroupLostError, ProtocolError, TaskClient, TaskQueue, batch_encoder,
+                             codec, payload_shm)
 
 from conftest import SPAWN
 from workers import _report_errors, collect, wait_until
@@ -176,6 +177,41 @@ def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
         assert batches == [expected(1), expected(2), expected(0)], f"rank {rank}"
         assert shared == 2, f"rank {rank}"
     assert stats["shm_pool_batches"] == 1 and stats["shm_segment_batches"] == 1, stats
+
+
+def test_close_during_the_pools_creation_leaves_no_name(name, monkeypatch):
+    """close() does not wait for a pool being created; the pool is unlinked once its
+    creation ends, and the put that created it gets no shared memory (its put raises
+    ClosedError). The name fixture checks that nothing is left in /dev/shm."""
+    monkeypatch.setenv("FD_SYNC_SHM_PAYLOAD_MIN_KB", str(THRESHOLD_KB))
+    creating, finish = threading.Event(), threading.Event()
+    real_create = payload_shm.PayloadPool.create
+
+    def slow_create(*args, **kwargs):
+        creating.set()
+        finish.wait(30)
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(payload_shm.PayloadPool, "create", slow_create)
+    encoder = batch_encoder.BatchEncoder(name, 0, 2, node_local=True,
+                                         max_message_bytes=1 << 30)
+    out = []
+    put = threading.Thread(target=lambda: out.append(encoder.encode(make_batch(0))),
+                           daemon=True)
+    put.start()
+    try:
+        assert creating.wait(10)
+        closer = threading.Thread(target=encoder.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() waited for the pool's creation"
+        assert put.is_alive()
+    finally:
+        finish.set()
+    put.join(30)
+    (batch,) = out
+    assert batch.shared is None
+    assert shm_names(name) == []
 
 
 def test_default_threshold_and_off(name, procs, results, monkeypatch):

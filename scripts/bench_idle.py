@@ -87,7 +87,13 @@ def idle_loop_rank(name, tp, rank, loop, seconds, barrier, out):
                 break
             if loop != "wait":
                 time.sleep(0.001)
-        out.put(("cpu", rank, 100.0 * (time.process_time() - c0) / (time.monotonic() - w0)))
+        cpu = 100.0 * (time.process_time() - c0) / (time.monotonic() - w0)
+        if loop == "client-only":
+            # each rank saw the stop batch on its own: meet before closing, or the first
+            # to close (BYE) retires the group while the other has not yet seen it, and
+            # the other's num_tasks() raises GroupLostError
+            client.barrier(timeout=60)
+        out.put(("cpu", rank, cpu))
 
 
 def wake_rank(name, tp, rank, loop, n, out):

@@ -128,12 +128,9 @@ def test_batches_above_and_below_the_threshold_arrive_identical(name, procs, res
     assert shm_names(name) == []  # close() unlinked the pool
 
 
-def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
-        name, procs, results, small_threshold, monkeypatch):
-    """The first shared batch of a group creates the pool (0.17 s for 256 MiB here, longer
-    on a loaded node). Only that put may wait for it: num_tasks(), the I/O thread freeing
-    what the ranks consumed, and another producer's put (its large batch takes a segment
-    of its own meanwhile) go on."""
+def hold_pool_creation(monkeypatch):
+    """Make every pool creation in this process wait for ``finish`` (set it, or 30 s pass)
+    after setting ``creating``: (creating, finish)."""
     creating, finish = threading.Event(), threading.Event()
     real_create = payload_shm.PayloadPool.create
 
@@ -143,6 +140,16 @@ def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
         return real_create(*args, **kwargs)
 
     monkeypatch.setattr(payload_shm.PayloadPool, "create", slow_create)
+    return creating, finish
+
+
+def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
+        name, procs, results, small_threshold, monkeypatch):
+    """The first shared batch of a group creates the pool (0.17 s for 256 MiB here, longer
+    on a loaded node). Only that put may wait for it: num_tasks(), the I/O thread freeing
+    what the ranks consumed, and another producer's put (its large batch takes a segment
+    of its own meanwhile) go on."""
+    creating, finish = hold_pool_creation(monkeypatch)
 
     def in_thread(fn):
         out = []
@@ -184,15 +191,7 @@ def test_close_during_the_pools_creation_leaves_no_name(name, monkeypatch):
     creation ends, and the put that created it gets no shared memory (its put raises
     ClosedError). The name fixture checks that nothing is left in /dev/shm."""
     monkeypatch.setenv("FD_SYNC_SHM_PAYLOAD_MIN_KB", str(THRESHOLD_KB))
-    creating, finish = threading.Event(), threading.Event()
-    real_create = payload_shm.PayloadPool.create
-
-    def slow_create(*args, **kwargs):
-        creating.set()
-        finish.wait(30)
-        return real_create(*args, **kwargs)
-
-    monkeypatch.setattr(payload_shm.PayloadPool, "create", slow_create)
+    creating, finish = hold_pool_creation(monkeypatch)
     encoder = batch_encoder.BatchEncoder(name, 0, 2, node_local=True,
                                          max_message_bytes=1 << 30)
     out = []

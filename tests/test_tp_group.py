@@ -68,13 +68,13 @@ def test_rank1_of_a_restarted_group_waits_while_rank0_reclaims_the_old_segment(
     1 that looks at the old segment in that moment must read it as stale and wait for the
     new one, not refuse to "rejoin a live group" (its slot names the dead rank 1, and the
     owner lock is held, but by the reclaimer, not by a rank 0 of that group)."""
-    for rank in range(2):
-        procs(hold_group_rank, doomed, rank, name, 2, 60)
-    pids = [pid for _, pid in sorted(collect(doomed, "ready", 2).items())]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    for pid in pids:
-        _wait_gone(pid)
+    group = [procs(hold_group_rank, doomed, rank, name, 2, 60) for rank in range(2)]
+    collect(doomed, "ready", 2)
+    for p in group:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in group:  # reaped: every thread gone, so are its locks (a zombie leader is not)
+        p.join(timeout=10)
+        assert p.exitcode == -signal.SIGKILL
     reclaimer = Segment.attach(group_shm_name(name, 0))
     try:
         assert reclaimer.try_lock(OWNER_LOCK)  # what shm._reclaim holds while it unlinks
@@ -94,20 +94,6 @@ def test_rank1_of_a_restarted_group_waits_while_rank0_reclaims_the_old_segment(
             rank1.close()
     finally:
         rank0.close()
-
-
-def _wait_gone(pid, timeout=10.0):
-    """Until ``pid`` is no longer a live process (reaped, or a zombie: its locks are gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} still alive {timeout}s after SIGKILL")
 
 
 def test_a_live_group_of_another_process_is_not_stolen(name, procs, results):

@@ -157,11 +157,11 @@ class BatchEncoder:
             pool = self._create_pool(*plan)  # this put only: nothing else waits for it
         if pool is not None:
             with self._lock:
-                region = pool.allocate(size) if pool is self._pool else None
-                if region is not None:
-                    self.counters["shm_pool_batches"] += 1
-                    return region
-                if pool is self._pool:
+                if pool is self._pool:  # not retired with its group meanwhile
+                    region = pool.allocate(size)
+                    if region is not None:
+                        self.counters["shm_pool_batches"] += 1
+                        return region
                     held = pool.stats()
                     why = (f"the pool ({pool.data_size >> 20} MiB) holds {held['regions']} "
                            f"batch(es) not yet consumed and freed by every rank "
@@ -170,7 +170,7 @@ class BatchEncoder:
                            f"FD_SYNC_SHM_POOL_MB)")
                     self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a "
                                "segment of its own: %s", size / payload_shm.MiB, why)
-        if self._closed:  # while this put created the pool: it fails with ClosedError
+        if self._closed:  # since the check above (e.g. while this put created the pool)
             return None
         no_room = payload_shm.fresh_fits(size)
         if no_room is None:

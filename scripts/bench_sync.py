@@ -433,9 +433,8 @@ def bench_questions(iters=20000):
 
     import zmq
 
-    from fastdeploy_sync.tp_group import _RunQueueWait
-
-    from fastdeploy_sync.tp_group import R_ARRIVED, RANK_BASE, RANK_STRIDE, ShmTPGroup
+    from fastdeploy_sync.tp_group import (R_ARRIVED, RANK_BASE, RANK_STRIDE, ShmTPGroup,
+                                          _RunQueueWait)
 
     runq = _RunQueueWait()
     # rank 0 of a TP=2 group whose rank 1 is always already there: barrier()'s own work,

@@ -143,6 +143,14 @@ def hold_pool_creation(monkeypatch):
     return creating, finish
 
 
+def in_thread(fn):
+    """Run ``fn`` in a daemon thread: (the thread, a list that gets what fn returned)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
 def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
         name, procs, results, small_threshold, monkeypatch):
     """The first shared batch of a group creates the pool (0.17 s for 256 MiB here, longer
@@ -150,13 +158,6 @@ def test_the_engine_answers_while_its_first_shared_batch_creates_the_pool(
     what the ranks consumed, and another producer's put (its large batch takes a segment
     of its own meanwhile) go on."""
     creating, finish = hold_pool_creation(monkeypatch)
-
-    def in_thread(fn):
-        out = []
-        thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-        thread.start()
-        return thread, out
-
     with TaskQueue(name, 2, max_inflight=8) as queue:
         for rank in range(2):
             procs(take_and_describe, results, rank, name, 2, 3, True)
@@ -194,14 +195,10 @@ def test_close_during_the_pools_creation_leaves_no_name(name, monkeypatch):
     creating, finish = hold_pool_creation(monkeypatch)
     encoder = batch_encoder.BatchEncoder(name, 0, 2, node_local=True,
                                          max_message_bytes=1 << 30)
-    out = []
-    put = threading.Thread(target=lambda: out.append(encoder.encode(make_batch(0))),
-                           daemon=True)
-    put.start()
+    put, out = in_thread(lambda: encoder.encode(make_batch(0)))
     try:
         assert creating.wait(10)
-        closer = threading.Thread(target=encoder.close, daemon=True)
-        closer.start()
+        closer, _ = in_thread(encoder.close)
         closer.join(10)
         assert not closer.is_alive(), "close() waited for the pool's creation"
         assert put.is_alive()

@@ -3,7 +3,6 @@
 import glob
 import os
 import signal
-import time
 
 import pytest
 

@@ -289,6 +289,11 @@ class TaskQueue:
         for it (``batch_encoder``). Either way the arrays are copied once before this
         returns: mutating them afterwards does not change the batch.
 
+        Once enqueued, the batch is sent to the connected ranks from this thread when the
+        I/O thread is not in a pass (it is woken to send otherwise): the sends never block
+        (a rank that does not read gets the batch on a later pass) and cost this call ~25 µs
+        per rank for a 64 × 512 batch, which then leaves ~50-85 µs sooner.
+
         Blocks while ``max_inflight`` batches are not yet consumed by every rank.
         ``timeout`` (seconds, None = forever): raises ``TimeoutError`` naming the ranks that
         are behind and their state; the batch is then not enqueued. Raises ``ClosedError``
@@ -325,13 +330,13 @@ class TaskQueue:
 
     def _send_now(self):
         """put_tasks(), after enqueueing: send to the ranks from the calling thread if no
-        I/O pass is running, instead of waking the I/O thread to do it (a thread wake-up:
-        ~90 µs from put_tasks() returning to the send, scripts/bench_sync.py section 7).
-        Never blocks: when a pass holds the socket, or the queue is stopping, the I/O
-        thread is woken and sends at its next pass, as before.
+        I/O pass is running, instead of waking the I/O thread to do it (that wake-up
+        stood 74-89 µs between put_tasks() returning and the first send in
+        scripts/bench_sync.py section 7). Never blocks: when a pass holds the socket, or
+        the queue is stopping, the I/O thread is woken and sends at its next pass.
 
-        Costs the caller the sends themselves (~8 µs per rank for a 64 × 512 batch).
-        Sending processes the socket's pending commands, which can consume the readiness
+        Costs the caller the sends themselves (~25 µs per rank for a 64 × 512 batch after
+        the thread slept; docs/performance.md). Sending processes the socket's pending commands, which can consume the readiness
         signal of messages that arrived meanwhile (ZMQ_FD signals edges): when any wait,
         the I/O thread is woken for them."""
         if self._sock_lock.acquire(False):
@@ -392,7 +397,8 @@ class TaskQueue:
 
     def stats(self) -> dict:
         """Counters (``garbage_frames``, ``acks``, ``hellos``, ``rejected``, ``stale``,
-        ``pings``, ``sent``, ``groups_retired``, ``connections_cut``...), the last seq put,
+        ``pings``, ``sent``, ``sent_by_put`` (of ``sent``: by ``put_tasks()`` itself),
+        ``groups_retired``, ``connections_cut``...), the last seq put,
         every rank's consumed seq and state (see ``ranks()``), the group (``liveness.id_tag``
         of its incarnation: ids are secrets); ``retirements``: retired groups by kind
         (``gone``, ``hung``, ``left``, ``rank_restarted``, ``replaced``, ``other``);

@@ -14,7 +14,8 @@ from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
 from fastdeploy_sync.codec import ACK, pack_header
 
 from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
-from workers import collect, hold_engine, hold_group_rank, make_batch, take_n_rank, wait_until
+from workers import (collect, hold_engine, hold_group_rank, make_batch, step_until_error_rank,
+                     take_n_rank, wait_until)
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
@@ -662,3 +663,50 @@ def test_puts_from_many_threads_reach_every_rank_in_order_while_acks_arrive(name
     assert stats["sent"] == 2 * n  # each rank sent each batch once: no reconnect
     assert stats.get("send_errors", 0) == 0 and stats.get("sends_dropped_full", 0) == 0
     assert stats.get("acks", 0) > 0  # the I/O thread kept receiving
+
+
+def test_close_from_another_thread_while_threads_put(name, procs, results):
+    """close() from its own thread while three threads put (each sending its batches
+    itself when it can): every put either returns a seq or raises ClosedError, every
+    batch accepted reaches both ranks in seq order before they learn the engine closed,
+    and no send failed on a socket closed under it."""
+    import threading
+
+    from fastdeploy_sync import ClosedError
+
+    with TaskQueue(name, 2, max_inflight=4) as queue:
+        for rank in range(2):
+            procs(step_until_error_rank, results, rank, name, 2)
+        collect(results, "ready", 2)
+        accepted, failures = {}, []
+
+        def put(t):
+            try:
+                for k in range(100000):
+                    seq = queue.put_tasks(t * 100000 + k, timeout=10)
+                    accepted[seq] = t * 100000 + k
+            except ClosedError:
+                return
+            except BaseException as exc:
+                failures.append(exc)
+
+        putters = [threading.Thread(target=put, args=(t,)) for t in range(3)]
+        for thread in putters:
+            thread.start()
+        assert wait_until(lambda: len(accepted) >= 50, timeout=30)
+        unconsumed = []
+        closer = threading.Thread(target=lambda: unconsumed.extend(queue.close(timeout=10)))
+        closer.start()
+        closer.join(timeout=30)
+        for thread in putters:
+            thread.join(timeout=30)
+        assert not closer.is_alive() and not any(thread.is_alive() for thread in putters)
+        assert not failures, failures
+        stats = queue.stats()
+    raised = collect(results, "raised", 2)
+    assert unconsumed == []
+    expected = [accepted[seq] for seq in sorted(accepted)]
+    for rank in range(2):
+        assert raised[rank]["type"] == "EngineClosedError", raised[rank]
+        assert raised[rank]["taken"] == expected
+    assert stats.get("send_errors", 0) == 0 and stats["sent"] == 2 * len(expected)

@@ -393,6 +393,9 @@ class ReadinessPoll:
             self._fds[i].events = select.POLLIN
         # int16 view: entry i's revents is short 4 * i + 3 (int fd, short events, revents)
         self._shorts = memoryview(self._fds).cast("B").cast("h")
+        #: ``wait()`` calls so far. A reader that handled the wake-up ``ready`` reports can
+        #: note this number, and the waiter learn that it was handled (worker._drain).
+        self.polls = 0
         self._fallback = None
         if _POLL is None:
             self._fallback = select.poll()
@@ -411,7 +414,9 @@ class ReadinessPoll:
         return bool(self._shorts[4 * i + 3])
 
     def wait(self, timeout_ms: float) -> None:
-        """Block (GIL released) until a descriptor is readable or ``timeout_ms`` passed."""
+        """Block (GIL released) until a descriptor is readable or ``timeout_ms`` passed.
+        Counts the calls first (``polls``): which wake-up ``ready`` describes."""
+        self.polls += 1
         if self._fallback is not None:
             self._fallback.poll(timeout_ms)
             return

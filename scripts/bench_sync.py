@@ -9,7 +9,10 @@ counts the round trips), in the same run.
 Section 6 measures the StepProfiler's own cost per step (FD_SYNC_PROFILE=1). Section 8
 measures delivery (put -> every rank took the batch) in a busy TP=2 loop whose 2 ms step
 holds the GIL (pure Python) or releases it (sleep), async and sync alternately; section 9
-what the barrier's busy-loop question and the event loop's look at its sockets cost.
+what the barrier's busy-loop question and the event loop's look at its sockets cost;
+section 10 a loop whose step holds the GIL, split by whether a batch had woken the prefetch
+thread when the step began (the event loop then receives it itself, and the thread's poll
+result stays set until it gets the GIL).
 ``--metrics-hz HZ`` registers a fastdeploy_sync.metrics collector on every engine queue of
 sections 1-3 and scrapes it HZ times a second from a thread of the engine's process (a
 Prometheus server scrapes every 15 s or so: a high rate magnifies the cost).
@@ -622,7 +625,7 @@ def line(label, samples, ref=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=5000)
-    ap.add_argument("--sections", default="1,2,3,4,5,6,7,8,9",
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7,8,9,10",
                     help="comma-separated section numbers to run (default: all)")
     ap.add_argument("--metrics-hz", type=float, default=0,
                     help="scrape a metrics collector on each engine queue of sections 1-3 "
@@ -637,7 +640,7 @@ def main():
           f"{timer_overhead():.2f} us (included below)"
           + (f"; metrics scraped {args.metrics_hz:g}/s" if args.metrics_hz else ""))
     sections = [_section_1, _section_2, _section_3, _section_4, _section_5, _section_6,
-                _section_7, _section_8, _section_9]
+                _section_7, _section_8, _section_9, _section_10]
     for k, section in enumerate(sections, 1):
         if k in want:
             section(n)
@@ -763,6 +766,75 @@ def _section_9(n):
           "(per call, best of 5 blocks)")
     for label, cost in bench_questions().items():
         print(f"  {label:<52} {cost:8.1f} ns")
+
+
+def _gil_holding_step(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # a pure-Python model step: the GIL never released
+        pass
+
+
+def stale_poll_rank(name, out, step_s=0.002):
+    """TP=1, async: a loop whose model step holds the GIL; per step, the time of
+    exist_tasks() + barrier() + get_tasks(), whether the prefetch thread's poll result was
+    set (a batch woke it) when the step began, and how many batches it took. Stops at the
+    batch "stop"."""
+    rows = []
+    with TaskClient(name, 1, 0, async_prefetch=True) as client:
+        out.put(("ready", None))
+        ready = client._ready
+        while True:
+            woken = ready.ready(0)
+            t0 = ns()
+            client.exist_tasks()
+            client.barrier()
+            tasks, _ = client.get_tasks()
+            rows.append((ns() - t0, woken, len(tasks)))
+            if tasks and tasks[-1] == "stop":
+                break
+            _gil_holding_step(step_s)
+        received_by_loop = client.stats().get("received_by_loop", 0)
+    out.put(("rows", (rows, received_by_loop)))
+
+
+def bench_stale_poll(n):
+    """Section 10: ``stale_poll_rank`` against an engine here putting a 64 x 512 batch
+    every 10 ms."""
+    name = "sp" + uuid.uuid4().hex[:8]
+    batch = make_requests()
+    out = SPAWN.Queue()
+    with TaskQueue(name, 1, max_inflight=8) as queue:
+        proc = SPAWN.Process(target=stale_poll_rank, args=(name, out))
+        proc.start()
+        try:
+            assert out.get(timeout=60)[0] == "ready"
+            for _ in range(n):
+                time.sleep(0.010)
+                queue.put_tasks(batch, timeout=30)
+            queue.put_tasks("stop", timeout=30)
+            kind, (rows, by_loop) = out.get(timeout=60)
+        finally:
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+    times = np.asarray([r[0] for r in rows], dtype=np.float64)
+    woken = np.asarray([r[1] for r in rows], dtype=bool)
+    took = np.asarray([r[2] for r in rows]) > 0
+    return times, woken, took, by_loop
+
+
+def _section_10(n):
+    count = max(n // 20, 100)
+    print(f"\n10. check + barrier + take in a loop whose 2 ms step holds the GIL, TP=1 async, "
+          f"{count} batches of 64 x 512 token ids 10 ms apart")
+    times, woken, took, by_loop = bench_stale_poll(count)
+    idle = ~took
+    line(f"steps that took a batch ({int(took.sum())})", times[took])
+    line(f"steps without, prefetch poll result set ({int((idle & woken).sum())})",
+         times[idle & woken])
+    line(f"steps without, result clear ({int((idle & ~woken).sum())})", times[idle & ~woken])
+    line("every step", times)
+    print(f"  {'':<46} received by the event loop: {by_loop} of {count + 1} batches")
 
 
 if __name__ == "__main__":

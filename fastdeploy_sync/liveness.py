@@ -40,7 +40,7 @@ sender does the same to a single big frame. Hence:
   * the engine's socket runs the heartbeats (``configure_engine_socket``): its PINGs
     leave after whatever message it is sending, and the workers' answers travel on the
     direction that carries only small messages, so a big batch does not trip it
-    (``tests/test_liveness.py``: a 48 MiB batch crossing in ~6 s under a 2 s timeout);
+    (``tests/test_liveness.py``: a 48 MiB batch crossing in ~4 s under a 2 s timeout);
     it asks the workers for no TTL;
   * a worker's socket that *receives* batches must not have a ZMTP timeout shorter than
     its largest batch's transfer (``configure_socket(sock, receives_batches=True)``: it

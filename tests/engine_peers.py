@@ -7,11 +7,82 @@ child (module-level functions, so that spawn can import them).
 import os
 import secrets
 import signal
+import socket
+import threading
 import time
 
 import zmq
 
 from fastdeploy_sync import codec
+
+
+class SlowRelay:
+    """A TCP relay between ranks and an engine that passes the engine's bytes on at
+    ``rate`` bytes/s (the ranks' bytes at once): a batch that takes longer to cross than a
+    heartbeat timeout, with ordinary TCP buffers. (Shrinking the rank's receive buffer to
+    1 KiB did it too, but on loopback the window then fell below the MSS and the transfer
+    stalled in zero-window probes for minutes in about one run of four under load.)
+    ``endpoint``: where ranks connect. ``close()`` stops it."""
+
+    def __init__(self, engine_endpoint, rate):
+        host, port = engine_endpoint[len("tcp://"):].rsplit(":", 1)
+        self._target, self._rate = (host, int(port)), rate
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._socks, self._threads = [], []
+        self._start(self._accept)
+
+    def _start(self, target, *args):
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                rank_side, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            engine_side = socket.create_connection(self._target, timeout=5)
+            self._socks += [rank_side, engine_side]
+            self._start(self._pass_on, engine_side, rank_side, self._rate)
+            self._start(self._pass_on, rank_side, engine_side, None)
+
+    def _pass_on(self, src, dst, rate):
+        src.settimeout(0.2)
+        chunk = 1 << 16 if rate is None else max(1024, rate // 100)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(chunk)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+            if rate:
+                time.sleep(len(data) / rate)
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self._stop.set()
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
 
 
 class RawRank:

@@ -418,38 +418,39 @@ def test_a_stopped_rank_is_found_gone_by_the_zmtp_heartbeats(name, procs, result
 
 
 def test_a_batch_slower_to_cross_than_the_timeout_reaches_its_rank(name, loopback_tcp):
-    """A 48 MiB batch to a rank that reads slowly (a 1 KiB socket buffer: ~10 MiB/s)
+    """A 48 MiB batch to a rank behind a relay that passes the engine's bytes on at 12 MiB/s
     takes longer than the heartbeat timeout to cross: the engine's ZMTP heartbeats (its
     PINGs leave after the batch; the rank's answers come on the idle direction) and its
     liveness rules leave the rank its place, and the batch arrives whole."""
     import numpy as np
 
     from fastdeploy_sync.codec import DATA, decode_payload
-    from engine_peers import RawRank
+    from engine_peers import RawRank, SlowRelay
 
     slow = Heartbeat(0.5, 2.0)
     with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0", heartbeat=slow) as queue:
-        rank = RawRank(queue.endpoint, name, 1, 0)
-        rank.sock.setsockopt(zmq.RCVBUF, 1024)
-        rank.sock.disconnect(queue.endpoint)  # RCVBUF applies to connections made after
-        rank.sock.connect(queue.endpoint)
-        rank.join()
-        time.sleep(1.5)  # the engine's ZMTP PINGs have reached the rank
-        batch = np.arange(48 << 17, dtype=np.int64)  # 48 MiB
-        start = time.monotonic()
-        queue.put_tasks(batch, timeout=5)
-        got = None
-        next_ping = 0.0
-        while got is None and time.monotonic() - start < 60:
-            if time.monotonic() >= next_ping:
-                rank.ping()
-                next_ping = time.monotonic() + 0.2
-            reply = rank.recv(0.05)
-            if reply is not None and reply[0].kind == DATA:
-                got = reply
-        took = time.monotonic() - start
-        assert got is not None, "the batch never arrived"
-        assert took > slow.timeout, f"crossed in {took:.1f} s: not slower than the timeout"
-        np.testing.assert_array_equal(decode_payload(got[1]), batch)
-        assert queue.group_events.empty()
-        rank.close()
+        relay = SlowRelay(queue.endpoint, 12 << 20)
+        rank = RawRank(relay.endpoint, name, 1, 0)
+        try:
+            rank.join()
+            time.sleep(1.5)  # the engine's ZMTP PINGs have reached the rank
+            batch = np.arange(48 << 17, dtype=np.int64)  # 48 MiB
+            start = time.monotonic()
+            queue.put_tasks(batch, timeout=5)
+            got = None
+            next_ping = 0.0
+            while got is None and time.monotonic() - start < 60:
+                if time.monotonic() >= next_ping:
+                    rank.ping()
+                    next_ping = time.monotonic() + 0.2
+                reply = rank.recv(0.05)
+                if reply is not None and reply[0].kind == DATA:
+                    got = reply
+            took = time.monotonic() - start
+            assert got is not None, "the batch never arrived"
+            assert took > slow.timeout, f"crossed in {took:.1f} s: not slower than the timeout"
+            np.testing.assert_array_equal(decode_payload(got[1]), batch)
+            assert queue.group_events.empty()
+        finally:
+            rank.close()
+            relay.close()

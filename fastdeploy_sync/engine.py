@@ -336,9 +336,9 @@ class TaskQueue:
         the queue is stopping, the I/O thread is woken and sends at its next pass.
 
         Costs the caller the sends themselves (~25 µs per rank for a 64 × 512 batch after
-        the thread slept; docs/performance.md). Sending processes the socket's pending commands, which can consume the readiness
-        signal of messages that arrived meanwhile (ZMQ_FD signals edges): when any wait,
-        the I/O thread is woken for them."""
+        the thread slept; docs/performance.md). Sending processes the socket's pending
+        commands, which can consume the readiness signal of messages that arrived meanwhile
+        (ZMQ_FD signals edges): when any wait, the I/O thread is woken for them."""
         if self._sock_lock.acquire(False):
             try:
                 if self._stop or self._error is not None:

@@ -413,6 +413,12 @@ class ReadinessPoll:
         waiter has not cleared it by waiting again)."""
         return bool(self._shorts[4 * i + 3])
 
+    def ready_other_than(self, i: int) -> bool:
+        """True if a descriptor other than ``i`` was readable when the last ``wait``
+        returned."""
+        shorts = self._shorts
+        return any(shorts[4 * j + 3] for j in range(self._n) if j != i)
+
     def wait(self, timeout_ms: float) -> None:
         """Block (GIL released) until a descriptor is readable or ``timeout_ms`` passed.
         Counts the calls first (``polls``): which wake-up ``ready`` describes."""

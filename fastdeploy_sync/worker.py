@@ -770,10 +770,8 @@ class TaskClient:
         due before ``until`` (monotonic s): it can poll again at once. A pass would touch
         every socket, and each pyzmq call hands the GIL to a pure-Python step and waits up
         to 5 ms to get it back."""
-        revents = poller.revents
         return (self._looked_at == poller.polls and not self._closed
-                and not (revents[7] or revents[11] or revents[15] or revents[19])
-                and time.monotonic() < until)
+                and not poller.ready_other_than(0) and time.monotonic() < until)
 
     def _prefetch_main(self):
         """Async mode: receive, decode, ping, watch the engine. Blocks in an OS-level poll of

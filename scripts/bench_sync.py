@@ -172,6 +172,12 @@ def manager_barrier_rank(address, iters):
             q.barrier(timeout=60)
 
 
+def _gil_holding_step(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # a pure-Python model step: the GIL never released
+        pass
+
+
 def busy_delivery_rank(name, rank, step, async_prefetch, n, out):
     """A busy TP=2 loop (rank 0 checks, barrier, every rank takes, then a 2 ms step that
     holds the GIL, "python", or releases it, "sleep"); records when each batch was taken."""
@@ -187,9 +193,7 @@ def busy_delivery_rank(name, rank, step, async_prefetch, n, out):
             for batch_id, _ in client.get_tasks()[0]:
                 taken_at[batch_id] = time.monotonic_ns()
             if step == "python":
-                end = time.perf_counter() + 0.002
-                while time.perf_counter() < end:
-                    pass
+                _gil_holding_step(0.002)
             else:
                 time.sleep(0.002)
         by_loop = client.stats().get("received_by_loop", 0)
@@ -766,12 +770,6 @@ def _section_9(n):
           "(per call, best of 5 blocks)")
     for label, cost in bench_questions().items():
         print(f"  {label:<52} {cost:8.1f} ns")
-
-
-def _gil_holding_step(seconds):
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:  # a pure-Python model step: the GIL never released
-        pass
 
 
 def stale_poll_rank(name, out, step_s=0.002):

@@ -22,6 +22,11 @@
    (time.thread_time_ns around each call; its own cost, ~0.5 µs, included): what the
    check, the barrier and the take cost an idle worker, without the process's other
    threads and without the sleep.
+5. A client's start-up, as an idle loop sees it: in a worker that has already built and
+   closed clients, CPU of all its threads (each thread's /proc schedstat) in the first 10
+   iterations of FastDeploy's idle 1 ms loop after a new client was built, against 10
+   later ones (the mean of iterations 10-59). What the profile's idle windows skip
+   (profiling.loops.IDLE_WARMUP_STEPS).
 
 Absolute figures drift ~30 % between runs on a shared 2-core machine: compare the rows
 of one run. Nothing here asserts a timing.
@@ -165,6 +170,41 @@ def call_cpu_rank(name, tp, rank, n, out):
     out.put((rank, (check / n / 1e3, barrier / n / 1e3, take / n / 1e3)))
 
 
+def _process_cpu_ns():
+    """CPU time of every thread of this process so far (ns, /proc schedstat: exact, not
+    in clock ticks); threads that exited are not counted (none here does meanwhile)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread exited meanwhile
+            pass
+    return total
+
+
+def startup_rank(name, tp, rank, clients, out):
+    """Builds ``clients`` clients one after the other (after two unmeasured ones and a
+    second's rest, as a long-running worker), each running FastDeploy's idle 1 ms loop for
+    60 iterations; reports per client (µs of process CPU in iterations 0-9, in 10-59)."""
+    time.sleep(1.0)  # numpy's BLAS threads spin for a while after import
+    got = []
+    for k in range(clients + 2):
+        with TaskClient(name, tp, rank, async_prefetch=True) as client:
+            marks = [_process_cpu_ns()]
+            for i in range(60):
+                if rank == 0:
+                    client.exist_tasks()
+                client.barrier(timeout=60)
+                client.get_tasks()
+                time.sleep(0.001)
+                if i in (9, 59):
+                    marks.append(_process_cpu_ns())
+            if k >= 2:
+                got.append(((marks[1] - marks[0]) / 1e3, (marks[2] - marks[1]) / 1e3))
+    out.put((rank, got))
+
+
 # -- sections --------------------------------------------------------------------------------
 
 def _run(target, tp, args, tag):
@@ -255,6 +295,12 @@ def bench_call_cpu(n, tp=2):
     return got
 
 
+def bench_startup(clients, tp=2):
+    for _queue, out in _run(startup_rank, tp, (clients,), "ibs"):
+        got = dict(out.get(timeout=120) for _ in range(tp))
+    return got
+
+
 def pct(samples_ns, q):
     return float(np.percentile(samples_ns, q)) / 1000.0
 
@@ -264,7 +310,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=3.0, help="per idle-CPU variant")
     ap.add_argument("--puts", type=int, default=300)
     ap.add_argument("--iters", type=int, default=3000)
-    ap.add_argument("--sections", default="1,2,3,4")
+    ap.add_argument("--clients", type=int, default=5, help="section 5's clients per rank")
+    ap.add_argument("--sections", default="1,2,3,4,5")
     args = ap.parse_args()
     want = {int(x) for x in args.sections.split(",")}
     print(f"fastdeploy_sync idle benchmark, python {sys.version.split()[0]}, "
@@ -302,6 +349,16 @@ def main():
         for rank, (check, barrier, take) in sorted(bench_call_cpu(n).items()):
             print(f"  rank {rank}: check {check:6.2f} us   barrier {barrier:6.2f} us   "
                   f"take {take:6.2f} us")
+    if 5 in want:
+        print(f"\n5. a client's start-up in FastDeploy's idle 1 ms loop, TP=2 ({args.clients} "
+              f"clients per rank, each after the last closed): CPU of the worker's threads, us")
+        for rank, got in sorted(bench_startup(args.clients).items()):
+            first = [a for a, _ in got]
+            later = [b / 5 for _, b in got]  # 50 iterations: per 10
+            extra = [a - b for a, b in zip(first, later)]
+            print(f"  rank {rank}: iterations 0-9 median {np.median(first):7.1f}   10 later "
+                  f"ones median {np.median(later):7.1f}   the start-up's extra "
+                  f"{' / '.join(f'{x:.0f}' for x in extra)}")
 
 
 if __name__ == "__main__":

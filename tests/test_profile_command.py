@@ -96,9 +96,14 @@ def test_profile_all_modes_both_step_kinds(tmp_path):
     idle_modes = summary["idle"]["modes"]
     assert set(idle_modes) == {"none", *MODES}
     assert idle_modes["none"]["iterations"] == idle
+    # Every mode's idle windows open after the same unmeasured iterations: the steady loop,
+    # not the start-up of the client each segment builds (which filled a 60-iteration
+    # window's whole difference from none's loop).
+    from fastdeploy_sync.profiling.loops import IDLE_WARMUP_STEPS
+    for mode in ("none", *MODES):
+        assert idle_modes[mode]["warmup_iterations"] == rounds * IDLE_WARMUP_STEPS, mode
     # The no-GIL-hog property, robustly: the prefetch thread is blocked in poll while idle
-    # (30 iterations, ~35 ms, per round: a heartbeat or a late WELCOME in a window is
-    # well under the bound).
+    # (30 iterations, ~35 ms, per round: a heartbeat in a window is well under the bound).
     assert max(idle_modes["async"]["prefetch_thread_cpu_pct"]) < 2.0
     assert idle_modes["sync"]["prefetch_thread_cpu_pct"] == [None, None]
 

@@ -42,7 +42,11 @@ leave together, as a device all-reduce releases them, whatever each waited in.
 
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
-does when nothing runs.
+does when nothing runs. Its figure is a worker's steady idle CPU, which it keeps for as long
+as nothing runs: every segment builds a new client, so each idle segment first runs
+``IDLE_WARMUP_STEPS`` iterations outside its window, in every mode, for the client's
+start-up not to be counted as idle CPU (it was, before, in each of the default run's
+60-iteration windows: docs/profiling.md, Idle CPU).
 
 A worker builds and calibrates one model step per step kind of the run (``--step``), and
 each load segment names the kind it runs. Around the model step's work (not its collective,
@@ -86,6 +90,12 @@ COLLECTIVE_SPIN_SHARED_US = 50.0  # fewer cores than processes: do not spin the 
 # ranks leave together as a device all-reduce releases them (module docstring)
 COLLECTIVE_RELEASE_NS = 150_000
 IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
+# Idle iterations every rank runs, unmeasured, before an idle segment's window opens (module
+# docstring): the segment's client was built just before, and what its start-up leaves to
+# the first iterations (the engine's welcome handled by the prefetch thread, the first
+# barriers) cost ~0.3-0.6 ms of CPU in the first ten, as much as a 60-iteration window's
+# whole difference from the loop without task sync.
+IDLE_WARMUP_STEPS = 20
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 
 
@@ -365,6 +375,11 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
         conn.send(("ready", None))
         _recv(conn, "go")
         taken = []
+        warmup = 0 if load else IDLE_WARMUP_STEPS
+        if warmup:  # every rank runs as many: their barriers pair up
+            _run_steps(steps, tp_size, tp_rank, tp_model.idle, warmup, taken, progress)
+            if steps is not None:
+                steps.profiler.reset()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         thread0 = _prefetch_cpu(steps)
         start_ns, iter_ns = _run_steps(steps, tp_size, tp_rank,
@@ -382,7 +397,8 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
             steps.close()
     return {"mode": spec["mode"], "kind": spec["kind"], "phase": spec["phase"],
             "round": spec["round"], "rank": tp_rank, "pid": os.getpid(),
-            "steps": spec["steps"], "start_ns": start_ns, "iter_ns": iter_ns, "sync_ns": sync_ns,
+            "steps": spec["steps"], "warmup_steps": warmup, "start_ns": start_ns,
+            "iter_ns": iter_ns, "sync_ns": sync_ns,
             "compute_ns": tp_model.compute_ns,
             "collective_ns": tp_model.collective_ns, "interruption": interruption,
             "taken": taken, "drain_steps": drain_steps, "cpu_s": cpu, "wall_s": wall,

@@ -17,7 +17,7 @@ import numpy as np
 
 from .intervals import (LEVEL, MIN_ROUNDS, RESAMPLES, WORDS, Bootstrap, pooled_mean,
                         pooled_median, ragged_median, verdict)
-from .loops import REFERENCE
+from .loops import IDLE_WARMUP_STEPS, REFERENCE
 from ..step_profiler import SECTIONS, distribution_us
 
 __all__ = ["summarize", "format_table", "parameters_line", "plot", "DEFINITIONS", "DELIVERY",
@@ -112,7 +112,9 @@ DEFINITIONS = {
                   "prefetch thread, % of one core",
     "idle_cpu": "rate 0 (nothing put; FastDeploy's loop sleeps 1 ms per iteration): worker "
                 "process CPU (all threads) over wall time, max over ranks, % of one core; "
-                "the prefetch thread's alone where there is one",
+                "the prefetch thread's alone where there is one. Each segment opens its "
+                f"window after {IDLE_WARMUP_STEPS} iterations, in every mode: the steady "
+                "idle loop, without the start-up of the client the segment built",
     "idle_above_none": "the mode's idle worker CPU minus none's (the same 1 ms loop without "
                        "task sync) in the same rounds, percentage points",
     "ranks_agree": "in every segment every rank took the same batch ids at the same steps, "
@@ -386,7 +388,10 @@ def _summarize_idle(segments, modes, tp, boot):
         process, thread = _cpu_pct(segs, tp)
         out[mode] = {"worker_cpu_pct": boot.figure(stat), "worker_cpu_pct_by_rank": process,
                      "prefetch_thread_cpu_pct": thread,
-                     "iterations": sum(s["steps"] for s in segs)}
+                     "iterations": sum(s["steps"] for s in segs),
+                     # per segment, every rank the same (loops.IDLE_WARMUP_STEPS)
+                     "warmup_iterations": sum(_rank(s, 0).get("warmup_steps", 0)
+                                              for s in segs)}
     for mode in modes:
         out[mode]["above_none_points"] = boot.figure(
             lambda idx, s=stats[mode]: s(idx) - stats[REFERENCE](idx))
@@ -635,8 +640,8 @@ def parameters_line(summary) -> str:
     pinned = ("" if not p.get("cpus") else
               f"; pinned: engine cpu {p['cpus'][0]}, ranks cpus {','.join(map(str, p['cpus'][1:]))}")
     per_round = p["steps"] // p["rounds"]
-    idle = (f", idle {p['rounds']} x {p['idle_steps'] // p['rounds']} iterations"
-            if p["idle_steps"] else "")
+    idle = (f", idle {p['rounds']} x {p['idle_steps'] // p['rounds']} iterations "
+            f"(after {IDLE_WARMUP_STEPS})" if p["idle_steps"] else "")
     return (f"fastdeploy-sync profile: tp {p['tp']}, {p['rate']:g} batches/s of {p['batch']} x "
             f"{p['prompt_len']} token ids ({p['tokens']}), model step kinds "
             f"{' and '.join(p['step_kinds'])} of {p['step_ms']:g} ms (calibrated), "

@@ -12,7 +12,7 @@ holds the GIL (pure Python) or releases it (sleep), async and sync alternately; 
 what the barrier's busy-loop question and the event loop's look at its sockets cost;
 section 10 a loop whose step holds the GIL, split by whether a batch had woken the prefetch
 thread when the step began (the event loop then receives it itself, and the thread's poll
-result stays set until it gets the GIL).
+result stays set until it gets the GIL), then the same loop in sync mode.
 ``--metrics-hz HZ`` registers a fastdeploy_sync.metrics collector on every engine queue of
 sections 1-3 and scrapes it HZ times a second from a thread of the engine's process (a
 Prometheus server scrapes every 15 s or so: a high rate magnifies the cost).
@@ -772,17 +772,17 @@ def _section_9(n):
         print(f"  {label:<52} {cost:8.1f} ns")
 
 
-def stale_poll_rank(name, out, step_s=0.002):
-    """TP=1, async: a loop whose model step holds the GIL; per step, the time of
+def stale_poll_rank(name, out, async_prefetch=True, step_s=0.002):
+    """TP=1: a loop whose model step holds the GIL; per step, the time of
     exist_tasks() + barrier() + get_tasks(), whether the prefetch thread's poll result was
-    set (a batch woke it) when the step began, and how many batches it took. Stops at the
-    batch "stop"."""
+    set (a batch woke it) when the step began (async; sync: False), and how many batches
+    it took. Stops at the batch "stop"."""
     rows = []
-    with TaskClient(name, 1, 0, async_prefetch=True) as client:
+    with TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
         out.put(("ready", None))
-        ready = client._ready
+        ready = client._ready if async_prefetch else None
         while True:
-            woken = ready.ready(0)
+            woken = ready is not None and ready.ready(0)
             t0 = ns()
             client.exist_tasks()
             client.barrier()
@@ -795,14 +795,14 @@ def stale_poll_rank(name, out, step_s=0.002):
     out.put(("rows", (rows, received_by_loop)))
 
 
-def bench_stale_poll(n):
+def bench_stale_poll(n, async_prefetch=True):
     """Section 10: ``stale_poll_rank`` against an engine here putting a 64 x 512 batch
     every 10 ms."""
     name = "sp" + uuid.uuid4().hex[:8]
     batch = make_requests()
     out = SPAWN.Queue()
     with TaskQueue(name, 1, max_inflight=8) as queue:
-        proc = SPAWN.Process(target=stale_poll_rank, args=(name, out))
+        proc = SPAWN.Process(target=stale_poll_rank, args=(name, out, async_prefetch))
         proc.start()
         try:
             assert out.get(timeout=60)[0] == "ready"
@@ -823,16 +823,24 @@ def bench_stale_poll(n):
 
 def _section_10(n):
     count = max(n // 20, 100)
-    print(f"\n10. check + barrier + take in a loop whose 2 ms step holds the GIL, TP=1 async, "
-          f"{count} batches of 64 x 512 token ids 10 ms apart")
+    print(f"\n10. check + barrier + take in a loop whose 2 ms step holds the GIL, TP=1, async "
+          f"then sync, {count} batches of 64 x 512 token ids 10 ms apart")
     times, woken, took, by_loop = bench_stale_poll(count)
     idle = ~took
-    line(f"steps that took a batch ({int(took.sum())})", times[took])
+    took_async = line(f"steps that took a batch ({int(took.sum())})", times[took])
     line(f"steps without, prefetch poll result set ({int((idle & woken).sum())})",
          times[idle & woken])
     line(f"steps without, result clear ({int((idle & ~woken).sum())})", times[idle & ~woken])
     line("every step", times)
     print(f"  {'':<46} received by the event loop: {by_loop} of {count + 1} batches")
+    # The same loop in sync mode: there the event loop receives every batch too, but no
+    # other thread waits for the GIL meanwhile (in async mode the woken prefetch thread
+    # does, and each GIL release of the loop's receive hands it a futex wake-up)
+    times, _, took, _ = bench_stale_poll(count, async_prefetch=False)
+    took_sync = line(f"sync: steps that took a batch ({int(took.sum())})", times[took])
+    line(f"sync: steps without ({int((~took).sum())})", times[~took])
+    line("sync: every step", times)
+    print(f"  {'':<46} a step that took a batch, async / sync: {took_async / took_sync:.2f}")
 
 
 if __name__ == "__main__":

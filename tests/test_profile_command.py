@@ -109,7 +109,7 @@ def test_profile_all_modes_both_step_kinds(tmp_path):
 
     # One verdict per target row, and the header counts exactly those words.
     targets = summary["targets"]
-    assert len(targets) == 6 * len(kinds) + 1
+    assert len(targets) == 6 * len(kinds) + 2  # and two idle rows
     for t in targets:
         assert t["verdict"] in ("met", "MISSED", "inconclusive"), t
     counts = summary["verdicts"]
@@ -351,6 +351,16 @@ def test_report_far_from_every_target_gives_met_or_missed():
     assert words[("python", "async GIL wait added <= 3 % of none's step")] == "met"
     assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "met"
     assert words[(None, "async idle worker CPU <= 1 % of a core")] == "MISSED"  # 1.5 %
+    # ... and what task sync adds to the bare loop's 1.0 % is judged apart: +0.5 points is
+    # not below 0.5; +0.2 is, while the absolute row stays MISSED (1.2 %)
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] != "met"
+    raw = _fake_raw(idle_cpu={"async": 1.2}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] == "met"
+    assert words[(None, "async idle worker CPU <= 1 % of a core")] == "MISSED"
+    raw = _fake_raw(idle_cpu={"async": 2.5}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] == "MISSED"
 
     raw = _fake_raw(crit_us={"async": 60.0}, gil_us={"async": 200.0},
                     delivery_ms={"async": 8.0}, round_noise=0.05)

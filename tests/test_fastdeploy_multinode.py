@@ -66,18 +66,29 @@ def _private_tmp():
     return " && ".join(parts)
 
 
+def node_script(node, commands):
+    """The shell script of one simulated node: its private /dev/shm, /tmp, /etc/hosts and
+    hostname, then ``commands`` (one per rank) run side by side, each only once all of that
+    is in place, and waited for."""
+    # the new hostname must resolve (paddle's store looks it up): a private /etc/hosts.
+    # The ranks are one group after the last "&&": "a && b & c" would start c at once,
+    # beside the mounts (a rank then raced them, and once found its own script missing
+    # from the private /tmp before this checkout was bound back into it)
+    return (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {_private_tmp()} && "
+            f"cp /etc/hosts /tmp/hosts && echo '127.0.0.1 {node}' >> /tmp/hosts && "
+            f"mount --bind /tmp/hosts /etc/hosts && hostname {node} && "
+            f"{{ {' & '.join(commands)} & wait; }}")
+
+
 def start_node(node, ranks):
     """One simulated node: a private /dev/shm, /tmp and hostname, running ``ranks`` (a list
     of json argument dicts for tests/fd_node_worker.py) as processes. Returns the node's
     process and one pipe per rank carrying that rank's report: ranks of one node sharing a
     stdout interleaved their reports (a RESULT line printed inside another one)."""
     pipes = [os.pipe() for _ in ranks]
-    cmds = " & ".join(f"{sys.executable} {HERE}/fd_node_worker.py '{json.dumps(a)}' >/dev/fd/{w}"
-                      for a, (_, w) in zip(ranks, pipes))
-    # the new hostname must resolve (paddle's store looks it up): a private /etc/hosts
-    script = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm && {_private_tmp()} && "
-              f"cp /etc/hosts /tmp/hosts && echo '127.0.0.1 {node}' >> /tmp/hosts && "
-              f"mount --bind /tmp/hosts /etc/hosts && hostname {node} && {cmds} & wait")
+    script = node_script(node, [f"{sys.executable} {HERE}/fd_node_worker.py "
+                                f"'{json.dumps(a)}' >/dev/fd/{w}"
+                                for a, (_, w) in zip(ranks, pipes)])
     try:
         proc = subprocess.Popen(["unshare", "-m", "-u", "sh", "-c", script],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -176,6 +187,18 @@ def run_multinode(name, tp, dp, n, layout, *, shape="develop", sync=False, timeo
         assert taken == ids_of(put[d]) + [STOP], taken[:10]
         # exactly one all_client_read per call is what resets the flag: covered by the loop
     return reports
+
+
+def test_every_rank_of_a_node_starts_once_the_node_is_set_up():
+    """Each rank's command runs after the node's mounts and hostname, whichever of its
+    node's ranks it is (the second used to start beside them)."""
+    marker = os.path.join(HERE, "fd_node_worker.py")
+    probe = f"echo $(hostname) $(test -f {shlex.quote(marker)} && echo seen) $(ls -A /dev/shm | wc -l)"
+    out = subprocess.run(["unshare", "-m", "-u", "sh", "-c",
+                          node_script("fdnodeprobe", [probe] * 3)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["fdnodeprobe seen 0"] * 3, out.stdout
 
 
 @pytest.mark.parametrize("shape,sync", [("develop", False), ("develop", True), ("v2x", False),

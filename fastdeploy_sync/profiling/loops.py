@@ -93,8 +93,8 @@ IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
 # Idle iterations every rank runs, unmeasured, before an idle segment's window opens (module
 # docstring): the segment's client was built just before, and what its start-up leaves to
 # the first iterations (the engine's welcome handled by the prefetch thread, the first
-# barriers) cost ~0.3-0.6 ms of CPU in the first ten, as much as a 60-iteration window's
-# whole difference from the loop without task sync.
+# barriers) cost 0.1-0.7 ms of CPU in the first ten, median 0.4 ms (scripts/bench_idle.py
+# section 5): most of a 60-iteration window's difference from the loop without task sync.
 IDLE_WARMUP_STEPS = 20
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 

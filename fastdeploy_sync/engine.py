@@ -607,6 +607,8 @@ class TaskQueue:
                     if time.monotonic() >= probe_at:
                         probe_at = float("inf")
                         self._members.connections_changed(time.monotonic())
+                    # a wake-up may stand for messages: put_tasks() wakes this thread when
+                    # its own send consumed their descriptor's signal (_send_now)
                     if waiting or sock_fd in events or self._wake.r in events:
                         self._receive()
                     if self._put_sock in events:

@@ -14,14 +14,15 @@ setup(
         "numpy>=1.22",
         "posix_ipc>=1.1",
         "xxhash>=3.0",  # payload checksum (xxh3_64), fastdeploy_sync/codec.py
-        "tqdm>=4.60",
-        "matplotlib>=3.5",
     ],
     extras_require={
         # paddlepaddle (CPU build) for the cross-node coordinator's tests; mkdocs so that
         # tests/test_docs.py can build the documentation site (a broken link fails CI)
         "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6",
-                 "mkdocs>=1.6", "mkdocs-material>=9.5", "prometheus_client>=0.17"],
+                 "mkdocs>=1.6", "mkdocs-material>=9.5", "prometheus_client>=0.17",
+                 "tqdm>=4.60", "matplotlib>=3.5"],
+        # fastdeploy-sync profile: its progress bar and --plot (it runs without them)
+        "profile": ["tqdm>=4.60", "matplotlib>=3.5"],
         "paddle": ["paddlepaddle>=2.6"],
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
         # fastdeploy_sync.metrics: a Prometheus collector over TaskQueue.stats()

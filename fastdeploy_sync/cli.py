@@ -21,7 +21,6 @@ batch, keys not written); 2 a usage error (bad name, option or value), reported 
 """
 
 import argparse
-import json
 import sys
 import time
 
@@ -197,137 +196,11 @@ def _keys(args) -> int:
     return 0
 
 
-def _profile(args) -> int:
-    # Imported here: the profiler's modules pull in tqdm and matplotlib.
-    from tqdm import tqdm
-
-    from .profiling import report
-    from .profiling.runner import ProfileError, ProfileOptions, run_profile
-    from .profiling.workload import default_step_kinds
-
-    steps = args.steps
-    if args.duration is not None:
-        steps = max(args.rounds, round(args.duration * 1000 / args.step_ms))
-    if args.step is None and "paddle" not in default_step_kinds():
-        print("fastdeploy-sync profile: paddlepaddle is not installed: profiling the python "
-              "step only (pip install paddlepaddle adds the GIL-releasing paddle step)",
-              file=sys.stderr)
-    options = ProfileOptions(mode=args.mode, tp=args.tp, step_kinds=args.step,
-                             step_ms=args.step_ms, rate=args.rate, batch=args.batch,
-                             prompt_len=args.prompt_len, tokens=args.tokens, steps=steps,
-                             rounds=args.rounds, placements=args.placements,
-                             idle_steps=args.idle_steps,
-                             max_inflight=args.max_inflight, cpus=args.cpus)
-    try:
-        options.validate()
-    except ValueError as exc:
-        print(f"fastdeploy-sync profile: {exc}", file=sys.stderr)
-        return 2
-    try:
-        with tqdm(unit="step", disable=args.no_progress, dynamic_ncols=True) as bar:
-            raw = run_profile(options, bar)
-    except ProfileError as exc:
-        print(f"fastdeploy-sync profile failed: {exc}", file=sys.stderr)
-        return 1
-    summary = report.summarize(raw)
-    print(report.format_table(summary))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-        print(f"figures, definitions and parameters: {args.json}")
-    if args.plot:
-        report.plot(summary, args.plot)
-        print(f"plot: {args.plot}")
-    return 0 if summary["correct"] else 1
-
-
-def _step_kinds(text):
-    """``--step python,paddle`` -> ["python", "paddle"]; checked by ProfileOptions.validate."""
-    return [k.strip() for k in text.split(",") if k.strip()]
-
-
-def _cpu_list(text):
-    """``--cpus 0,1,2`` -> [0, 1, 2]; the count and availability are checked with the
-    other options (``ProfileOptions.validate``)."""
-    try:
-        cpus = [int(c) for c in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated core numbers, "
-                                         f"e.g. 0,1,2") from None
-    if any(c < 0 for c in cpus):
-        raise argparse.ArgumentTypeError(f"{text!r}: core numbers are >= 0")
-    return cpus
-
-
 def _add_profile_parser(sub):
-    from .profiling.loops import MODES
-    from .profiling.runner import DEFAULT_PLACEMENTS, ProfileOptions
-    from .profiling.workload import STEP_KINDS, TOKEN_KINDS
+    # The profiler's package: its parser imports nothing heavy; running it imports the rest.
+    from .profiling.command import add_parser
 
-    d = ProfileOptions()
-    p = sub.add_parser(
-        "profile", help="measure task sync's cost per worker step, side by side with a "
-                        "FastDeploy-style manager queue",
-        description="Start an engine and --tp worker processes running a FastDeploy-shaped "
-                    "loop, for a GIL-holding (python) and a GIL-releasing (paddle) model step; "
-                    "measure per step the critical path (check + barrier + take), the "
-                    "interruption of the model step (off-CPU time, run-queue wait, GIL wait, "
-                    "context switches of the event-loop thread), the step-time inflation "
-                    "against the same loop without task sync, delivery and idle CPU, in "
-                    "paired interleaved rounds; check every rank took the same batches. "
-                    "Targets get an interval from a bootstrap over the rounds and say met or "
-                    "MISSED only where it excludes the target, else inconclusive. Exit status "
-                    "1 if a mode lost, duplicated or misordered a batch; timing targets never "
-                    "set the exit status. A default run takes 25-60 s on a 2-core machine "
-                    "(measured 25.5-25.7 s in three runs on a quiet machine, 31-35 s wall in "
-                    "three at load average 1.3; two process placements, each starting its "
-                    "processes; about half with the python "
-                    "step alone, the default where paddle is not installed); --steps, "
-                    "--idle-steps, --step and --placements scale it.")
-    p.add_argument("--mode", default=d.mode, choices=["all", *MODES],
-                   help="all: every mode, interleaved, same load (default)")
-    p.add_argument("--tp", type=int, default=d.tp, help=f"TP ranks (default {d.tp})")
-    p.add_argument("--step", type=_step_kinds, default=None, metavar="KIND[,KIND]",
-                   help=f"simulated model step kinds, comma-separated, of {', '.join(STEP_KINDS)} "
-                        f"(default python,paddle; python alone where paddle is not installed)")
-    p.add_argument("--step-ms", type=float, default=d.step_ms,
-                   help=f"model step length, calibrated once (default {d.step_ms:g})")
-    p.add_argument("--rate", type=float, default=d.rate,
-                   help=f"batches per second the engine puts (default {d.rate:g})")
-    p.add_argument("--batch", type=int, default=d.batch, help=f"requests per batch (default {d.batch})")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len,
-                   help=f"token ids per request (default {d.prompt_len})")
-    p.add_argument("--tokens", default=d.tokens, choices=TOKEN_KINDS,
-                   help="token ids as int64 numpy arrays (default) or Python lists")
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=d.steps,
-                        help=f"load-phase steps per mode and step kind (default {d.steps})")
-    length.add_argument("--duration", type=float, default=None,
-                        help="load-phase seconds per mode at the nominal step length "
-                             "(instead of --steps)")
-    p.add_argument("--rounds", type=int, default=d.rounds,
-                   help=f"paired, interleaved rounds the steps are split into; intervals need "
-                        f"at least 5 (default {d.rounds})")
-    p.add_argument("--placements", type=int, default=None,
-                   help=f"blocks the rounds are split into, each run by freshly started "
-                        f"engine and worker processes; the intervals resample them too, so "
-                        f"what lasts a process lifetime (where the OS placed the ranks) "
-                        f"widens an interval instead of flipping a verdict between runs; "
-                        f"1 to --rounds (default {DEFAULT_PLACEMENTS}, 1 with one round)")
-    p.add_argument("--idle-steps", type=int, default=d.idle_steps,
-                   help=f"idle-phase iterations per mode, split across the rounds, 0 to skip "
-                        f"(default {d.idle_steps})")
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight,
-                   help=f"TaskQueue bound for async/sync (default {d.max_inflight}; the "
-                        f"fd-manager queue holds one batch)")
-    p.add_argument("--cpus", type=_cpu_list, default=None, metavar="E,R0,R1,...",
-                   help="pin the engine and each rank to one core each (os.sched_setaffinity): "
-                        "--tp + 1 core numbers, engine first; the fd-manager's server process "
-                        "shares the engine's core. Default: not pinned")
-    p.add_argument("--json", metavar="FILE", help="write every figure and the parameters")
-    p.add_argument("--plot", metavar="FILE.png", help="write the figures as a PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=_profile)
+    add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

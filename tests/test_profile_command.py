@@ -52,14 +52,14 @@ def test_profile_all_modes_both_step_kinds(tmp_path):
                 "--step", ",".join(kinds), "--json", str(json_path), "--plot", str(png_path)])
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(json_path.read_text())
-    from fastdeploy_sync.profiling import plot, report
+    from fastdeploy_sync.profiling import plot, vocabulary
 
-    assert summary["schema"] == report.SCHEMA
+    assert summary["schema"] == vocabulary.SCHEMA
     p = summary["parameters"]
     assert p["modes"] == list(MODES) and p["step_kinds"] == kinds and p["tp"] == 2
     assert set(p["units_per_step"]) == set(kinds)
     assert summary["intervals"]["rounds"] == rounds and summary["intervals"]["level"] == 0.95
-    assert summary["definitions"] == report.DEFINITIONS
+    assert summary["definitions"] == vocabulary.DEFINITIONS
     for kind in kinds:
         k = summary["step_kinds"][kind]
         assert set(k["modes"]) == {"none", *MODES}
@@ -118,14 +118,33 @@ def test_profile_all_modes_both_step_kinds(tmp_path):
         assert f"{counts[word]} {word}" in counts["header"]
     assert counts["header"] in out.stdout
 
+    # The headline (the whole cost per step) and the regime, in the JSON and the terminal
+    assert summary["reference_config"] == "TP=2" and summary["targets_for"] == "TP=2"
+    for kind in kinds:
+        for mode in MODES:
+            h = summary["headline"][kind][mode]
+            _figure(h["inflation_pct"])
+            _figure(h["interruption_us"])
+            if mode != "fd-manager":
+                assert h["interruption_vs_fd_manager"] is not None, (kind, mode)
+    regime = summary["regime"]
+    assert regime["cores"] == len(os.sched_getaffinity(0)) and regime["pinned"] is False
+    assert regime["processes"] == {"engine": 1, "ranks": 2, "fd_manager_server": 1}
+    # async ranks run the event loop and the prefetch thread at least
+    assert all(n >= 2 for n in regime["threads"]["async"]["ranks_python"])
+    assert {s["on"] for s in regime["model_step"].values()} == {"CPU"}
+    lines = out.stdout.splitlines()
+    assert lines[2] == regime["line"] and lines[2].startswith("regime: ")
+    assert out.stdout.index("whole cost per step") < out.stdout.index("critical path per step")
+
     # One definition of delivery in the terminal, the JSON and the plot.
-    assert report.DELIVERY in out.stdout
-    assert summary["definitions"]["delivery"].startswith(report.DELIVERY)
-    assert any(report.DELIVERY in title for title in plot.panel_titles(summary))
+    assert vocabulary.DELIVERY in out.stdout
+    assert summary["definitions"]["delivery"].startswith(vocabulary.DELIVERY)
+    assert any(vocabulary.DELIVERY in title for title in plot.panel_titles(summary))
     for heading in ("critical path per step", "interruption of the model step",
                     "effect on the loop", "targets (95% interval", "definitions:"):
         assert heading in out.stdout
-    for name, text in report.DEFINITIONS.items():
+    for name, text in vocabulary.DEFINITIONS.items():
         assert f"  {name}: {text}" in out.stdout
 
     png = png_path.read_bytes()
@@ -222,7 +241,8 @@ def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
     (["--tp", "0"], "--tp 0: expected 1..16"),
     (["--rate", "-1"], "--rate -1.0: expected >= 0"),
     (["--step-ms", "0"], "--step-ms 0.0: expected > 0"),
-    (["--step", "python,gpu"], "--step python,gpu: expected one or more of"),
+    (["--step", "python,cuda"], "--step python,cuda: expected one or more of"),
+    (["--gpu-backend", "cuda", "--step", "gpu"], "--gpu-backend 'cuda': expected auto"),
     (["--step", "python,python"], "each once"),
     (["--cpus", "0,0"], "--cpus 0,0: expected 3 cores"),
     (["--cpus", "0,0,99999"], "--cpus: core 99999 is not available"),
@@ -233,25 +253,27 @@ def test_bad_options_are_refused_before_anything_starts(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
-def test_help_states_the_run_time_and_the_step_kinds():
+def test_help_names_the_step_kinds_and_quotes_no_measured_figure():
     out = subprocess.run(PROFILE[:-1] + ["--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
-    assert "A default run takes" in text and "measured" in text and "RUNTIME" not in text
-    assert "python,paddle" in text
+    assert "python,paddle" in text and "gpu" in text and "docs/profiling.md" in text
+    # measured figures live in docs/profiling.md, not in --help
+    assert not re.search(r"\d+(\.\d+)?\s*(s|us|µs|ms|%) (wall|on a|in three)", text)
+    assert "measured" not in text.replace("docs/profiling.md gives measured run times", "")
 
 
 # -- the report on synthetic runs (no processes; every figure known in advance) -------------
 
 def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us=None,
               round_noise=0.0, step_ms=2.0, delivery_ms=None, idle_cpu=None, seed=0,
-              model_factor=None, runq_us=20.0):
+              model_factor=None, runq_us=20.0, cores=2):
     """A raw result shaped like ``run_profile``'s. Per mode: critical path ``crit_us`` per
     step, GIL wait ``gil_us`` per model step, delivery ``delivery_ms``; every round's times
     scaled by ``1 + round_noise * N(0, 1)`` (a shared machine moving whole rounds), plus
     5 % step-to-step jitter; the model step of a mode takes ``model_factor[mode]`` times
-    the calibrated length (1)."""
-    from fastdeploy_sync.profiling.runner import ProfileOptions
+    the calibrated length (1); ``cores`` available to the run."""
+    from fastdeploy_sync.profiling.options import ProfileOptions
 
     rng = np.random.default_rng(seed)
     crit_us = {"async": 10.0, "sync": 100.0, "fd-manager": 1000.0, **(crit_us or {})}
@@ -299,13 +321,16 @@ def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us
                         "interruption": interruption, "taken": taken, "drain_steps": 0,
                         "cpu_s": 0.5, "wall_s": 1.0,
                         "prefetch_cpu_s": 0.01 if mode == "async" else None,
+                        "threads": {"python": 2 if mode in ("async", "sync") else 1,
+                                    "os": 5},
                         "sync_ns": None if mode == "none" else
                         {"check": crit // 3, "barrier": crit // 3, "take": crit - 2 * (crit // 3),
                          "step": crit}})
                 segments.append({"mode": mode, "kind": kind, "phase": "load", "round": rnd,
                                  "steps": steps, "name": "x", "put": put,
                                  "engine_putting": None if mode == "none" else
-                                 {"put": put, "cpu_s": 0.1, "wall_s": 1.0},
+                                 {"put": put, "cpu_s": 0.1, "wall_s": 1.0,
+                                  "threads": {"python": 2, "os": 6, "children_os": []}},
                                  "engine": {}, "workers": workers})
         for mode in modes:
             cpu = idle_cpu[mode] / 100 * max(0.2, 1 + round_noise * rng.standard_normal())
@@ -317,10 +342,12 @@ def _fake_raw(rounds=10, steps=60, tp=2, kinds=("python",), crit_us=None, gil_us
                                   "prefetch_cpu_s": 0.0 if mode == "async" else None,
                                   "taken": [], "interruption": None} for r in range(tp)]})
     calibration = {k: [{"kind": k, "step_ms": step_ms, "units": 200, "unit_us": 10.0,
-                        "cpus": [0]} for _ in range(tp)] for k in kinds}
+                        "fixed_us": 0.0, "device": f"fake:{r}" if k == "gpu" else None,
+                        "cpus": [0]} for r in range(tp)] for k in kinds}
     return {"options": asdict(options), "run_name": "fake", "started": 0.0, "elapsed_s": 1.0,
             "calibration": calibration, "units": {k: 200 for k in kinds}, "engine_cpus": [0],
-            "collective_spin_us": 50.0, "segments": segments}
+            "collective_spin_us": 50.0, "cores": list(range(cores)), "pinned": False,
+            "segments": segments}
 
 
 def _verdicts(summary):
@@ -384,14 +411,14 @@ def test_report_gil_wait_is_judged_on_both_bounds():
 
 
 def test_report_an_interval_across_the_target_is_inconclusive_with_the_interval():
-    from fastdeploy_sync.profiling import report
+    from fastdeploy_sync.profiling import report, terminal
 
     # 30 us exactly at the target, rounds moving +-20 %: the interval holds 30.
     summary = report.summarize(_fake_raw(crit_us={"async": 30.0}, round_noise=0.2, seed=3))
     row = next(t for t in summary["targets"] if t["target"] == "async critical path p50 <= 30 us")
     low, high = row["interval"]
     assert low < 30.0 < high and row["verdict"] == "inconclusive" and row["met"] is None
-    text = report.format_table(summary)
+    text = terminal.format_table(summary)
     line = next(x for x in text.splitlines() if "async critical path p50 <= 30 us" in x)
     assert line.rstrip().endswith("inconclusive") and f"[{low:.2f}, {high:.2f}] us" in line
 
@@ -439,10 +466,10 @@ def test_report_same_machine_twice_never_flips_met_and_missed():
 
 
 def test_report_header_counts_the_rows_and_modes_are_never_column_names():
-    from fastdeploy_sync.profiling import report
+    from fastdeploy_sync.profiling import report, terminal
 
     summary = report.summarize(_fake_raw(kinds=("python", "numpy"), round_noise=0.1))
-    text = report.format_table(summary)
+    text = terminal.format_table(summary)
     header = summary["verdicts"]["header"]
     assert text.splitlines()[1] == header
     for word in ("met", "MISSED", "inconclusive"):
@@ -484,24 +511,25 @@ def test_report_explains_async_delivery_from_the_figures():
 
 
 def test_plot_has_a_row_per_step_kind_and_the_targets(tmp_path):
-    from fastdeploy_sync.profiling import plot, report
+    from fastdeploy_sync.profiling import plot, report, vocabulary
 
     summary = report.summarize(_fake_raw(kinds=("python", "numpy")))
     fig = plot.figure(summary)
     try:
         titles = [ax.get_title() for ax in fig.axes]
         assert titles == plot.panel_titles(summary)
-        assert sum(report.DELIVERY in t for t in titles) == 2  # one delivery panel per kind
+        assert sum(vocabulary.DELIVERY in t for t in titles) == 2  # one delivery panel per kind
         delivery = fig.axes[1]
         assert len(delivery.lines) == 3  # one CDF per mode
         table = fig.axes[-1].tables[0]
         cells = {c.get_text().get_text() for c in table.get_celld().values()}
         assert {"met", "MISSED"} <= cells
         assert summary["verdicts"]["header"] in fig._suptitle.get_text()
+        assert summary["regime"]["line"] in fig._suptitle.get_text()
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
-    report.plot(summary, tmp_path / "p.png")
+    plot.save(summary, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -539,3 +567,120 @@ def test_two_stage_intervals_span_placements_that_disagree():
     assert verdict(two_stage, 1.2, "below") == "inconclusive"
     with pytest.raises(ValueError):
         Bootstrap(3, placements=4)
+
+
+# -- the headline, the regime, the reference configurations ------------------------------
+
+def _headline(summary, kind="python"):
+    return summary["headline"][kind]
+
+
+def test_headline_counts_the_gil_wait_against_fd_manager():
+    """Async's critical path 10 us, but it adds 50 us of GIL wait to the model step: its
+    interruption per step is ~60 us, so it is ~17x below fd-manager's 1 ms, not the 100x
+    its critical path alone reads. The p50 stays as a detail."""
+    from fastdeploy_sync.profiling import report, terminal
+
+    summary = report.summarize(_fake_raw(crit_us={"async": 10.0, "fd-manager": 1000.0},
+                                         gil_us={"async": 50.0}, runq_us=2.0,
+                                         round_noise=0.05))
+    a, fd = _headline(summary)["async"], _headline(summary)["fd-manager"]
+    assert a["interruption_us"]["value"] == pytest.approx(60.0, rel=0.1)
+    assert fd["interruption_us"]["value"] == pytest.approx(1000.0, rel=0.1)
+    ratio = a["interruption_vs_fd_manager"]
+    assert ratio["value"] == pytest.approx(1000 / 60, rel=0.15)
+    low, high = ratio["interval"]
+    assert low < ratio["value"] < high
+    assert a["critical_path_p50_vs_fd_manager"]["value"] == pytest.approx(100, rel=0.15)
+    assert a["interruption_upper_us"]["value"] >= a["interruption_us"]["value"]
+    # the step-time inflation: async's critical path share only (the synthetic GIL wait
+    # does not lengthen the step), fd-manager's 1 ms of a 2 ms step
+    assert abs(a["inflation_pct"]["value"]) < 2.0  # 0.5 % and the jitter of two loops
+    assert fd["inflation_pct"]["value"] == pytest.approx(50.0, abs=5.0)
+    assert fd["inflation_vs_fd_manager"] is None and fd["interruption_vs_fd_manager"] is None
+    assert summary["schema"] == "fastdeploy-sync-profile/3" and "3" in summary["schema_changes"]
+    text = terminal.format_table(summary)
+    row = next(x for x in text.splitlines() if x.split()[:2] == ["python", "async"])
+    assert f"{ratio['value']:.1f} x [{low:.1f}, {high:.1f}]" in row
+    assert text.index("whole cost per step") < text.index("== python step")
+
+
+def test_headline_ratio_is_unbounded_where_the_mode_costs_nothing():
+    """Async's steps 2 % shorter than none's and ~no critical path: no cost resolved above
+    zero, so "x lower than fd-manager" has no upper bound; the JSON stays strict (no
+    Infinity, no NaN) and the terminal says so."""
+    from fastdeploy_sync.profiling import report, terminal
+
+    summary = report.summarize(_fake_raw(crit_us={"async": 0.5}, model_factor={"async": 0.98},
+                                         round_noise=0.05))
+    ratio = _headline(summary)["async"]["inflation_vs_fd_manager"]
+    assert ratio["value"] is None and ratio["interval"][1] is None
+    json.dumps(summary, allow_nan=False)
+    row = next(x for x in terminal.format_table(summary).splitlines()
+               if x.split()[:2] == ["python", "async"])
+    assert "unbounded (no cost resolved)" in row or ">= " in row
+
+
+def test_tp8_is_a_reference_configuration_with_its_own_targets():
+    from fastdeploy_sync.profiling import report, terminal
+
+    tp8 = report.summarize(_fake_raw(tp=8, rounds=5, crit_us={"async": 100.0},
+                                     round_noise=0.02))
+    assert tp8["reference_config"] == "TP=8" and tp8["targets_for"] == "TP=8"
+    words = _verdicts(tp8)
+    assert words[("python", "async critical path p50 <= 150 us")] == "met"
+    text = terminal.format_table(tp8)
+    assert "reference configuration TP=8, judged against its targets" in text
+    assert "NOT a reference configuration" not in text
+    # the same critical path against TP=2's target reads MISSED
+    tp2 = _verdicts(report.summarize(_fake_raw(rounds=5, crit_us={"async": 100.0},
+                                               round_noise=0.02)))
+    assert tp2[("python", "async critical path p50 <= 30 us")] == "MISSED"
+    for tp, used in ((4, "TP=2"), (6, "TP=8")):
+        summary = report.summarize(_fake_raw(tp=tp, rounds=5))
+        assert summary["reference_config"] is None and summary["targets_for"] == used
+        assert "NOT a reference configuration" in terminal.format_table(summary)
+        assert f"judged against the {used} targets, indicative only" in \
+            terminal.format_table(summary)
+
+
+def test_the_regime_is_said_and_notes_the_rows_that_depend_on_it():
+    """The same figures on 2 and on 16 cores: the verdicts do not change, the regime line
+    and the rows' regime notes do (async delivery with a GIL-holding step; the inflation on
+    shared cores)."""
+    from fastdeploy_sync.profiling import report
+
+    shared = report.summarize(_fake_raw(cores=2, round_noise=0.05))
+    free = report.summarize(_fake_raw(cores=16, round_noise=0.05))
+    some = report.summarize(_fake_raw(cores=4, round_noise=0.05))
+    assert _verdicts(shared) == _verdicts(free)
+    assert (shared["regime"]["class"], free["regime"]["class"], some["regime"]["class"]) == \
+        ("shared cores", "free cores", "some free cores")
+    assert shared["regime"]["line"].startswith("regime: shared cores")
+    assert "2 cores (not pinned) for 3 processes" in shared["regime"]["line"]
+    assert "async 4 + 2" in shared["regime"]["line"]  # ranks' Python threads + the engine's
+
+    def noted(summary):
+        return {t["target"].split(" <=")[0]: t["regime"] for t in summary["targets"]
+                if t["regime"]}
+    assert set(noted(shared)) == {"async delivery p50", "async step-time inflation"}
+    assert set(noted(free)) == {"async delivery p50"}
+    assert "free core for each" in noted(free)["async delivery p50"]
+    assert all(n in shared["notes"] for n in noted(shared).values())
+    # a GIL-releasing step's delivery does not depend on it
+    numpy = report.summarize(_fake_raw(cores=16, kinds=("numpy",)))
+    assert not any(t["regime"] for t in numpy["targets"])
+
+
+def test_cost_ratio_intervals_are_unbounded_only_where_the_denominator_is_not_positive():
+    from fastdeploy_sync.profiling.intervals import Bootstrap, cost_ratio, pooled_mean, verdict
+
+    rng = np.random.default_rng(5)
+    fd = 50 + rng.standard_normal((10, 40))
+    boot = Bootstrap(10, placements=2)
+    clear = boot.figure(cost_ratio(pooled_mean(fd), pooled_mean(1 + 0.1 * rng.standard_normal((10, 40)))))
+    assert 45 < clear["interval"][0] < clear["value"] < clear["interval"][1] < 55
+    around_zero = boot.figure(cost_ratio(pooled_mean(fd), pooled_mean(rng.standard_normal((10, 40)))))
+    assert around_zero["interval"][0] > 0 and around_zero["interval"][1] is None
+    assert verdict(around_zero["interval"], 20.0, "above") in ("met", "inconclusive")
+    assert verdict([None, None], 20.0, "above") == "met"

@@ -28,7 +28,7 @@ resampling is seeded: the same run gives the same intervals.
 import numpy as np
 
 __all__ = ["Bootstrap", "placement_blocks", "verdict", "pooled_median", "pooled_mean",
-           "ragged_median", "LEVEL", "RESAMPLES", "MIN_ROUNDS", "WORDS"]
+           "ragged_median", "cost_ratio", "LEVEL", "RESAMPLES", "MIN_ROUNDS", "WORDS"]
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -49,7 +49,9 @@ class Bootstrap:
     round once; ``interval(stat)`` on ``RESAMPLES`` resamples and returns the central
     ``LEVEL`` percentile interval, or None with fewer than ``MIN_ROUNDS`` rounds.
     Statistics that come back NaN in some resamples (a round without any sample) are
-    judged on the others; all NaN gives None.
+    judged on the others; all NaN gives None. A statistic may return +inf (``cost_ratio``:
+    an unbounded ratio): ``estimate`` then gives None, and an interval end that falls on
+    +inf is None, read as +inf (unbounded above).
     """
 
     def __init__(self, rounds: int, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -83,7 +85,7 @@ class Bootstrap:
 
     def estimate(self, stat) -> float:
         value = float(np.asarray(stat(self.all_rounds), dtype=float)[0])
-        return None if np.isnan(value) else value
+        return None if not np.isfinite(value) else value
 
     def interval(self, stat):
         """``[low, high]`` (floats) or None (too few rounds, or no value at all)."""
@@ -95,6 +97,13 @@ class Bootstrap:
         if values.size == 0:
             return None
         tail = 100 * (1 - self.level) / 2
+        unbounded = np.isposinf(values)
+        if unbounded.any():
+            # Percentiles between a finite value and +inf are not defined: rank-interpolate
+            # over a stand-in larger than every finite value, and read it back as unbounded.
+            big = np.finfo(float).max / 4
+            low, high = np.percentile(np.where(unbounded, big, values), [tail, 100 - tail])
+            return [None if low >= big else float(low), None if high >= big else float(high)]
         low, high = np.percentile(values, [tail, 100 - tail])
         return [float(low), float(high)]
 
@@ -112,12 +121,13 @@ def placement_blocks(rounds: int, placements: int) -> list:
 def verdict(interval, threshold: float, better: str) -> str:
     """``met`` / ``MISSED`` / ``inconclusive`` for a target ``value <= threshold``
     (``better="below"``) or ``value >= threshold`` (``better="above"``): met or MISSED only
-    when ``interval`` excludes the threshold (strictly); None (no interval) is inconclusive."""
+    when ``interval`` excludes the threshold (strictly); None (no interval) is inconclusive.
+    An end that is None is +inf (``Bootstrap.interval`` of an unbounded ratio)."""
     if better not in ("below", "above"):
         raise ValueError(f"better={better!r}: expected 'below' or 'above'")
     if interval is None:
         return "inconclusive"
-    low, high = interval
+    low, high = (np.inf if end is None else end for end in interval)
     if better == "below":
         return "met" if high < threshold else "MISSED" if low > threshold else "inconclusive"
     return "met" if low > threshold else "MISSED" if high < threshold else "inconclusive"
@@ -137,6 +147,21 @@ def pooled_mean(X):
     """The mean of every sample of the selected rounds (rounds are equally long)."""
     means = np.asarray(X, dtype=float).mean(axis=1)
     return lambda idx: means[idx].mean(axis=1)
+
+
+def cost_ratio(num, den):
+    """``num / den`` of two statistics (costs: fd-manager's over a mode's), evaluated on the
+    same resamples; +inf where ``den`` is zero or negative and ``num`` positive (the mode's
+    cost was not resolved above zero: the ratio has no upper bound), NaN where neither is
+    positive (nothing to compare)."""
+    def stat(idx):
+        n, d = np.asarray(num(idx), dtype=float), np.asarray(den(idx), dtype=float)
+        out = np.full(n.shape, np.nan)
+        positive = d > 0
+        out[positive] = n[positive] / d[positive]
+        out[~positive & (n > 0)] = np.inf
+        return out
+    return stat
 
 
 def ragged_median(rounds):

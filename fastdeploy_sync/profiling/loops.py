@@ -22,62 +22,65 @@ The model's TP collective: a real TP forward ends in all-reduces, and the host w
 the device by spinning (CUDA's default), so the ranks leave a step within microseconds of
 each other. The simulated step ends in a shared-memory barrier standing in for that: it
 spins up to ``COLLECTIVE_SPIN_US`` before blocking, so that the ranks leave it together
-rather than one semaphore wake-up (bench_sync.py section 4) apart, which the next barrier would
-otherwise charge to task sync. It is part of the model step in every mode, ``none``
+rather than one semaphore wake-up apart, which the next barrier would otherwise charge
+to task sync. It is part of the model step in every mode, ``none``
 included, so it cancels out of the inflation. FastDeploy's protocol needs the lock-step:
 without it, rank 0 can re-signal a batch a slow rank has not yet read. Every rank runs
 the same amount of work per step (the runner sends one calibration to all).
 
 The spin needs a core per process: with fewer cores than processes (the engine and the
-ranks), a rank spinning up to 3 ms for a descheduled peer takes the core that peer needs,
-and the reference loop, whose ranks meet only in this collective, ran 30-50 % slower than
-the loops with task sync (measured on 2 cores: its collective averaged ~3 ms, theirs
-0.4-2 ms). There the runner asks for ``COLLECTIVE_SPIN_SHARED_US`` instead (the library's
-own barrier default). A rank that blocked then wakes one semaphore wake-up (30-80 µs)
-after its partner left, and that skew was charged to the next barrier: for a whole run,
-since which rank is faster, and so blocks, stays the same (one run's critical path p50
-was 8x below fd-manager's, the next run's 45x). So every rank leaves the collective
-``COLLECTIVE_RELEASE_NS`` after the last rank arrived, spinning to that instant: the ranks
-leave together, as a device all-reduce releases them, whatever each waited in.
+ranks), a rank spinning for a descheduled peer takes the core that peer needs, and the
+reference loop, whose ranks meet only in this collective, would run slower than the loops
+with task sync. There the runner asks for ``COLLECTIVE_SPIN_SHARED_US`` instead (the
+library's own barrier default). A rank that blocked then wakes one semaphore wake-up after
+its partner left, and that skew would be charged to the next barrier, for a whole run,
+since which rank is faster, and so blocks, stays the same. So every rank leaves the
+collective ``COLLECTIVE_RELEASE_NS`` after the last rank arrived, spinning to that instant:
+the ranks leave together, as a device all-reduce releases them, whatever each waited in.
+(docs/profiling.md gives the figures that led to both.)
 
 The ``load`` phase runs the model step every iteration (requests always running); the
 ``idle`` phase puts nothing and sleeps 1 ms per iteration instead, as FastDeploy's loop
 does when nothing runs. Its figure is a worker's steady idle CPU, which it keeps for as long
 as nothing runs: every segment builds a new client, so each idle segment first runs
 ``IDLE_WARMUP_STEPS`` iterations outside its window, in every mode, for the client's
-start-up not to be counted as idle CPU (it was, before, in each of the default run's
-60-iteration windows: docs/profiling.md, Idle CPU).
+start-up not to be counted as idle CPU (docs/profiling.md, Idle CPU).
 
 A worker builds and calibrates one model step per step kind of the run (``--step``), and
 each load segment names the kind it runs. Around the model step's work (not its collective,
 which blocks on purpose) every rank measures how long its event-loop thread was kept off
 the CPU and why (``interruption.ThreadInterruption``: run queue, GIL wait, context
-switches), in every mode, the reference included, so the meter's ~6 us cancels out.
+switches), in every mode, the reference included, so the meter's own cost cancels out.
 
 The fd-manager queue is built once per run and reused by every fd-manager segment: building
-one costs ~3 s here (each of its manager proxies opens a connection whose handshake waits
-on TCP delayed acknowledgements), which FastDeploy pays once per server, not per batch. A
+one takes seconds (each of its manager proxies opens a connection whose handshake waits on
+TCP delayed acknowledgements), which FastDeploy pays once per server, not per batch. A
 segment ends with every batch read by every rank, the state a new queue starts in.
+
+Each segment's result says how many threads its process ran at the end of the measured
+steps (Python threads and the kernel's count, which includes libzmq's and the frameworks'
+own): the report's regime line compares them with the cores.
 """
 
 import os
+import threading
 import time
 import traceback
 
 import numpy as np
 
 from ..engine import TaskQueue
-from .fd_baseline import FDManagerQueue
+from ..step_profiler import StepProfiler
 from ..tp_group import ShmTPGroup
 from ..worker import TaskClient
-from ..step_profiler import StepProfiler
+from .fd_baseline import FDManagerQueue
 from .interruption import ThreadInterruption
+from .options import IDLE_WARMUP_STEPS, MODES, REFERENCE
 from .workload import ModelStep, RequestPool
 
-__all__ = ["MODES", "REFERENCE", "engine_main", "worker_main", "FDManagerSteps"]
+__all__ = ["MODES", "REFERENCE", "engine_main", "worker_main", "FDManagerSteps",
+           "thread_counts"]
 
-MODES = ("async", "sync", "fd-manager")
-REFERENCE = "none"
 PHASES = ("load", "idle")
 
 BARRIER_TIMEOUT_S = 30.0  # every blocking call of a profiled process is bounded
@@ -86,16 +89,10 @@ DRAIN_TIMEOUT_S = 60.0
 COLLECTIVE_SPIN_US = 3000.0  # every process has a core of its own
 COLLECTIVE_SPIN_SHARED_US = 50.0  # fewer cores than processes: do not spin the peer off its core
 # Every rank leaves the model collective this long after the last rank arrived (then
-# spins to that instant): longer than a blocked rank's wake-up here (~30-80 us), so the
-# ranks leave together as a device all-reduce releases them (module docstring)
+# spins to that instant): longer than a blocked rank's semaphore wake-up, so the ranks
+# leave together as a device all-reduce releases them (module docstring)
 COLLECTIVE_RELEASE_NS = 150_000
 IDLE_SLEEP_S = 0.001  # FastDeploy's loop sleeps 1 ms when nothing is running
-# Idle iterations every rank runs, unmeasured, before an idle segment's window opens (module
-# docstring): the segment's client was built just before, and what its start-up leaves to
-# the first iterations (the engine's welcome handled by the prefetch thread, the first
-# barriers) cost 0.1-0.7 ms of CPU in the first ten, median 0.4 ms (scripts/bench_idle.py
-# section 5): most of a 60-iteration window's difference from the loop without task sync.
-IDLE_WARMUP_STEPS = 20
 _PUT_RETRY_S = 0.05  # a put blocked by backpressure re-checks for "stop" this often
 
 
@@ -121,6 +118,28 @@ def _report_failure(conn, who):
 
 # -- engine ----------------------------------------------------------------------------------
 
+def thread_counts(children: bool = False) -> dict:
+    """This process's threads now: ``python`` (``threading.active_count()``) and ``os``
+    (the kernel's count, ``/proc/self/task``: libzmq's and the frameworks' threads too;
+    None without /proc); with ``children``, ``children_os``: the kernel's count for each
+    child process (the fd-manager's server), a list."""
+    def tasks(pid="self"):
+        try:
+            return len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            return None
+
+    out = {"python": threading.active_count(), "os": tasks()}
+    if children:
+        try:
+            with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                pids = f.read().split()
+        except OSError:
+            pids = []
+        out["children_os"] = [tasks(pid) for pid in pids]
+    return out
+
+
 def pin_to(cpu):
     """Pin the calling process to core ``cpu`` (None: leave it as started); return the
     cores it may run on afterwards, as the kernel reports them. Children started later
@@ -135,7 +154,7 @@ def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None
     ``cpu``: the core to pin it to (``--cpus``), or None.
 
     Commands: ("ready", {"cpus"}) first; ("open", {"mode", "name"}) -> ("opened", address);
-    ("go", rate) -> puts until ("stop") -> ("stopped", {"put", "cpu_s", "wall_s"});
+    ("go", rate) -> puts until ("stop") -> ("stopped", {"put", "cpu_s", "wall_s", "threads"});
     ("close") -> ("closed", stats); ("exit"). ``cpu_s`` is the engine process's CPU time
     (all its threads) while putting. The fd-manager queue is opened once and kept until
     "exit" (see the module docstring); "close" then only waits until every rank read.
@@ -159,7 +178,8 @@ def engine_main(conn, tp_size, batch, prompt_len, tokens, max_inflight, cpu=None
             elif cmd == "go":
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 n = _put_at_rate(queue, pool, arg, conn)
-                conn.send(("stopped", {"put": n, "cpu_s": time.process_time() - cpu0,
+                conn.send(("stopped", {"put": n, "threads": thread_counts(children=True),
+                                       "cpu_s": time.process_time() - cpu0,
                                        "wall_s": time.perf_counter() - wall0}))
             elif cmd == "close":
                 stats = _drain_engine_queue(queue)
@@ -307,11 +327,12 @@ class TPModel:
 
 
 def worker_main(conn, run_name, tp_size, tp_rank, step_kinds, step_ms, progress, cpu=None,
-                spin_us=COLLECTIVE_SPIN_US):
+                spin_us=COLLECTIVE_SPIN_US, gpu_backend="auto"):
     """One TP rank: calibrates a model step of each of ``step_kinds``, then runs the
     segments the runner sends. ``cpu``: the core to pin it to (``--cpus``), or None; the
     calibration it reports holds the cores it runs on (``"cpus"``). ``spin_us``: the model
-    collective's spin.
+    collective's spin. ``gpu_backend``: the ``gpu`` step's backend (``gpu_step.resolve``);
+    this rank runs on GPU ``tp_rank % count``.
 
     Commands: ("units", {kind: n}) once, after it reported its calibrations
     ({kind: calibration}); then ("segment", spec) -> ("ready") ... ("go") ... ("measured")
@@ -322,7 +343,8 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kinds, step_ms, progress,
     kept = {}  # the fd-manager client, kept across segments (see the module docstring)
     try:
         cpus = pin_to(cpu)  # before calibrating: the calibration must run where the steps do
-        models = {kind: ModelStep(kind, step_ms) for kind in step_kinds}
+        models = {kind: ModelStep(kind, step_ms, rank=tp_rank, gpu_backend=gpu_backend)
+                  for kind in step_kinds}
         if tp_size > 1:
             collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
                                     spin_us=spin_us)
@@ -389,6 +411,7 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
         thread_cpu = None if thread0 is None else _prefetch_cpu(steps) - thread0
         sync_ns = None if steps is None else steps.profiler.samples()
         interruption = tp_model.meter.arrays() if load else None
+        threads = thread_counts()
         conn.send(("measured", None))
         _, total = _recv(conn, "drain")
         drain_steps = _drain(steps, tp_size, tp_rank, tp_model.step, spec["steps"], taken, total)
@@ -402,7 +425,7 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
             "compute_ns": tp_model.compute_ns,
             "collective_ns": tp_model.collective_ns, "interruption": interruption,
             "taken": taken, "drain_steps": drain_steps, "cpu_s": cpu, "wall_s": wall,
-            "prefetch_cpu_s": thread_cpu}
+            "prefetch_cpu_s": thread_cpu, "threads": threads}
 
 
 def _prefetch_cpu(steps):

@@ -5,14 +5,19 @@ side, so a reader sees which kind of step our thread can delay and by how much):
 critical path's distribution, delivery's distribution, and the interruption of the model
 step. A last row: the step-time inflation of every kind and mode with its interval, idle
 CPU with its interval, and the targets with their verdicts. Titles and labels use the
-report's definitions (``report.DELIVERY`` above all); the suptitle carries the verdict count
-the terminal prints.
+report's definitions (``vocabulary.DELIVERY`` above all); the suptitle carries the verdict
+count and the regime line the terminal prints.
+
+Needs matplotlib (the package's ``profile`` extra); importing this module does not import
+it, ``figure`` and ``save`` do (``ImportError`` where it is missing).
 """
 
 import numpy as np
 
-from .loops import REFERENCE
-from .report import DELIVERY, parameters_line
+from .options import REFERENCE
+from .targets import IDLE_THRESHOLDS, THRESHOLDS
+from .terminal import parameters_line
+from .vocabulary import DELIVERY
 
 __all__ = ["figure", "save", "panel_titles"]
 
@@ -35,6 +40,7 @@ def panel_titles(summary) -> list:
 
 
 def save(summary, path) -> None:
+    """Write ``figure(summary)`` as a PNG at ``path``."""
     import matplotlib.pyplot as plt
 
     fig = figure(summary)
@@ -75,9 +81,9 @@ def figure(summary):
     _targets(axes[-1][2], summary)
 
     head = [parameters_line(summary), summary["verdicts"]["header"],
-            *summary["machine_load"]["lines"]]
+            summary["regime"]["line"], *summary["machine_load"]["lines"]]
     fig.suptitle("\n".join(head), fontsize=10.5, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.32 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.18 * len(head) / fig.get_figheight()))
     return fig
 
 
@@ -207,7 +213,8 @@ def _inflation(ax, summary, kinds, modes):
             ax.annotate(f"{kind}\n{total[q]:+.1f} %", (pos[q], max(total[q], 0)),
                         xytext=(0, 6), textcoords="offset points", ha="center", fontsize=7.5)
     ax.axhline(0, color="0.3", lw=0.8)
-    ax.axhline(3, color="tab:blue", lw=0.8, ls="--", label="target for async: 3 %")
+    bound = THRESHOLDS[summary["targets_for"]]["inflation_pct"]
+    ax.axhline(bound, color="tab:blue", lw=0.8, ls="--", label=f"target for async: {bound:g} %")
     ax.set_xticks(x, modes)
     ax.set_ylabel("% of none's mean step (black: inflation with its interval)")
     ax.grid(True, axis="y", alpha=0.3)
@@ -235,7 +242,8 @@ def _idle(ax, summary, modes):
         extra = "" if None in th else f"\nprefetch thread {max(th):.2f} %"
         ax.annotate(f"{vals[j]:.2f} %{extra}", (j, vals[j]), xytext=(8, 4),
                     textcoords="offset points", fontsize=8.5)
-    ax.axhline(1.0, color="tab:blue", lw=0.8, ls="--", label="target for async: 1 %")
+    bound = IDLE_THRESHOLDS["cpu_pct"]
+    ax.axhline(bound, color="tab:blue", lw=0.8, ls="--", label=f"target for async: {bound:g} %")
     ax.set_ylim(0, max(float(vals.max()), 1.0) * 1.5)
     ax.set_xticks(x, names)
     ax.set_ylabel("% of one core (black: interval)")

@@ -1,13 +1,10 @@
-"""Figures from a profile run: ``summarize`` (JSON-ready) and ``format_table`` (terminal);
-``plot`` draws the same figures (``plot.py``).
+"""Figures from a profile run (``summarize``: JSON-ready), from the raw result
+``runner.run_profile`` returns. ``terminal.format_table`` writes them for a person and
+``plot`` draws them; ``vocabulary.DEFINITIONS`` defines each (the JSON stores them).
 
-Every definition the figures follow is in ``DEFINITIONS``: the terminal prints it, the JSON
-stores it, and the plot's titles and labels use the same phrases (``DELIVERY`` above all).
-Vocabulary: a *mode* (none, async, sync, fd-manager) is what is compared and only ever a
-row label; a *step kind* (python, paddle, ...) is the simulated model step; the figures
-are the *critical path*, the *interruption* of the model step, the step-time *inflation*,
-*delivery* and *idle CPU*. Every figure a verdict rests on comes with an interval from
-paired rounds (``intervals``).
+Every figure a verdict rests on comes with an interval from paired rounds (``intervals``);
+the targets and their verdicts are ``targets``'; the headline (the whole cost per step) is
+``headline``'s; the regime line and the notes that depend on it are ``regime``'s.
 """
 
 import os
@@ -15,111 +12,19 @@ import platform
 
 import numpy as np
 
-from .intervals import (LEVEL, MIN_ROUNDS, RESAMPLES, WORDS, Bootstrap, pooled_mean,
-                        pooled_median, ragged_median, verdict)
-from .loops import IDLE_WARMUP_STEPS, REFERENCE
 from ..step_profiler import SECTIONS, distribution_us
+from . import formatting as fmt
+from .headline import kind_headline
+from .intervals import LEVEL, MIN_ROUNDS, RESAMPLES, Bootstrap, pooled_mean, pooled_median, \
+    ragged_median
+from .options import REFERENCE
+from .regime import attach_notes, describe
+from .targets import count_verdicts, idle_targets, kind_targets, ratio_stat, \
+    reference_config, targets_for, THRESHOLDS
+from .vocabulary import (DEFINITIONS, DELIVERY_PART_WORDS, DELIVERY_PARTS, HOLDS_GIL, SCHEMA,
+                         SCHEMA_CHANGES, STEP_KIND_GIL)
 
-__all__ = ["summarize", "format_table", "parameters_line", "plot", "DEFINITIONS", "DELIVERY",
-           "SCHEMA"]
-
-SCHEMA = "fastdeploy-sync-profile/2"
-
-DELIVERY = "put_tasks() called -> the last rank's get_tasks() returned the batch"
-
-# What each step kind does with the GIL: the delivery note and the plot say it.
-STEP_KIND_GIL = {
-    "python": "holds the GIL for the whole step (pure-Python work)",
-    "numpy": "releases the GIL inside each numpy call",
-    "paddle": "releases the GIL inside every paddle op, as GPU kernel launches do",
-    "sleep": "sleeps: no CPU, no GIL",
-}
-_HOLDS_GIL = {"python"}
-
-# The issue's reference configuration (any step kind): targets are judged on any run but
-# were set for this one (format_table says which it is).
-REFERENCE_CONFIG = {"step_ms": 2.0, "rate": 100.0, "batch": 64, "prompt_len": 512, "tp": 2,
-                    "tokens": "numpy"}
-
-# The delivery of a batch in three parts that add up to it (``_boundaries_and_parts``).
-DELIVERY_PARTS = ("to_first_boundary", "boundaries_passed", "taking_step")
-_DELIVERY_PART_WORDS = {"to_first_boundary": "put -> first boundary",
-                        "boundaries_passed": "boundaries passed",
-                        "taking_step": "the taking step"}
-
-DEFINITIONS = {
-    "round": "every mode once, back to back, under the same machine conditions (the "
-             "modes' order rotates from round to round); the unit of evidence",
-    "placement": "a block of consecutive rounds run by freshly started engine and worker "
-                 "processes (--placements blocks per run): where the OS placed them, and "
-                 "which rank came out faster, lasts as long as the processes",
-    "interval": f"{LEVEL:.0%} percentile bootstrap, two-stage: the placements resampled with "
-                f"replacement, then whole rounds within each ({RESAMPLES} resamples, "
-                f"seeded); a figure comparing two modes uses the same resampled rounds for "
-                f"both (paired); with one placement, a bootstrap over rounds",
-    "verdict": f"met or MISSED only when the interval lies wholly on one side of the target, "
-               f"otherwise inconclusive; fewer than {MIN_ROUNDS} rounds give no interval and "
-               f"every verdict is inconclusive; the inflation is also inconclusive when the "
-               f"model step ran faster than in none beyond its interval (task sync cannot "
-               f"do that: the loops did not meet the same machine)",
-    "step": "one iteration of rank 0's loop: check (exist_tasks), barrier, take (get_tasks), "
-            "then the model step",
-    "model_step": "the calibrated work of the step kind, then the model's TP collective "
-                  "(a shared-memory barrier standing in for the all-reduce)",
-    "critical_path": "check + barrier + take on rank 0's event loop, per step, as the "
-                     "StepProfiler recorded them; the barrier part includes waiting for a "
-                     "late rank",
-    "inflation": "100 * (M - R) / R; M: the mode's mean step, R: none's (the same loop "
-                 "without task sync), over the same rounds",
-    "critical_path_share": "100 * C / R; C: the mode's mean critical path per step",
-    "model_slowdown": "inflation - critical path share: the model step and its collective "
-                      "ran slower than in none (CPU or GIL taken from them) or, negative, "
-                      "faster (the barrier absorbed waiting that none spends in the "
-                      "collective, or noise)",
-    "off_cpu": "during the model step's work (not its collective), rank 0's event-loop "
-               "thread: wall time minus the thread's own CPU time (time.thread_time_ns)",
-    "run_queue": "part of off-CPU: runnable but not running, another thread or process had "
-                 "the core (sched_info run_delay in /proc/self/task/<tid>/schedstat, ns)",
-    "gil_wait": "time rank 0's event-loop thread waited for the GIL another thread of the "
-                "process held during the model step's work (async: the prefetch thread; "
-                "sync: the heartbeat thread; none: no other thread), as two bounds. Lower: "
-                "the time it was blocked, i.e. off-CPU - run queue in steps where it switched "
-                "out of its own accord (a voluntary context switch; the work does no I/O and "
-                "takes no lock, so what it blocks on is the GIL). Upper: all off-CPU time of "
-                "those steps (every GIL wait blocks at least once; a waiter that wakes to "
-                "busy cores waits in the run queue). Close on an idle machine, apart under "
-                "load. Resolution ~+-2 us per step (the clocks are read one after another); "
-                "checked against a thread holding the GIL for known times "
-                "(scripts/gil_wait_check.py); the meter costs ~6 us per step, in every mode",
-    "gil_wait_added": "100 * (G - G0) / R; G, G0: the mode's and none's mean GIL wait per "
-                      "step, over the same rounds, for each bound; the target's interval runs "
-                      "from the lower bound's low end to the upper bound's high end",
-    "context_switches": "of the event-loop thread during the model step's work, per step "
-                        "(getrusage RUSAGE_THREAD): involuntary = preempted, voluntary = "
-                        "blocked (here: waiting for the GIL)",
-    "delivery": DELIVERY + " (the engine stamps the batch just before put_tasks(), so a wait "
-                           "for room counts)",
-    "boundaries": "rank 0's step boundaries (checks) from put_tasks() to the take, the take's "
-                  "included (1 = taken at the first boundary after the put): the share of "
-                  "batches taken at the first, and the mean; batches taken in measured steps",
-    "delivery_parts": "a batch's delivery in three parts that add up to it, means over the "
-                      "batches taken in measured steps (ms): to_first_boundary (put_tasks() "
-                      "called -> rank 0's first check after it), boundaries_passed (-> the "
-                      "check of the step that took it), taking_step (-> the last rank's "
-                      "get_tasks() returned it: the barrier waiting for the last rank, and "
-                      "the take)",
-    "loaded_cpu": "while the engine puts: the engine process (all threads) and a worker's "
-                  "prefetch thread, % of one core",
-    "idle_cpu": "rate 0 (nothing put; FastDeploy's loop sleeps 1 ms per iteration): worker "
-                "process CPU (all threads) over wall time, max over ranks, % of one core; "
-                "the prefetch thread's alone where there is one. Each segment opens its "
-                f"window after {IDLE_WARMUP_STEPS} iterations, in every mode: the steady "
-                "idle loop, without the start-up of the client the segment built",
-    "idle_above_none": "the mode's idle worker CPU minus none's (the same 1 ms loop without "
-                       "task sync) in the same rounds, percentage points",
-    "ranks_agree": "in every segment every rank took the same batch ids at the same steps, "
-                   "ids 0..put-1 in order (none lost, none twice)",
-}
+__all__ = ["summarize"]
 
 _INTERRUPTION_FIELDS = (("off_cpu", "off_cpu_ns"), ("run_queue", "runq_ns"),
                         ("gil_wait", "gil_ns"), ("gil_wait_upper", "gil_upper_ns"),
@@ -133,13 +38,6 @@ def _ms(d):
 
 def _rank(segment, rank):
     return next(w for w in segment["workers"] if w["rank"] == rank)
-
-
-def _ratio_stat(a, b):
-    def stat(idx):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return a(idx) / b(idx)
-    return stat
 
 
 class _KindRounds:
@@ -173,7 +71,7 @@ def summarize(raw) -> dict:
     options = raw["options"]
     kinds, modes = options["step_kinds"], options["modes"]
     boot = Bootstrap(options["rounds"], placements=options.get("placements", 1))
-    out = {"schema": SCHEMA,
+    out = {"schema": SCHEMA, "schema_changes": SCHEMA_CHANGES,
            "parameters": {**{k: v for k, v in options.items() if k != "modes"},
                           "modes": modes, "units_per_step": raw["units"],
                           "calibration": raw["calibration"],
@@ -186,33 +84,40 @@ def summarize(raw) -> dict:
                          "placements": boot.placements,
                          "min_rounds": MIN_ROUNDS, "method": DEFINITIONS["interval"]},
            "step_kinds": {}}
+    out["reference_config"] = reference_config(options)
+    out["targets_for"] = targets_for(options)
+    thresholds = THRESHOLDS[out["targets_for"]]
     targets, notes = [], []
+    out["headline"] = {}
     for kind in kinds:
         rounds = _KindRounds(raw, kind, [REFERENCE] + modes)
-        summary, kind_targets, kind_notes = _summarize_kind(raw, kind, rounds, modes, boot)
+        summary, rows, kind_notes, headline = _summarize_kind(raw, kind, rounds, modes, boot,
+                                                              thresholds)
         out["step_kinds"][kind] = summary
-        targets += kind_targets
+        out["headline"][kind] = headline
+        targets += rows
         notes += kind_notes
     idle_segments = [s for s in raw["segments"] if s["phase"] == "idle"]
     out["idle"] = None
     if idle_segments:
-        out["idle"], idle_targets, idle_notes = _summarize_idle(idle_segments, modes,
-                                                                options["tp"], boot)
-        targets += idle_targets
+        out["idle"], rows, idle_notes = _summarize_idle(idle_segments, modes, options["tp"],
+                                                        boot)
+        targets += rows
         notes += idle_notes
+    out["regime"] = describe(raw)
+    notes += attach_notes(out["regime"], targets)
     out["targets"] = targets
     out["notes"] = notes
-    out["verdicts"] = _count_verdicts(targets, boot)
+    out["verdicts"] = count_verdicts(targets, boot)
     out["machine_load"] = _machine_load(raw, out)
-    out["reference_config"] = all(options.get(k) == v for k, v in REFERENCE_CONFIG.items())
     out["correct"] = all(m["ranks_agree"] and m["batches"]["all_delivered"]
                          for k in out["step_kinds"].values()
                          for name, m in k["modes"].items() if name != REFERENCE)
     return out
 
 
-def _summarize_kind(raw, kind, rounds, modes, boot):
-    """(summary, target rows, notes) of one step kind."""
+def _summarize_kind(raw, kind, rounds, modes, boot, thresholds):
+    """(summary, target rows, notes, headline) of one step kind."""
     tp = raw["options"]["tp"]
     calibration = raw["calibration"][kind]
     ref_iter = pooled_mean(rounds.rank0(REFERENCE, "iter_ns"))
@@ -251,10 +156,10 @@ def _summarize_kind(raw, kind, rounds, modes, boot):
                 else boot.figure(lambda idx, g=g, g0=g0: 100 * (g(idx) - g0(idx)) / ref_iter(idx))
         if "fd-manager" in modes and mode != "fd-manager":
             out["modes"][mode]["critical_path_p50_vs_fd_manager"] = boot.figure(
-                _ratio_stat(stats["fd-manager"]["p50"], stats[mode]["p50"]))
-    targets = _kind_targets(kind, out, stats, modes, boot)
-    notes = _kind_notes(kind, out, modes, targets)
-    return out, targets, notes
+                ratio_stat(stats["fd-manager"]["p50"], stats[mode]["p50"]))
+    rows = kind_targets(kind, out, stats, modes, boot, thresholds)
+    notes = _kind_notes(kind, out, modes, rows)
+    return out, rows, notes, kind_headline(out["modes"], stats, modes, boot)
 
 
 def _summarize_sync_mode(m, st, rounds, mode, tp, ref_iter, boot):
@@ -271,6 +176,7 @@ def _summarize_sync_mode(m, st, rounds, mode, tp, ref_iter, boot):
     m["critical_path_samples_us"] = np.round(crit.ravel() / 1e3, 2).tolist()
     inflation = lambda idx: 100 * (st["iter"](idx) / ref_iter(idx) - 1)  # noqa: E731
     share = lambda idx: 100 * st["crit_mean"](idx) / ref_iter(idx)  # noqa: E731
+    st["inflation"] = inflation
     m["inflation_pct"] = boot.figure(inflation)
     m["inflation_pct"]["per_round"] = inflation(np.arange(boot.rounds)[:, None]).tolist()
     m["critical_path_share_pct"] = boot.figure(share)
@@ -395,17 +301,11 @@ def _summarize_idle(segments, modes, tp, boot):
     for mode in modes:
         out[mode]["above_none_points"] = boot.figure(
             lambda idx, s=stats[mode]: s(idx) - stats[REFERENCE](idx))
-    targets, notes = [], []
+    targets, notes = idle_targets(out), []
     if "async" in modes:
-        targets.append(_target(None, "async idle worker CPU <= 1 % of a core",
-                               out["async"]["worker_cpu_pct"], 1.0, "below", "%"))
-        # What task sync itself adds: the row above also holds the bare loop's own CPU,
-        # which alone can exceed 1 % (1.5-2.2 % of a core here on 2026-11-26)
-        targets.append(_target(None, "async idle CPU <= 0.5 points above none's",
-                               out["async"]["above_none_points"], 0.5, "below", "points"))
         none, above = out[REFERENCE]["worker_cpu_pct"], out["async"]["above_none_points"]
         note = (f"idle: none (FastDeploy's 1 ms sleep loop without task sync) used "
-                f"{_fig(none, '%', 2)} of a core by itself; async adds {_fig(above, 'points', 2, sign=True)}")
+                f"{fmt.fig(none, '%', 2)} of a core by itself; async adds {fmt.fig(above, 'points', 2, sign=True)}")
         if targets[0]["verdict"] != "met":
             note += (". For less, let rank 0 block in client.wait_for_tasks(timeout) instead of "
                      "polling exist_tasks() and sleeping 1 ms (docs: Sleeping while idle; "
@@ -414,68 +314,18 @@ def _summarize_idle(segments, modes, tp, boot):
     return {"modes": out}, targets, notes
 
 
-# -- targets, notes, header ------------------------------------------------------------------
-
-def _target(kind, name, figure, threshold, better, unit):
-    word = verdict(figure["interval"], threshold, better) if figure["value"] is not None \
-        else "n/a"
-    return {"step_kind": kind, "target": name, "measured": figure["value"],
-            "interval": figure["interval"], "threshold": threshold, "better": better,
-            "unit": unit, "verdict": word, "met": {"met": True, "MISSED": False}.get(word),
-            "reason": None}
-
-
-def _kind_targets(kind, out, stats, modes, boot):
-    if "async" not in modes:
-        return []
-    a = out["modes"]["async"]
-    rows = [_target(kind, "async critical path p50 <= 30 us", a["critical_path_p50_us"], 30.0,
-                    "below", "us")]
-    if "fd-manager" in modes:
-        rows.append(_target(kind, "async critical path p50 >= 20x below fd-manager's",
-                            a["critical_path_p50_vs_fd_manager"], 20.0, "above", "x"))
-    if "sync" in modes:
-        rows.append(_target(kind, "async critical path p50 >= 5x below sync mode's",
-                            boot.figure(_ratio_stat(stats["sync"]["p50"], stats["async"]["p50"])),
-                            5.0, "above", "x"))
-    rows.append(_target(kind, "async step-time inflation <= 3 % of none's step",
-                        a["inflation_pct"], 3.0, "below", "%"))
-    slowdown = a["model_slowdown_pct"]["interval"]
-    if slowdown is not None and slowdown[1] < 0:
-        # The model step (and its collective) ran faster than in the loop without task
-        # sync, beyond the interval: task sync cannot do that, so the two loops did not
-        # meet the same machine and the inflation says nothing about task sync.
-        rows[-1].update(verdict="inconclusive", met=None,
-                        reason=f"the model step ran faster than in none (model slowdown "
-                               f"{_interval(slowdown, '%', 1)}): none is no like-for-like "
-                               f"reference on this machine")
-    low, high = (a["interruption"][k] for k in ("gil_wait_added_pct",
-                                                 "gil_wait_added_upper_pct"))
-    if low is not None:
-        # Judged on both bounds at once: met only if even the upper bound's interval is
-        # below the target, MISSED only if even the lower bound's is above it.
-        bounded = high is not None and None not in (low["interval"], high["interval"])
-        both = {"value": low["value"], "interval": [low["interval"][0], high["interval"][1]]
-                if bounded else None}
-        rows.append(_target(kind, "async GIL wait added <= 3 % of none's step", both, 3.0,
-                            "below", "%"))
-    if "sync" in modes:
-        ratio = boot.figure(_ratio_stat(stats["async"]["delivery_p50"],
-                                        stats["sync"]["delivery_p50"]))
-        a["delivery_p50_vs_sync"] = ratio
-        rows.append(_target(kind, "async delivery p50 <= sync mode's (ratio <= 1)", ratio,
-                            1.0, "below", "x"))
-    return rows
-
+# -- notes ----------------------------------------------------------------------------------
 
 def _kind_notes(kind, out, modes, targets):
     """Why a row reads as it does and what to do, from this run's figures."""
     notes = []
     modes_out = out["modes"]
-    by_name = {t["target"]: t for t in targets}
+    def row(prefix):
+        return next((t for t in targets if t["target"].startswith(prefix)), None)
+
     if "async" in modes and "sync" in modes:
         notes.append(_delivery_note(kind, modes_out["async"], modes_out["sync"],
-                                    by_name["async delivery p50 <= sync mode's (ratio <= 1)"]))
+                                    row("async delivery p50")))
     if "async" in modes:
         a = modes_out["async"]
         sec = a["critical_path_by_section_us"]
@@ -483,13 +333,13 @@ def _kind_notes(kind, out, modes, targets):
         barrier = sec["barrier"]["p50_us"]
         if p50 and barrier is not None and barrier > p50 / 2:
             notes.append(
-                f"{kind}: async critical path p50 {_num(p50)} us is mostly the barrier "
-                f"(p50 {_num(barrier)} us; check {_num(sec['check']['p50_us'])} us, take "
-                f"{_num(sec['take']['p50_us'])} us): rank 0 waited for the other rank, whose "
+                f"{kind}: async critical path p50 {fmt.num(p50)} us is mostly the barrier "
+                f"(p50 {fmt.num(barrier)} us; check {fmt.num(sec['check']['p50_us'])} us, take "
+                f"{fmt.num(sec['take']['p50_us'])} us): rank 0 waited for the other rank, whose "
                 f"step, scheduling and GIL set when it arrives. On shared cores that wait is "
                 f"the ranks' skew, not rank 0's work; a core per process (--cpus, tp + 1 free "
                 f"cores) separates the two")
-        infl = by_name.get("async step-time inflation <= 3 % of none's step")
+        infl = row("async step-time inflation")
         if infl is not None and infl["reason"]:
             notes.append(f"{kind}: step-time inflation inconclusive: {infl['reason']}. The "
                          f"interruption table measures the model step's losses directly")
@@ -497,7 +347,7 @@ def _kind_notes(kind, out, modes, targets):
             ref = modes_out[REFERENCE]["round_means_ms"]
             notes.append(
                 f"{kind}: the step-time inflation is not resolved on this machine ("
-                f"{_interval(infl['interval'], '%', 1)}; none's own round means ranged "
+                f"{fmt.interval(infl['interval'], '%', 1)}; none's own round means ranged "
                 f"{min(ref):.2f}-{max(ref):.2f} ms). The interruption table measures the "
                 f"model step's losses directly: GIL wait is what our threads took from it, "
                 f"run queue what other processes did")
@@ -509,15 +359,15 @@ def _delivery_note(kind, a, s, row):
     was slower (the explanation follows the figures, so it holds for whatever the code
     does when the profile runs)."""
     ab, sb = a["delivery_boundaries"], s["delivery_boundaries"]
-    where = (f"p50 {_fig(a['delivery_p50_ms'], 'ms', 2)} vs {_fig(s['delivery_p50_ms'], 'ms', 2)}"
-             f"; taken at the first step boundary after the put: {_pct(ab['share_first'])} vs "
-             f"{_pct(sb['share_first'])} of the batches, {_num(ab['mean'], 2)} vs "
-             f"{_num(sb['mean'], 2)} boundaries on average")
+    where = (f"p50 {fmt.fig(a['delivery_p50_ms'], 'ms', 2)} vs {fmt.fig(s['delivery_p50_ms'], 'ms', 2)}"
+             f"; taken at the first step boundary after the put: {fmt.pct(ab['share_first'])} vs "
+             f"{fmt.pct(sb['share_first'])} of the batches, {fmt.num(ab['mean'], 2)} vs "
+             f"{fmt.num(sb['mean'], 2)} boundaries on average")
     if row["verdict"] == "met":
         return f"{kind}: async delivered faster than sync ({where})"
     if row["verdict"] != "MISSED":
         return (f"{kind}: async and sync delivery not told apart ({where}; the ratio's "
-                f"interval {_interval(row['interval'], 'x', 2)} holds 1)")
+                f"interval {fmt.interval(row['interval'], 'x', 2)} holds 1)")
     # Do the boundaries account for the gap? Each boundary more costs about a step; if
     # the batches were taken at about the same boundary in both modes, the gap lies
     # within the steps and the GIL story below would not be what the figures say.
@@ -525,7 +375,7 @@ def _delivery_note(kind, a, s, row):
     by_boundaries_ms = (None if ab["mean"] is None or sb["mean"] is None
                         else (ab["mean"] - sb["mean"]) * a["step_ms"]["mean_ms"])
     later = by_boundaries_ms is not None and by_boundaries_ms >= 0.5 * gap_ms
-    if kind in _HOLDS_GIL and later:
+    if kind in HOLDS_GIL and later:
         return (f"{kind}: async delivered slower than sync ({where}). The {kind} step "
                 f"{STEP_KIND_GIL[kind]}. The prefetch thread needs the GIL to decode a batch it "
                 f"has received and gets it only when the step blocks (at its TP collective) or "
@@ -537,8 +387,8 @@ def _delivery_note(kind, a, s, row):
         return (f"{kind}: async delivered slower than sync ({where}) with a step that "
                 f"{STEP_KIND_GIL.get(kind, 'runs')}. The batches were taken at about the "
                 f"same step boundary in both modes, which accounts for "
-                f"{_val(max(0.0, by_boundaries_ms), 'ms', 2)} "
-                f"of the {_val(gap_ms, 'ms', 2)} at p50: the gap is not the prefetch thread "
+                f"{fmt.val(max(0.0, by_boundaries_ms), 'ms', 2)} "
+                f"of the {fmt.val(gap_ms, 'ms', 2)} at p50: the gap is not the prefetch thread "
                 f"waiting for the GIL before the boundary. {_parts_gap(a, s)}")
     return (f"{kind}: async delivered slower than sync ({where}) with a step that "
             f"{STEP_KIND_GIL.get(kind, 'runs')}; the boundaries do not point at the GIL")
@@ -558,28 +408,8 @@ def _parts_gap(a, s) -> str:
                           "0's check waits for a peer still receiving it; a peer whose "
                           "prefetch thread is decoding it waits for that thread, which "
                           "needs the GIL)"}[worst]
-    listed = ", ".join(f"{_DELIVERY_PART_WORDS[k]} {diff[k]:+.2f} ms" for k in DELIVERY_PARTS)
+    listed = ", ".join(f"{DELIVERY_PART_WORDS[k]} {diff[k]:+.2f} ms" for k in DELIVERY_PARTS)
     return (f"Mean delivery, async minus sync, part by part: {listed}; the largest: {why}")
-
-
-def _in_placements(placements) -> str:
-    return f" in {placements} process placements" if placements > 1 else ""
-
-
-def _pct(share):
-    return "-" if share is None else f"{100 * share:.0f} %"
-
-
-def _count_verdicts(targets, boot):
-    counts = {w: sum(t["verdict"] == w for t in targets) for w in WORDS}
-    counts["n/a"] = sum(t["verdict"] == "n/a" for t in targets)
-    basis = (f"{LEVEL:.0%} intervals from a bootstrap over {boot.rounds} paired rounds"
-             f"{_in_placements(boot.placements)}; met or "
-             f"MISSED only where the interval excludes the target" if boot.has_intervals else
-             f"only {boot.rounds} round(s): no intervals (--rounds {MIN_ROUNDS} or more), so "
-             f"every verdict is inconclusive")
-    words = ", ".join(f"{counts[w]} {w}" for w in (*WORDS, "n/a") if counts[w] or w in WORDS)
-    return {**counts, "header": f"verdicts: {words} ({basis})"}
 
 
 def _machine_load(raw, out):
@@ -601,175 +431,3 @@ def _machine_load(raw, out):
                      f"{min(means):.2f}-{max(means):.2f} ms; ranks' calibrations differ "
                      f"{mismatch:.2f}x")
     return {"step_kinds": per_kind, "lines": lines}
-
-
-# -- terminal --------------------------------------------------------------------------------
-
-def _num(v, digits=1):
-    if v is None:
-        return "-"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}f}"
-
-
-def _val(v, unit, digits=1):
-    """``v unit``, or ``-`` (no unit) when there is no value."""
-    return "-" if v is None else f"{_num(v, digits)} {unit}"
-
-
-def _interval(interval, unit, digits=1):
-    if interval is None:
-        return "[no interval]"
-    return f"[{_num(interval[0], digits)}, {_num(interval[1], digits)}] {unit}"
-
-
-def _fig(figure, unit, digits=1, sign=False):
-    """``value unit [low, high] unit`` of a figure."""
-    if figure is None or figure["value"] is None:
-        return "-"
-    v = figure["value"]
-    text = f"{v:+.{digits}f}" if sign else _num(v, digits)
-    i = figure["interval"]
-    if i is None:
-        return f"{text} {unit} [no interval]"
-    lo, hi = ((f"{i[0]:+.{digits}f}", f"{i[1]:+.{digits}f}") if sign else
-              (_num(i[0], digits), _num(i[1], digits)))
-    return f"{text} {unit} [{lo}, {hi}]"
-
-
-def parameters_line(summary) -> str:
-    """The run's parameters in one line (the terminal's first line, the plot's title)."""
-    p, m = summary["parameters"], summary["machine"]
-    pinned = ("" if not p.get("cpus") else
-              f"; pinned: engine cpu {p['cpus'][0]}, ranks cpus {','.join(map(str, p['cpus'][1:]))}")
-    per_round = p["steps"] // p["rounds"]
-    idle = (f", idle {p['rounds']} x {p['idle_steps'] // p['rounds']} iterations "
-            f"(after {IDLE_WARMUP_STEPS})" if p["idle_steps"] else "")
-    return (f"fastdeploy-sync profile: tp {p['tp']}, {p['rate']:g} batches/s of {p['batch']} x "
-            f"{p['prompt_len']} token ids ({p['tokens']}), model step kinds "
-            f"{' and '.join(p['step_kinds'])} of {p['step_ms']:g} ms (calibrated), "
-            f"{p['rounds']} paired rounds{_in_placements(p.get('placements', 1))} x "
-            f"{per_round} steps per mode and step kind{idle}; "
-            f"python {m['python']}, {m['cpus']} cpus, {summary['elapsed_s']:.0f} s{pinned}")
-
-
-def format_table(summary) -> str:
-    """The terminal report: parameters, the verdict count, per step kind the critical
-    path, the interruption, the effect on the loop and delivery; idle CPU; the targets with
-    their intervals; notes; the definitions."""
-    p = summary["parameters"]
-    lines = [parameters_line(summary), summary["verdicts"]["header"],
-             *(f"machine: {line}" for line in summary["machine_load"]["lines"])]
-    for kind, k in summary["step_kinds"].items():
-        lines += ["", f"== {kind} step: {k['gil']} ==", *_kind_tables(k, p["modes"])]
-    if summary["idle"]:
-        lines += ["", "== idle (rate 0) ==", *_idle_table(summary["idle"], p["modes"])]
-    if summary["targets"]:
-        where = ("this is the reference configuration" if summary["reference_config"] else
-                 "NOT the reference configuration (--step-ms 2 --rate 100 --batch 64 "
-                 "--prompt-len 512 --tp 2 --tokens numpy): indicative only")
-        lines += ["", f"targets ({LEVEL:.0%} interval over {p['rounds']} paired rounds"
-                      f"{_in_placements(p.get('placements', 1))}; {where}):",
-                  f"  {'step':<7}{'target':<52}{'measured':>12}  {'interval':<24}verdict"]
-        for t in summary["targets"]:
-            unit = t["unit"]
-            lines.append(f"  {t['step_kind'] or 'idle':<7}{t['target']:<52}"
-                         f"{_num(t['measured'], 2) + ' ' + unit:>12}  "
-                         f"{_interval(t['interval'], unit, 2):<24}{t['verdict']}"
-                         + (" (see notes)" if t["reason"] else ""))
-    problems = [f"  {kind} {mode}: {problem}" for kind, k in summary["step_kinds"].items()
-                for mode, m in k["modes"].items() for problem in m.get("problems", [])]
-    if problems:
-        lines += ["", "correctness problems:", *problems]
-    if summary["notes"]:
-        lines += ["", "notes:", *(f"  - {n}" for n in summary["notes"])]
-    lines += ["", "definitions:", *(f"  {k}: {v}" for k, v in summary["definitions"].items())]
-    return "\n".join(lines)
-
-
-def _kind_tables(k, modes):
-    m = k["modes"]
-    out = ["critical path per step, rank 0 (check + barrier + take); baseline: the "
-           "FastDeploy-style manager queue (mode fd-manager)",
-           f"  {'mode':<11}{'p50 [interval]':>32}{'p99':>12}{'mean':>12}"
-           f"  {'check / barrier / take p50':>30}  {'baseline p50 / this p50':>32}"]
-    for mode in modes:
-        x = m[mode]
-        d, sec = x["critical_path_us"], x["critical_path_by_section_us"]
-        parts = " / ".join(_num(sec[s]["p50_us"]) for s in SECTIONS) + " us"
-        vs = x.get("critical_path_p50_vs_fd_manager")
-        out.append(f"  {mode:<11}{_fig(x['critical_path_p50_us'], 'us'):>32}"
-                   f"{_val(d['p99_us'], 'us'):>12}{_val(d['mean_us'], 'us'):>12}"
-                   f"  {parts:>30}  {_fig(vs, 'x') if vs else '-':>32}")
-    out += ["interruption of the model step's work, rank 0's event-loop thread, mean per step",
-            f"  {'mode':<11}{'model step':>11}{'off-CPU':>11}{'run queue':>11}{'other':>10}"
-            f"{'GIL wait: lower [interval]':>32}{'upper':>10}"
-            f"{'GIL wait added: lower [interval]':>36}{'upper':>9}"
-            f"{'switches invol. / vol.':>25}"]
-    for mode in [REFERENCE] + modes:
-        x = m[mode]
-        i = x["interruption"]
-        inv, vol = i["involuntary_switches_per_step"], i["voluntary_switches_per_step"]
-        sw = "-" if inv is None else f"{inv['value']:.2f} / {vol['value']:.2f}"
-        added, upper = i.get("gil_wait_added_pct"), i.get("gil_wait_added_upper_pct")
-        upper = "-" if not upper else f"{upper['value']:+.2f} %"
-        out.append(f"  {mode:<11}{_val(x['model_step_ms'], 'ms', 2):>11}"
-                   f"{_val((i['off_cpu_us'] or {}).get('value'), 'us'):>11}"
-                   f"{_val((i['run_queue_us'] or {}).get('value'), 'us'):>11}"
-                   f"{_val((i['other_us'] or {}).get('value'), 'us'):>10}"
-                   f"{_fig(i['gil_wait_us'], 'us'):>32}"
-                   f"{_val((i['gil_wait_upper_us'] or {}).get('value'), 'us'):>10}"
-                   f"{_fig(added, '%', 2, sign=True) if added else '-':>36}"
-                   f"{upper:>9}{sw:>25}")
-    out += ["effect on the loop, rank 0, % of none's mean step (inflation = critical path share "
-            "+ model slowdown)",
-            f"  {'mode':<11}{'step mean':>10}{'inflation [interval]':>32}"
-            f"{'critical path':>15}{'model slowdown':>16}"]
-    for mode in [REFERENCE] + modes:
-        x = m[mode]
-        if mode == REFERENCE:
-            out.append(f"  {mode:<11}{_val(x['step_ms']['mean_ms'], 'ms', 2):>10}"
-                       f"{'(the reference)':>32}")
-            continue
-        out.append(f"  {mode:<11}{_val(x['step_ms']['mean_ms'], 'ms', 2):>10}"
-                   f"{_fig(x['inflation_pct'], '%', 1, sign=True):>32}"
-                   f"{x['critical_path_share_pct']['value']:>+13.1f} %"
-                   f"{x['model_slowdown_pct']['value']:>+14.1f} %")
-    out += [f"delivery: {DELIVERY}",
-            f"  {'mode':<11}{'p50 [interval]':>32}{'p99':>12}{'1st boundary / mean':>21}"
-            f"{'loaded CPU: engine / prefetch thread':>38}{'batches put / taken':>21}"
-            f"{'ranks agree':>13}"]
-    for mode in modes:
-        x = m[mode]
-        d, b = x["delivery_ms"], x["batches"]
-        cpu = x["load_cpu_pct"]
-        th = cpu["prefetch_thread"]
-        th = "-" if None in th else f"{max(th):.1f} %"
-        eng = "-" if cpu["engine_process"] is None else f"{cpu['engine_process']:.1f} %"
-        out.append(f"  {mode:<11}{_fig(x['delivery_p50_ms'], 'ms', 2):>32}"
-                   f"{_val(d['p99_ms'], 'ms', 2):>12}"
-                   f"{_pct(x['delivery_boundaries']['share_first']) + ' / ' + _num(x['delivery_boundaries']['mean'], 2):>21}"
-                   f"{eng + ' / ' + th:>38}{str(b['put']) + ' / ' + str(min(b['taken_per_rank'])):>21}"
-                   f"{'yes' if x['ranks_agree'] else 'NO':>13}")
-    return out
-
-
-def _idle_table(idle, modes):
-    out = [f"  {'mode':<11}{'worker CPU, max over ranks [interval]':>40}"
-           f"{'above the no-sync loop [interval]':>36}{'prefetch thread':>17}"]
-    for mode in [REFERENCE] + modes:
-        x = idle["modes"][mode]
-        th = x["prefetch_thread_cpu_pct"]
-        th = "-" if None in th else f"{max(th):.2f} %"
-        above = x.get("above_none_points")
-        out.append(f"  {mode:<11}{_fig(x['worker_cpu_pct'], '%', 2):>40}"
-                   f"{_fig(above, 'points', 2, sign=True) if above else '-':>36}{th:>17}")
-    return out
-
-
-def plot(summary, path) -> None:
-    """Write the profile's figure (``plot.figure``) as a PNG at ``path``."""
-    from .plot import save
-
-    save(summary, path)

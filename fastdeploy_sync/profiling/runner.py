@@ -1,17 +1,6 @@
-"""Runs a profile: starts the engine and worker processes, drives interleaved segments,
-collects what they measured. ``report`` turns the result into figures.
-
-The schedule: ``rounds`` rounds, each of them::
-
-    load         for every step kind (the order rotated by the round): every mode once,
-                 ``steps / rounds`` steps each, the order rotated by the round; the reference
-                 loop (no task sync) is one of the modes
-    idle         every mode once, rate 0, ``idle_steps / rounds`` iterations (CPU while idle)
-
-Interleaving short segments spreads machine drift (other tenants, thermal) over every mode
-instead of charging it to whichever ran last, and makes each round a *pair*: the modes of
-one round ran under the same conditions, so ``report`` compares them round by round and
-bootstraps over rounds for its intervals.
+"""Runs a profile: starts the engine and worker processes, drives interleaved segments
+(``options.ProfileOptions.schedule``), collects what they measured. ``report`` turns the
+result into figures.
 
 The rounds are split into ``placements`` blocks of consecutive rounds, and each block is run
 by freshly started engine and worker processes: where the OS places processes relative to
@@ -24,22 +13,19 @@ does the same work per step.
 """
 
 import contextlib
-import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict
 
-from .loops import (COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, MODES, REFERENCE,
-                    engine_main, worker_main)
 from .fd_baseline import remove_stale_flags
 from .intervals import placement_blocks
-from .workload import STEP_KINDS, TOKEN_KINDS, default_step_kinds
+from .loops import COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, engine_main, worker_main
+from .options import REFERENCE, ProfileOptions
 
-__all__ = ["ProfileOptions", "ProfileError", "run_profile"]
+__all__ = ["ProfileOptions", "ProfileError", "run_profile", "collective_spin_us"]
 
 # Threads a profiled process may start for numeric work: 1, so that the processes share
 # the cores the way a real TP group's ranks share their devices, not by oversubscription.
@@ -48,112 +34,23 @@ _CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
 _START_TIMEOUT_S = 180.0  # process start, imports (paddle: seconds), calibration
 _SEGMENT_TIMEOUT_S = 600.0
 _TICK_S = 0.2  # progress bar refresh while waiting
-_EXIT_TIMEOUT_S = 60.0  # every process's exit, together (measured 2-6 s, more under load)
-
-
-# Process placements per run when --placements is not given (see the module docstring).
-DEFAULT_PLACEMENTS = 2
+# Every process's exit, together: a process killed before its cleanup leaves its shared
+# memory behind, and the fd-manager's server shutdown and paddle's teardown take seconds.
+_EXIT_TIMEOUT_S = 60.0
 
 
 class ProfileError(RuntimeError):
     """A profiled process failed or went silent; the message says which and why."""
 
 
-@dataclass
-class ProfileOptions:
-    """The parameters of a run (all of them end up in the JSON)."""
-
-    mode: str = "all"
-    tp: int = 2
-    step_kinds: Optional[list] = None  # None: default_step_kinds() (python, and paddle if installed)
-    step_ms: float = 2.0
-    rate: float = 100.0
-    batch: int = 64
-    prompt_len: int = 512
-    tokens: str = "numpy"
-    steps: int = 600  # load-phase steps per mode and step kind (split across the rounds)
-    rounds: int = 10
-    # blocks of rounds, each run by freshly started processes; None: 2 (1 for one round)
-    placements: Optional[int] = None
-    idle_steps: int = 600  # idle-phase iterations per mode (split across the rounds); 0: none
-    max_inflight: int = 8
-    cpus: Optional[list] = None  # [engine core, rank 0 core, ...] or None: not pinned
-    modes: list = field(default_factory=list)  # filled by validate()
-
-    def validate(self) -> "ProfileOptions":
-        """Raise ``ValueError`` naming the first bad option; fill ``modes``."""
-        if self.mode == "all":
-            self.modes = list(MODES)
-        elif self.mode in MODES:
-            self.modes = [self.mode]
-        else:
-            raise ValueError(f"--mode {self.mode!r}: expected all or one of {', '.join(MODES)}")
-        if self.step_kinds is None:
-            self.step_kinds = default_step_kinds()
-        if self.placements is None:
-            self.placements = min(DEFAULT_PLACEMENTS, max(1, self.rounds))
-        unknown = [k for k in self.step_kinds if k not in STEP_KINDS]
-        checks = [
-            (bool(self.step_kinds) and not unknown and
-             len(set(self.step_kinds)) == len(self.step_kinds),
-             f"--step {','.join(self.step_kinds)}: expected one or more of "
-             f"{', '.join(STEP_KINDS)}, comma-separated, each once"),
-            (self.tokens in TOKEN_KINDS, f"--tokens {self.tokens!r}: expected one of {', '.join(TOKEN_KINDS)}"),
-            (1 <= self.tp <= 16, f"--tp {self.tp}: expected 1..16"),
-            (self.step_ms > 0, f"--step-ms {self.step_ms}: expected > 0"),
-            (self.rate >= 0, f"--rate {self.rate}: expected >= 0"),
-            (self.batch >= 1, f"--batch {self.batch}: expected >= 1"),
-            (self.prompt_len >= 1, f"--prompt-len {self.prompt_len}: expected >= 1"),
-            (self.rounds >= 1, f"--rounds {self.rounds}: expected >= 1"),
-            (1 <= self.placements <= self.rounds,
-             f"--placements {self.placements}: expected 1..--rounds ({self.rounds})"),
-            (self.steps >= self.rounds, f"--steps {self.steps}: expected >= --rounds ({self.rounds})"),
-            (self.idle_steps == 0 or self.idle_steps >= self.rounds,
-             f"--idle-steps {self.idle_steps}: expected 0 or >= --rounds ({self.rounds})"),
-            (self.max_inflight >= 1, f"--max-inflight {self.max_inflight}: expected >= 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        if "paddle" in self.step_kinds and importlib.util.find_spec("paddle") is None:
-            raise ValueError("--step paddle: paddlepaddle is not installed (pip install "
-                             "paddlepaddle, or the package's test extra)")
-        if self.cpus is not None:
-            allowed = sorted(os.sched_getaffinity(0))
-            if len(self.cpus) != self.tp + 1:
-                raise ValueError(f"--cpus {','.join(map(str, self.cpus))}: expected {self.tp + 1} "
-                                 f"cores (the engine, then one per rank of --tp {self.tp})")
-            bad = [c for c in self.cpus if c not in allowed]
-            if bad:
-                raise ValueError(f"--cpus: core {bad[0]} is not available to this process "
-                                 f"(available: {','.join(map(str, allowed))})")
-        return self
-
-    def collective_spin_us(self) -> float:
-        """The model collective's spin: long only when the engine and every rank have a
-        core to themselves (pinned to distinct cores, or enough cores unpinned); see loops."""
-        if self.cpus is not None:
-            own = len(set(self.cpus)) == len(self.cpus)
-        else:
-            own = len(os.sched_getaffinity(0)) >= self.tp + 1
-        return COLLECTIVE_SPIN_US if own else COLLECTIVE_SPIN_SHARED_US
-
-    def schedule(self):
-        """[(mode, step kind, phase, round, steps)] in run order (step kind None: idle)."""
-        modes = [REFERENCE] + self.modes
-        per_round, idle_per_round = self.steps // self.rounds, self.idle_steps // self.rounds
-        out = []
-        for r in range(self.rounds):
-            for kind in _rotated(self.step_kinds, r):
-                out += [(m, kind, "load", r, per_round) for m in _rotated(modes, r)]
-            if idle_per_round:
-                out += [(m, None, "idle", r, idle_per_round) for m in _rotated(modes, r)]
-        return out
-
-
-def _rotated(items, r):
-    k = r % len(items)
-    return list(items[k:]) + list(items[:k])
+def collective_spin_us(options: ProfileOptions) -> float:
+    """The model collective's spin: long only when the engine and every rank have a core
+    to themselves (pinned to distinct cores, or enough cores unpinned); see ``loops``."""
+    if options.cpus is not None:
+        own = len(set(options.cpus)) == len(options.cpus)
+    else:
+        own = len(options.cores()) >= options.tp + 1
+    return COLLECTIVE_SPIN_US if own else COLLECTIVE_SPIN_SHARED_US
 
 
 @contextlib.contextmanager
@@ -187,7 +84,7 @@ class _Processes:
                 progress = self.progress if rank == 0 else ctx.RawValue("q", 0)
                 self._start(ctx, f"worker rank {rank}", worker_main, run_name, options.tp, rank,
                             options.step_kinds, options.step_ms, progress, cpus[rank + 1],
-                            options.collective_spin_us())
+                            collective_spin_us(options), options.gpu_backend)
 
     def _start(self, ctx, name, target, *args):
         ours, theirs = ctx.Pipe()
@@ -248,9 +145,8 @@ class _Processes:
 
     def close(self):
         """Ask every process to exit, wait for all of them together for at most
-        ``_EXIT_TIMEOUT_S``, then kill whatever is left. Exiting takes 2-6 s here (the
-        fd-manager's server shutdown, a worker's manager client, paddle's teardown): a
-        process killed before its cleanup leaves its shared memory behind."""
+        ``_EXIT_TIMEOUT_S``, then kill whatever is left (``_sweep`` then removes what a
+        killed process left of this run)."""
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 try:
@@ -318,7 +214,8 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
             _sweep([f"{block_name}m"] + [f"{run_name}s{k}" for k in mine])
     return {"options": asdict(options), "run_name": run_name, "started": started,
             "elapsed_s": time.time() - started, "calibration": calibration, "units": units,
-            "engine_cpus": engine_cpus, "collective_spin_us": options.collective_spin_us(),
+            "engine_cpus": engine_cpus, "collective_spin_us": collective_spin_us(options),
+            "cores": options.cores(), "pinned": options.cpus is not None,
             "placement_pids": pids, "segments": segments}
 
 

@@ -8,90 +8,112 @@ the CPU to a background thread must get longer, or the profiler could not see th
 ``numpy``   128x128 float32 matmul + tanh rounds: releases the GIL inside each call and
             takes it back between calls (where a GIL-holding thread would delay it).
 ``paddle``  forwards of a small transformer block on paddle CPU (attention + MLP); each
-            op releases and re-takes the GIL, as a GPU model's kernel launches do (measured
-            with ``scripts/gil_wait_check.py``: a thread holding the GIL 1 ms in every 4
-            delays it 3.5-5.6x as much (lower bounds, two runs) as the ``python`` step, which gives the GIL up only
-            at the interpreter's 5 ms switch interval). Imports paddle (~1.5 s) in the
-            worker, and only there.
-``sleep``   ``time.sleep(step_ms)``: no CPU, no GIL (the step a GPU kernel launch leaves).
+            op releases and re-takes the GIL, as a GPU model's kernel launches do, so a
+            thread holding the GIL delays it more than the ``python`` step, which gives the
+            GIL up only at the interpreter's switch interval (``scripts/gil_wait_check.py``
+            measures both). Imports paddle in the worker, and only there.
+``gpu``     a transformer decode step on a GPU through paddle or torch, ending with the host
+            waiting for the chosen token ids (``gpu_step``): the step FastDeploy's decode
+            loop runs. Rank ``r`` runs on visible GPU ``r % count``.
+``sleep``   ``time.sleep(step_ms)``: no CPU, no GIL.
 
 Batches are ``{"batch_id", "put_ns", "requests"}`` with ``requests`` a list of
 FastDeploy-like request dicts whose ``prompt_token_ids`` are int64 numpy arrays, or Python
 lists with ``tokens="list"``.
 """
 
-import importlib.util
 import time
 
 import numpy as np
 
-__all__ = ["STEP_KINDS", "TOKEN_KINDS", "ModelStep", "RequestPool", "default_step_kinds"]
+from .options import STEP_KINDS, TOKEN_KINDS
 
-STEP_KINDS = ("python", "numpy", "paddle", "sleep")
-
-
-def default_step_kinds() -> list:
-    """``["python", "paddle"]``, or ``["python"]`` where paddle is not installed: the
-    step that holds the GIL and the one that releases it. Looks paddle up without
-    importing it."""
-    return ["python", "paddle"] if importlib.util.find_spec("paddle") else ["python"]
-TOKEN_KINDS = ("numpy", "list")
+__all__ = ["STEP_KINDS", "TOKEN_KINDS", "ModelStep", "RequestPool"]
 
 # Calibration: time this many rounds of a quarter step each and keep the median. The
-# fastest round undershoots a typical step by 5-25 % (paddle's allocator, caches), the
-# mean follows whichever process happened to take the CPU.
+# fastest round undershoots a typical step (paddle's allocator, caches), the mean follows
+# whichever process happened to take the CPU.
 _CALIBRATION_ROUNDS = 15
 
 
 class ModelStep:
-    """``ModelStep(kind, step_ms)()`` runs one simulated model step of ``units`` units of
-    work; ``units`` is set by ``calibrate()`` (at least 1). Blocks for the step's length."""
+    """``ModelStep(kind, step_ms)()`` runs one simulated model step: ``units`` units of
+    work, then the kind's end of step where it has one (``gpu``: the head and the host's
+    wait for the token ids). ``units`` is set by ``calibrate()`` (at least 1). Blocks for
+    the step's length.
 
-    def __init__(self, kind: str, step_ms: float):
+    ``rank`` and ``gpu_backend`` concern the ``gpu`` kind only: the rank picks the GPU
+    (``rank % device_count``), the backend is ``gpu_step.resolve``'s name (``auto``,
+    ``paddle``, ``torch`` or ``MODULE:ATTR``). Building a ``gpu`` step raises
+    ``gpu_step.GpuUnavailable`` where no backend can run.
+    """
+
+    def __init__(self, kind: str, step_ms: float, rank: int = 0, gpu_backend: str = "auto"):
         if kind not in STEP_KINDS:
             raise ValueError(f"step kind {kind!r}: expected one of {', '.join(STEP_KINDS)}")
         if not step_ms > 0:
             raise ValueError(f"step_ms={step_ms!r}: expected > 0")
         self.kind, self.step_ms = kind, float(step_ms)
+        self.rank, self.gpu_backend = rank, gpu_backend
         self.units = 1
         self.unit_us = None
+        self.fixed_us = 0.0  # the end of step's time (gpu: head and wait), from calibrate()
+        self.device = None  # where the step runs, for the report (gpu: the device)
+        self._finish = None
         self._unit = getattr(self, f"_build_{kind}")()
 
     def __call__(self) -> None:
         unit = self._unit
         for _ in range(self.units):
             unit()
+        if self._finish is not None:
+            self._finish()
 
     def calibrate(self) -> dict:
         """Pick ``units`` so that one step takes ``step_ms`` undisturbed; returns what it
-        measured (``{"kind", "units", "unit_us"}``). Takes ~15 steps' time."""
+        measured (``describe()``). Takes about 15 steps' time (gpu: about 25)."""
         if self.kind == "sleep":
             self.unit_us = self.step_ms * 1000
             return self.describe()
-        self._unit()  # warm up (first-call allocations, paddle kernel selection)
+        self._time_units(1)  # warm up (first-call allocations, kernel selection)
         probe = 4
         best = min(self._time_units(probe) for _ in range(3)) / probe
         probe = max(1, int(self.step_ms * 1e6 / best / 4))  # ~a quarter step per round
-        best = float(np.median([self._time_units(probe) for _ in range(_CALIBRATION_ROUNDS)])) / probe
-        self.unit_us = best / 1000
-        self.units = max(1, round(self.step_ms * 1e6 / best))
+        if self._finish is None:
+            per_unit = float(np.median([self._time_units(probe)
+                                        for _ in range(_CALIBRATION_ROUNDS)])) / probe
+            fixed = 0.0
+        else:
+            # Two lengths, interleaved: the difference is the units' time, the rest is the
+            # end of step's (a GPU's head and the host's wait are paid once per step).
+            pairs = [(self._time_units(probe), self._time_units(2 * probe))
+                     for _ in range(_CALIBRATION_ROUNDS)]
+            t1 = float(np.median([a for a, _ in pairs]))
+            t2 = float(np.median([b for _, b in pairs]))
+            per_unit = (t2 - t1) / probe if t2 > t1 else t2 / (2 * probe)
+            fixed = max(0.0, t1 - probe * per_unit)
+        self.unit_us, self.fixed_us = per_unit / 1000, fixed / 1000
+        self.units = max(1, round((self.step_ms * 1e6 - fixed) / per_unit))
         return self.describe()
 
     def describe(self) -> dict:
         return {"kind": self.kind, "step_ms": self.step_ms, "units": self.units,
-                "unit_us": self.unit_us}
+                "unit_us": self.unit_us, "fixed_us": self.fixed_us, "device": self.device}
 
     def _time_units(self, n: int) -> int:
-        unit, now = self._unit, time.perf_counter_ns
+        """Nanoseconds that ``n`` units and the end of step take."""
+        unit, finish, now = self._unit, self._finish, time.perf_counter_ns
         t0 = now()
         for _ in range(n):
             unit()
+        if finish is not None:
+            finish()
         return now() - t0
 
     # -- the units -------------------------------------------------------------------------
 
     def _build_python(self):
-        def unit():  # ~10 us of bytecode; never releases the GIL
+        def unit():  # a few microseconds of bytecode; never releases the GIL
             x = 1
             for i in range(200):
                 x = (x * 1103515245 + i) & 0xFFFFFFFF
@@ -138,6 +160,15 @@ class ModelStep:
             return float(out[0, 0])  # force execution
         return unit
 
+    def _build_gpu(self):
+        from .gpu_step import DecodeShape, resolve
+
+        backend = resolve(self.gpu_backend)
+        index = self.rank % backend.device_count()
+        self.device = backend.describe(index)
+        layer, self._finish = backend.build(index, DecodeShape())
+        return layer
+
     def _build_sleep(self):
         seconds = self.step_ms / 1000
 
@@ -148,7 +179,7 @@ class ModelStep:
 
 class RequestPool:
     """Builds the batches the engine puts, from a few pre-generated request lists (so the
-    engine, which shares the 2 cores with the workers, spends little CPU per batch)."""
+    engine, which may share its cores with the workers, spends little CPU per batch)."""
 
     VARIANTS = 4
 

@@ -11,7 +11,7 @@ Memory is fixed at construction: a ring of the last ``capacity`` steps (three ``
 per step, in ``array.array`` buffers) plus lifetime counters. Recording a step stores
 three integers and updates four counters; nothing is allocated except the integers
 ``perf_counter_ns`` returns. ``scripts/bench_sync.py`` measures the overhead per step
-(section 6).
+(docs/profiling.md quotes it).
 
 Enable it on a ``TaskClient`` with ``FD_SYNC_PROFILE=1`` (or ``TaskClient(profile=True)``);
 the client's ``profiler`` attribute then holds one. With ``FD_SYNC_PROFILE_DIR`` set,

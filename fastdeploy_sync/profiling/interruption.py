@@ -25,10 +25,10 @@
 
 Why "with a voluntary context switch": a thread can only block by switching out of its own
 accord, so an interval without a voluntary switch has no blocked time, whatever the clocks'
-difference says. On these virtual machines that difference is off in about one interval in
-a hundred under load (time stolen by the hypervisor counts in neither the thread's CPU time
-nor its run queue; a run-queue wait now and then lands in the next interval), and the rule
-keeps those errors out of the GIL figure.
+difference says. On a virtual machine under load that difference is off now and then (time
+stolen by the hypervisor counts in neither the thread's CPU time nor its run queue; a
+run-queue wait now and then lands in the next interval), and the rule keeps those errors
+out of the GIL figure.
 
 The GIL wait comes as two bounds. CPython's GIL wait is a 5 ms timed wait: a waiter that
 wakes (on the timeout, or when the GIL is handed over) and finds the cores taken spends
@@ -36,15 +36,16 @@ that part of its wait in the run queue, so when the cores are busy the blocked t
 is a *lower* bound. Every wait for the GIL blocks at least once, so it lies inside the
 intervals that have a voluntary switch: all their off-CPU time is an *upper* bound (it also
 holds whatever preemption by other processes fell into those intervals). On an idle
-machine the two nearly meet, and the lower one matches a thread that holds the GIL for
-known times to a few %; under load they part (``scripts/gil_wait_check.py`` prints both
-beside the holder's own holding time).
+machine the two nearly meet; under load they part (``scripts/gil_wait_check.py`` prints
+both beside the holding time of a thread that holds the GIL for known times, and
+docs/profiling.md quotes it).
 
 Resolution: the clocks count nanoseconds; ``begin()``/``end()`` read them one after the
-other, ~1 us apart, so an interval's split is good to about +-2 us. Nothing here releases
-the GIL (see ``_pread_holding_the_gil``). Cost: ``begin()`` + ``end()`` ~6 us on these
-machines (a pread of the schedstat file, two clocks, one getrusage each); the profile pays it
-in every mode, its reference loop included, so it cancels out of the step-time inflation.
+other, so an interval's split is good to the time between those reads (a few
+microseconds). Nothing here releases the GIL (see ``_pread_holding_the_gil``). Cost:
+``begin()`` + ``end()`` make a pread of the schedstat file, two clock reads and one
+getrusage each; the profile pays it in every mode, its reference loop included, so it
+cancels out of the step-time inflation.
 
 Linux only for the run-queue split (``available`` is False elsewhere: run queue, GIL wait
 and other are then None; off-CPU and switches still count). Not thread-safe: one meter per
@@ -123,10 +124,10 @@ class ThreadInterruption:
         # The order matters, and is the same in end(): run queue, wall, CPU, switches.
         # Reading the thread's CPU clock updates its runtime, and when its time slice is
         # used up the kernel preempts it right there, at the return from that system call
-        # (measured: with other busy processes on the cores, ~1 interval in 5 had a wait
-        # there). A wait that falls after the run-queue and wall samples lands outside the
-        # interval in end() and inside it in begin(), for both figures alike; read in the
-        # other order, it counted in one of them only and made GIL waits of -1 ms.
+        # (with other busy processes on the cores, often). A wait that falls after the
+        # run-queue and wall samples lands outside the interval in end() and inside it in
+        # begin(), for both figures alike; read in the other order, it counted in one of
+        # them only and made negative GIL waits.
         runq = self._runq_ns()
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
         usage = resource.getrusage(resource.RUSAGE_THREAD)
@@ -153,8 +154,8 @@ class ThreadInterruption:
         ``gil_ns`` (the GIL wait's lower bound), ``other_ns``; ``gil_upper_ns`` (the
         upper bound: the off-CPU time of intervals with a voluntary switch); ``involuntary``,
         ``voluntary``. The run-queue split and both GIL bounds are None where ``available``
-        is False. ``off_cpu_ns`` and ``other_ns`` are signed: the reading skew (about
-        +-2 us) can make a near-zero interval slightly negative, and clamping them would
+        is False. ``off_cpu_ns`` and ``other_ns`` are signed: the reading skew (a few
+        microseconds) can make a near-zero interval slightly negative, and clamping them would
         bias every mean upwards."""
         v = np.frombuffer(self._values, dtype=np.int64).reshape(-1, len(FIELDS))[:self.count]
         out = {name: v[:, k].copy() for k, name in enumerate(FIELDS)}

@@ -618,7 +618,7 @@ def test_headline_ratio_is_unbounded_where_the_mode_costs_nothing():
     json.dumps(summary, allow_nan=False)
     row = next(x for x in terminal.format_table(summary).splitlines()
                if x.split()[:2] == ["python", "async"])
-    assert "unbounded (no cost resolved)" in row or ">= " in row
+    assert "unbounded: no cost" in row or ">= " in row
 
 
 def test_tp8_is_a_reference_configuration_with_its_own_targets():

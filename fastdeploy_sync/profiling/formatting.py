@@ -53,8 +53,8 @@ def fig(figure, unit, digits=1, sign=False):
 
 def ratio(figure, digits=1):
     """A cost ratio: ``12.3 x [4.5, 20.1]``; ``>= 4.5 x [4.5, inf)`` when the point
-    estimate is unbounded (the mode's own cost not above zero); ``unbounded (no cost
-    resolved)`` when every resample is; ``-`` without a value or an interval."""
+    estimate is unbounded (the mode's own cost not above zero); ``unbounded: no cost``
+    when every resample is; ``-`` without a value or an interval."""
     if figure is None:
         return "-"
     i = figure["interval"]
@@ -62,7 +62,7 @@ def ratio(figure, digits=1):
         if i is None:
             return "-"
         if i[0] is None:
-            return "unbounded (no cost resolved)"
+            return "unbounded: no cost"
         return f">= {num(i[0], digits)} x [{num(i[0], digits)}, inf)"
     return fig(figure, "x", digits)
 

@@ -83,7 +83,7 @@ def figure(summary):
     head = [parameters_line(summary), summary["verdicts"]["header"],
             summary["regime"]["line"], *summary["machine_load"]["lines"]]
     fig.suptitle("\n".join(head), fontsize=10.5, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.18 * len(head) / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.05 + 0.09 * len(head)) / fig.get_figheight()))
     return fig
 
 

@@ -36,21 +36,22 @@ def reference_words(summary) -> str:
 def headline_table(summary) -> list:
     """The whole cost per step (``headline``): per step kind, one row per mode."""
     modes = summary["parameters"]["modes"]
-    out = ["whole cost per step, rank 0 (x lower: fd-manager's figure / the mode's, same "
-           "rounds; interruption = mean critical path + GIL wait added, lower bound)",
-           f"  {'step':<7}{'mode':<11}{'step-time inflation [interval]':>32}"
-           f"{'x lower':>28}{'interruption / step [interval]':>34}{'x lower':>28}"
-           f"{'critical path p50 (detail)':>30}{'x lower':>26}"]
+    out = ["whole cost per step, rank 0: the step-time inflation over none, and the "
+           "interruption per step (mean critical path + GIL wait added, lower bound); "
+           "x lower = fd-manager's figure / the mode's, in the same rounds",
+           f"  {'step':<7}{'mode':<11}{'inflation [interval]':>27}{'x lower':>24}"
+           f"{'interruption [interval]':>27}{'x lower':>24}"
+           f"{'critical path p50 (detail)':>28}{'x lower':>24}"]
     for kind, rows in summary["headline"].items():
         for mode in modes:
             h = rows[mode]
             out.append(f"  {kind:<7}{mode:<11}"
-                       f"{fmt.fig(h['inflation_pct'], '%', 1, sign=True):>32}"
-                       f"{fmt.ratio(h['inflation_vs_fd_manager']):>28}"
-                       f"{fmt.fig(h['interruption_us'], 'us'):>34}"
-                       f"{fmt.ratio(h['interruption_vs_fd_manager']):>28}"
-                       f"{fmt.fig(h['critical_path_p50_us'], 'us'):>30}"
-                       f"{fmt.ratio(h['critical_path_p50_vs_fd_manager']):>26}")
+                       f"{fmt.fig(h['inflation_pct'], '%', 1, sign=True):>27}"
+                       f"{fmt.ratio(h['inflation_vs_fd_manager']):>24}"
+                       f"{fmt.fig(h['interruption_us'], 'us'):>27}"
+                       f"{fmt.ratio(h['interruption_vs_fd_manager']):>24}"
+                       f"{fmt.fig(h['critical_path_p50_us'], 'us'):>28}"
+                       f"{fmt.ratio(h['critical_path_p50_vs_fd_manager']):>24}")
     return out
 
 

@@ -24,6 +24,7 @@ before this lock, never after.
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -90,7 +91,7 @@ class BatchEncoder:
         self.counters = collections.Counter()
         # every shared name not yet unlinked; the finalizer must not reference self
         self.names = set()
-        self._finalizer = weakref.finalize(self, _unlink_all, self.names)
+        self._finalizer = weakref.finalize(self, _unlink_all, self.names, os.getpid())
 
     def reclaim_stale(self) -> list:
         """Remove the shared batches and pools a killed engine of this queue left. Call it
@@ -381,6 +382,8 @@ class BatchEncoder:
         shared.release()
 
 
-def _unlink_all(names):
+def _unlink_all(names, owner_pid):
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: these are its parent's, still in use
     for name in list(names):  # shared batches and pools left when the process exits
         unlink_segment(name)

@@ -59,10 +59,10 @@ from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
 from .membership import GroupLost, LostBatch, Membership
 from .producer import ProducerEndpoint, TaskProducer
-from .shm import unlink_segment
-from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
-                        ensure_free_fds, ipc_path, new_socket, secure_socket_file,
-                        unlink_quietly, validate_name)
+from .shm import forget_in_child, unlink_segment
+from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, close_listeners, default_endpoint,
+                        ensure_free_fds, ipc_path, listener_address, new_socket,
+                        secure_socket_file, unlink_quietly, validate_name)
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status"]
 
@@ -150,6 +150,7 @@ class TaskQueue:
         if type(max_inflight) is not int or max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
         self.name, self.tp_size, self.dp_id, self.max_inflight = name, tp_size, dp_id, max_inflight
+        self._owner_pid = os.getpid()
         self.heartbeat = heartbeat or Heartbeat()
         self._max_batch_bytes = envs.max_message_bytes()
         self._mutex = threading.Lock()
@@ -256,7 +257,7 @@ class TaskQueue:
             raise
         self._producers = ProducerEndpoint(self, self._put_sock)
         # Process exit without close(): still remove the names others would trip on.
-        self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
+        self._finalizer = weakref.finalize(self, _remove_names, os.getpid(), self._ipc_path,
                                            self._board.name if self._board else None,
                                            self._put_path)
         # Under _sock_lock (the I/O thread's passes, put_tasks' direct send):
@@ -268,6 +269,11 @@ class TaskQueue:
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
         self._thread.start()
+        # A process this one forks (FastDeploy forks helpers) must not keep the endpoint
+        # listening after this engine dies: see _forget_in_child.
+        self._listeners = [a for a in (listener_address(self.endpoint),
+                                       listener_address(self.producer_endpoint)) if a]
+        forget_in_child(self)
 
     # -- engine API ------------------------------------------------------------------------
 
@@ -497,6 +503,16 @@ class TaskQueue:
         unlink_quietly(self._put_path)
         self._finalizer.detach()
         return unconsumed
+
+    def _forget_in_child(self):
+        """In a process forked from this engine's: close the inherited descriptors of the
+        endpoints' listening sockets (a child that outlives a killed engine would keep them
+        accepting, so the next engine of the name would find it in use); the queue is
+        unusable there (its I/O thread did not survive the fork)."""
+        close_listeners(self._listeners)
+        self._error = TaskSyncError(f"TaskQueue {self.name} belongs to process "
+                                    f"{self._owner_pid}; a forked child cannot use it")
+        self._closed = self._finished = True
 
     def __enter__(self):
         return self
@@ -953,7 +969,9 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         ctx.destroy(linger=0)
 
 
-def _remove_names(ipc_file, board_name, put_file=None):
+def _remove_names(owner_pid, ipc_file, board_name, put_file=None):
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: the names are its parent's, still in use
     unlink_quietly(ipc_file)
     unlink_quietly(put_file)
     if board_name:

@@ -61,7 +61,8 @@ worker maps only names with its own queue's prefix, owned by its own uid, whose 
 header match; pool regions are checked by arithmetic against the pool's size and must
 carry the stamp the reference names. Ranks map the data read-only; only their release
 row in the header is writable. The engine holds an exclusive ``flock`` on each pool it
-owns for the pool's life.
+owns for the pool's life; a process it forks closes its inherited copy of that descriptor at
+once (``shm.forget_in_child``), so the lock dies with the engine.
 """
 
 import collections
@@ -81,7 +82,7 @@ import xxhash
 
 from . import codec
 from .errors import GroupLostError, ProtocolError
-from .shm import create_exclusive, unlink_segment
+from .shm import create_exclusive, forget_in_child, unlink_segment
 
 __all__ = ["SharedPayload", "PayloadPool", "PoolRegion", "PayloadReader", "MappedPayload",
            "payload_prefix", "payload_name", "pool_name", "pack_ref", "unpack_ref",
@@ -439,6 +440,7 @@ class PayloadPool:
         self._stamps = 0
         self.retired = False  # no more regions: its group was retired or the queue closed
         self.closed = False
+        forget_in_child(self)  # a forked child must not hold the flock, nor unlink the name
 
     @classmethod
     def create(cls, name: str, tp_size: int, data_size: int,
@@ -454,16 +456,24 @@ class PayloadPool:
         header = _header_bytes(tp_size, entries)
         total = header + data_size
         shm = create_exclusive(name, total)
-        fd = os.dup(shm.fd)
-        shm.close_fd()
+        fd = -1
         try:
+            # The ownership lock on a descriptor of its own: mmap keeps a dup of the
+            # descriptor it maps, which would share (and, in a forked child, keep) the lock.
+            fd = os.open(f"{_SHM_DIR}{name}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            a, b = os.fstat(fd), os.fstat(shm.fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise FileExistsError(f"pool {name} was replaced while it was created")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this engine lives
-            _reserve(fd, total)
-            mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE)
+            _reserve(shm.fd, total)
+            mapping = mmap.mmap(shm.fd, total, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+            shm.close_fd()
             unlink_segment(name)
             raise
+        shm.close_fd()  # the mapping keeps its own
         pool = cls(name, tp_size, entries, data_size, fd, mapping, header)
         words = pool._words
         words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = _POOL_MAGIC, _POOL_VERSION, tp_size
@@ -572,6 +582,17 @@ class PayloadPool:
         self.closed = self.retired = True
         unlink_segment(self.name)
         os.close(self._fd)
+
+    def _forget_in_child(self):
+        """In a forked child: drop the inherited descriptor (and with it the child's share
+        of the ``flock`` that says this engine owns the pool); the child never unlinks the
+        parent's pool (``close()`` does nothing)."""
+        if not self.closed:
+            self.closed = self.retired = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use

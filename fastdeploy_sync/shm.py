@@ -19,7 +19,8 @@ the name taken probes that lock (``owner_alive``) or tries to take it without wa
 leftover. The pid written into the segment is kept for messages only. Other bytes past
 ``OWNER_LOCK`` serve the same purpose for parts of a segment (``tp_group``: one per rank).
 Descriptors are close-on-exec, and a forked child closes its inherited copies at once
-(``os.register_at_fork``), so neither keeps a dead owner's lock alive.
+(``forget_in_child``, run by ``os.register_at_fork``), so neither keeps a dead owner's lock
+alive.
 
 Trust: names in ``/dev/shm`` are a namespace shared by every user of the node, so a
 segment is created exclusively (``O_CREAT|O_EXCL``) with mode 0600, and an existing one is
@@ -51,7 +52,7 @@ import posix_ipc
 __all__ = ["Segment", "SegmentInUse", "OWNER_LOCK", "create_exclusive", "create_reclaiming",
            "create_fresh_semaphore", "owner_alive", "pid_alive", "reclaim_stale",
            "segment_owner", "unlink_segment", "unlink_semaphore", "create_semaphore",
-           "open_semaphore", "check_semaphore_owner", "sem_wait"]
+           "open_semaphore", "check_semaphore_owner", "sem_wait", "forget_in_child"]
 
 _MODE = 0o600
 _SHM_DIR = "/dev/shm"
@@ -115,21 +116,30 @@ def _same_file(path: str, fd: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _forget_inherited_fds():
-    """In a forked child: close the descriptors inherited from the parent's segments, so
-    that the child never keeps the parent's locks alive once the parent is gone (the locks
-    belong to the open file description, which the child's copies would share)."""
-    for seg in list(_WITH_FDS):
-        fd, seg._fd = seg._fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+# Objects whose ownership a forked child must not inherit (see ``forget_in_child``).
+_OWNERS = weakref.WeakSet()
+
+
+def forget_in_child(owner) -> None:
+    """Register ``owner``: in a process forked from this one, ``owner._forget_in_child()``
+    runs at once (``os.register_at_fork``), before the child's own code. An owner closes
+    there the descriptors whose locks prove its ownership (an OFD lock or ``flock``
+    belongs to the open file description, which the child's copy shares: a child that
+    outlives a killed parent would keep a dead owner's name alive for good) and stops
+    removing names (the parent's, not the child's). Weakly held; never blocks."""
+    _OWNERS.add(owner)
+
+
+def _forget_inherited():
+    for owner in list(_OWNERS):
+        try:
+            owner._forget_in_child()
+        except Exception:  # a child must start whatever one owner's state is
+            pass
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_inherited_fds)
+    os.register_at_fork(after_in_child=_forget_inherited)
 
 
 class Segment:
@@ -150,6 +160,7 @@ class Segment:
         self._created = created  # made by Segment.create: this process is its owner
         if fd >= 0:
             _WITH_FDS.add(self)
+            forget_in_child(self)
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
@@ -270,6 +281,15 @@ class Segment:
         if fd >= 0:
             _WITH_FDS.discard(self)
             os.close(fd)
+
+    def _forget_in_child(self):
+        """In a forked child: close the inherited descriptor (the parent keeps its locks)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __del__(self):
         # garbage without close(): the descriptor (and its locks) must not outlive us

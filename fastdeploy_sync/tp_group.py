@@ -1051,9 +1051,12 @@ class _Resources:
     def __init__(self, seg, sems, shm_name, sem_names):
         self.seg, self.sems, self.shm_name, self.sem_names = seg, sems, shm_name, sem_names
         self.names_done = False
+        self.pid = os.getpid()
 
     def release(self, owner: bool, close_sems: bool = True, unmap: bool = True) -> None:
         seg = self.seg
+        if os.getpid() != self.pid:
+            self.names_done = True  # a forked child: the names are its parent's group's
         if not self.names_done:
             self.names_done = True
             if owner:

@@ -42,6 +42,8 @@ __all__ = [
     "secure_socket_file",
     "check_ipc_endpoint",
     "ensure_free_fds",
+    "listener_address",
+    "close_listeners",
     "unlink_quietly",
     "new_socket",
     "WakePipe",
@@ -288,6 +290,57 @@ def ensure_free_fds(count: int, who: str) -> None:
             f"{who} needs about {count} free file descriptors, {available} are available "
             f"(ulimit -n is {soft}, hard limit {hard}): raise ulimit -n (e.g. 'ulimit -n 65536' "
             f"in the launching shell) or close files/sockets this process does not need")
+
+
+def listener_address(endpoint: str):
+    """What ``getsockname()`` of the socket that listens on a bound ``endpoint`` returns
+    (``ZMQ_LAST_ENDPOINT``: ``ipc://PATH`` or ``tcp://HOST:PORT``), for
+    ``close_listeners``; None for other transports."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        return path
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return (host.strip("[]"), int(port))
+    return None
+
+
+def close_listeners(addresses) -> int:
+    """Close every listening socket of this process bound to one of ``addresses`` (from
+    ``listener_address``); returns how many. For a forked child: libzmq's listening
+    descriptors are inherited like any other, and a child that outlives a killed engine
+    would keep its endpoint accepting connections for good (the next engine of the same
+    name would find it "in use"). Reads ``/proc/self/fd``; never blocks."""
+    wanted = set(addresses)
+    closed = 0
+    try:
+        fds = [int(entry) for entry in os.listdir("/proc/self/fd")]
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if (sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and _bound_address(sock) in wanted):
+                sock.close()
+                closed += 1
+                continue
+        except OSError:
+            pass
+        sock.detach()  # not ours to close
+    return closed
+
+
+def _bound_address(sock):
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return name.decode(errors="replace") if isinstance(name, bytes) else name
+    return (name[0], name[1])
 
 
 def unlink_quietly(path) -> None:

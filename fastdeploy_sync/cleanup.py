@@ -20,9 +20,11 @@ process's effective uid, and never a name whose owner is alive:
   * a segment's owner is alive according to ``owner_alive()`` (the one place that decides
     it here): the owner lock its creator holds for its life (``shm.owner_alive``), not the
     pid it recorded, which another process may have reused or which may belong to another
-    pid namespace sharing ``/dev/shm``; a shared batch (its creator's pid is in its name,
-    and it has no lock) by that pid; a segment nobody holds whose owner is not written
-    yet is taken as being created while it is younger than ``CREATING_GRACE_S``;
+    pid namespace sharing ``/dev/shm`` (a sidecar container); a shared batch or pool (its
+    creator's pid is in its name, for people only) while the engine of its queue holds
+    the queue's ack board's owner lock, or, for a pool, the pool's own ``flock``; a
+    segment nobody holds whose owner is not written yet is taken as being created while
+    it is younger than ``CREATING_GRACE_S``;
   * a semaphore lives and dies with its group segment (a semaphore without one is left by
     a killed run: its creator makes the segment first and unlinks it first);
   * a socket file is in use while a process accepts connections on it.
@@ -44,8 +46,8 @@ from dataclasses import dataclass
 
 from . import envs
 from .ack_board import B_OWNER_PID
-from . import shm
-from .shm import check_semaphore_owner, pid_alive, segment_owner, unlink_segment, unlink_semaphore
+from . import payload_shm, shm
+from .shm import check_semaphore_owner, segment_owner, unlink_segment, unlink_semaphore
 from .tp_group import H_OWNER_PID
 from .transport import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
 
@@ -96,30 +98,45 @@ class Leftover:
 
 def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
     """Whether the process that owns shared-memory file ``path`` (of our uid) is alive.
-    Never blocks.
+    Never blocks. A pid proves nothing either way (reused by an unrelated process, or from
+    another pid namespace sharing ``/dev/shm``): only locks do.
 
     The one place ``scan()`` and ``remove()`` decide it for segments, and so for their
     semaphores. A segment with an owner lock (``locked``: TP group, ack board, drop-in
-    board) is alive while some process holds that lock, whatever ``pid`` says: a pid
-    reused by an unrelated process, or one from another pid namespace, proves nothing.
-    Nobody holding it and ``pid`` 0 (not written yet): alive while the file changed within
-    ``CREATING_GRACE_S`` (being created), stale after. A shared batch has no lock
-    (``locked=False``): its creator's ``pid``, from its name, decides; a reused pid makes
-    it look alive (kept, never wrongly removed)."""
-    if locked:
-        try:
-            if shm.owner_alive("/" + os.path.basename(path)):
-                return True
-        except FileNotFoundError:
-            return False
-        if pid != 0:
-            return False
-    elif pid != 0:
-        return pid_alive(pid)
+    board) is alive while some process holds that lock. Nobody holding it and ``pid`` 0
+    (not written yet): alive while the file changed within ``CREATING_GRACE_S`` (being
+    created), stale after. A shared batch or pool (``locked=False``: ``path`` is
+    ``.../fdsync.NAME.dpN.b...``): alive while the engine of queue NAME/dpN holds its ack
+    board's owner lock (an engine reclaims its dead predecessors' batches when it starts),
+    or the pool's own ``flock`` (``payload_shm.pool_locked``)."""
+    if not locked:
+        return _queue_engine_alive(path) or payload_shm.pool_locked(path)
+    try:
+        if shm.owner_alive("/" + os.path.basename(path)):
+            return True
+    except FileNotFoundError:
+        return False
+    if pid != 0:
+        return False
     try:
         return time.time() - os.stat(path).st_mtime < CREATING_GRACE_S
     except FileNotFoundError:
         return False
+
+
+def _queue_engine_alive(path: str) -> bool:
+    """True while a live engine holds the ack board of the queue a shared batch or pool
+    file ``path`` belongs to (its name without the ``.b...`` suffix). Another user's
+    board, which we may not open, counts as alive: never remove on a guess."""
+    m = _SEGMENT_RE.match(os.path.basename(path))
+    if m is None:
+        return False
+    try:
+        return shm.owner_alive(f"/fdsync.{m['name']}.dp{m['dp']}.acks")
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
 
 
 def scan(name: str = None, dp_id: int = None) -> list:
@@ -222,10 +239,13 @@ def _segment(entry, m) -> Leftover:
     except PermissionError as exc:
         item.state, item.why = "not ours", str(exc)
         return item
-    if owner == 0:
+    if m["pid"]:
+        lock = "its queue's engine lock" + (" or the pool's lock" if m["kind"].startswith(".bp")
+                                            else "")
+        item.why = (f"owner (engine pid {owner} where it started) holds {lock}" if alive else
+                    f"owner (engine pid {owner} where it started) exited: nobody holds {lock}")
+    elif owner == 0:
         item.why = "owner not written yet: being created" if alive else "owner never written"
-    elif m["pid"]:
-        item.why = f"owner pid {owner} " + ("alive" if alive else "exited")
     else:
         item.why = (f"owner (pid {owner} where it started) holds its lock" if alive else
                     f"owner (pid {owner} where it started) exited: nobody holds its lock")

@@ -86,7 +86,7 @@ from .shm import create_exclusive, forget_in_child, unlink_segment
 
 __all__ = ["SharedPayload", "PayloadPool", "PoolRegion", "PayloadReader", "MappedPayload",
            "payload_prefix", "payload_name", "pool_name", "pack_ref", "unpack_ref",
-           "map_payload", "reclaim_stale", "shm_room", "pool_size", "fresh_fits",
+           "map_payload", "reclaim_stale", "pool_locked", "shm_room", "pool_size", "fresh_fits",
            "REF_MAGIC"]
 
 log = logging.getLogger(__name__)
@@ -717,6 +717,25 @@ class PayloadReader:
 
 
 # -- leftovers -----------------------------------------------------------------------------
+
+
+def pool_locked(path: str) -> bool:
+    """True while a live engine holds the ``flock`` of the pool file ``path`` (it takes it
+    when it creates the pool, for the pool's life): alive on this node, in any pid
+    namespace. False for a leftover, for a segment of a batch's own (no lock) and for a
+    file that is gone or not ours to open. Takes a shared lock for a moment to ask;
+    never blocks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False  # free (closing the descriptor drops our shared lock)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def reclaim_stale(name: str, dp_id: int) -> list:

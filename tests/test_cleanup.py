@@ -315,3 +315,44 @@ def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
                 posix_ipc.unlink_shared_memory(seg)
             except posix_ipc.ExistentialError:
                 pass
+
+
+def _unshare_pid_namespace_allowed():
+    try:
+        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
+                    reason="this machine does not allow a new pid namespace "
+                           "(unshare -p -f --mount-proc)")
+@pytest.mark.parametrize("where", ["pool", "own segment"])
+def test_clean_from_another_pid_namespace_leaves_a_live_group_alone(name, where, monkeypatch):
+    """A sidecar container sharing /dev/shm (a pid namespace of its own) runs clean: every
+    pid it reads is nobody's there. The live group's shared batch (in the pool, or in a
+    segment of its own with a 1 MiB pool) and pool must be kept, judged by the locks their
+    engine holds, not by the pid in their names. Before: removed, and both ranks lost the
+    group."""
+    if where == "own segment":
+        monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")  # the 2 MiB batch takes its own
+    group = Group(name, handler=True)
+    try:
+        before = _names(name)
+        shared = [n for n in before if ".dp0.b" in n]
+        assert shared and any((".dp0.bp" in n) == (where == "pool") for n in shared), before
+        out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m",
+                              "fastdeploy_sync.cli", "clean", name], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "removed 0 stale name(s)" in out.stdout, out.stdout
+        for path in shared:
+            assert f"in use   {path}" in out.stdout, out.stdout
+        assert _names(name) == before
+        assert all(p.poll() is None for p in group.procs.values())  # nobody lost the group
+    finally:
+        codes = group.signal(signal.SIGTERM)
+        group.kill()
+    assert set(codes.values()) == {128 + signal.SIGTERM}, codes
+    assert _names(name) == []

@@ -29,9 +29,12 @@ process's effective uid, and never a name whose owner is alive:
     a killed run: its creator makes the segment first and unlinks it first);
   * a socket file is in use while a process accepts connections on it.
 
-Another user's names are reported, never opened or removed. A name is checked again just
-before it is removed, but a process of the same name can still start in between and
-reclaim it first: run ``clean`` while nothing of that name is starting.
+Another user's names are reported, never opened or removed, and nothing is judged through
+a symlink (``lstat``; a symlink among the names, whoever planted it, is "not ours"). A name
+this process may not check or remove (an unprivileged user) is left alone with a one-line
+note; one such name never stops the others. A name is checked again just before it is
+removed, but a process of the same name can still start in between and reclaim it first:
+run ``clean`` while nothing of that name is starting.
 
 Also here: ``install_signal_cleanup()``, for a process that wants SIGTERM to remove its
 names too (a library must not take over signals by default, so nothing installs it).
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 from . import envs
 from .ack_board import B_OWNER_PID
 from . import payload_shm, shm
-from .shm import check_semaphore_owner, segment_owner, unlink_segment, unlink_semaphore
+from .shm import segment_owner, unlink_segment, unlink_semaphore
 from .tp_group import H_OWNER_PID
 from .transport import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
 
@@ -155,15 +158,32 @@ def scan(name: str = None, dp_id: int = None) -> list:
     for entry in entries:
         m = _SEGMENT_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            item = _segment(entry, m)
+            item = _judged(_segment, entry, m)
             segments[entry] = item
             found.append(item)
     for entry in entries:
         m = _SEMAPHORE_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            found.append(_semaphore(entry, m, segments))
+            found.append(_judged(_semaphore, entry, m, segments))
     found.extend(_sockets(name, dp_id))
     return found
+
+
+def _judged(judge, entry, m, *args) -> Leftover:
+    """``judge(entry, m, *args)``, or, when a check this process may not make fails (a
+    file it may not open, a socket it may not probe...), the name kept ("in use") with
+    why: never removed on a guess, and one name never stops the scan."""
+    try:
+        return judge(entry, m, *args)
+    except OSError as exc:
+        if os.path.isabs(entry):  # a socket file
+            path, kind = entry, ".put" if m["kind"] else "socket"
+        else:
+            path = f"{_SHM_DIR}/{entry}"
+            kind = ("semaphore" if entry.startswith("sem.") else
+                    "payload" if m.groupdict().get("pid") else m["kind"])
+        return Leftover(path, kind, m["name"], int(m["dp"]), "in use",
+                        f"could not check it ({exc.strerror or exc}): left alone")
 
 
 def remove(items) -> list:
@@ -174,16 +194,20 @@ def remove(items) -> list:
     for item in items:
         if not item.stale:
             continue
-        again = _recheck(item)
-        if again is None or not again.stale:
+        try:
+            again = _recheck(item)
+            if again is None or not again.stale:
+                continue
+            if item.kind == "semaphore" or item.kind == ".fd.lock":
+                gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
+            elif item.path.startswith(_SHM_DIR + "/"):
+                gone = unlink_segment("/" + os.path.basename(item.path))
+            else:
+                unlink_quietly(item.path)
+                gone = True
+        except OSError as exc:  # e.g. an unprivileged user and a name it may not remove
+            item.why = f"{item.why}; could not remove it ({exc.strerror or exc}): left alone"
             continue
-        if item.kind == "semaphore" or item.kind == ".fd.lock":
-            gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
-        elif item.path.startswith(_SHM_DIR + "/"):
-            gone = unlink_segment("/" + os.path.basename(item.path))
-        else:
-            unlink_quietly(item.path)
-            gone = True
         if gone:
             removed.append(item)
     return removed
@@ -214,8 +238,12 @@ def _ours(item: Leftover, is_type) -> bool:
     if st.st_uid != os.geteuid():
         item.state, item.why = "not ours", _not_ours(st)
         return False
+    if stat.S_ISLNK(st.st_mode):
+        item.state, item.why = "not ours", "a symlink: never followed, left alone"
+        return False
     if not is_type(st.st_mode):
-        item.state, item.why = "not ours", f"not a {is_type.__name__[4:].lower()} file: left alone"
+        wanted = "socket" if is_type is stat.S_ISSOCK else "regular file"
+        item.state, item.why = "not ours", f"not a {wanted}: left alone"
         return False
     return True
 
@@ -259,10 +287,7 @@ def _semaphore(entry, m, segments) -> Leftover:
     kind = ".fd.lock" if m["kind"] == ".fd.lock" else "semaphore"
     segment = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if kind == ".fd.lock" else "")
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
-    try:
-        check_semaphore_owner("/" + entry[len("sem."):])
-    except PermissionError:
-        item.state, item.why = "not ours", _not_ours(os.stat(path))
+    if not _ours(item, stat.S_ISREG):  # lstat: a symlink planted here is never followed
         return item
     seg = segments.get(segment)
     if seg is None:
@@ -290,7 +315,7 @@ def _sockets(name, dp_id) -> list:
     for entry in entries:
         m = _SOCKET_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            found.append(_socket(os.path.join(directory, entry), m))
+            found.append(_judged(_socket, os.path.join(directory, entry), m))
     return found
 
 
@@ -313,11 +338,12 @@ def _recheck(item):
         m = _SEMAPHORE_RE.match(base)
         seg_entry = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if item.kind == ".fd.lock" else "")
         segments = {}
-        if os.path.exists(f"{_SHM_DIR}/{seg_entry}"):
+        if os.path.lexists(f"{_SHM_DIR}/{seg_entry}"):
             segments[seg_entry] = _segment(seg_entry, _SEGMENT_RE.match(seg_entry))
-        if not os.path.exists(item.path):
+        if not os.path.lexists(item.path):
             return None
-        return _semaphore(base, m, segments)
+        again = _semaphore(base, m, segments)
+        return None if again.state == "gone" else again
     if item.path.startswith(_SHM_DIR + "/"):
         again = _segment(base, _SEGMENT_RE.match(base))
     else:

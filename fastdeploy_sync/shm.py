@@ -337,14 +337,15 @@ def unlink_segment(name: str) -> bool:
     (False): whoever calls this after closing its own segment cannot remove a newer owner's
     segment that reclaimed the name in between. This process's own segments (made by
     ``Segment.create``, open or closed) and unlocked leftovers are removed, under the owner
-    lock, and only if the name still names the file that was checked."""
+    lock, and only if the name still names the file that was checked. A name that is not
+    a regular file of this uid (another user's, a symlink) is never removed (False)."""
     path = f"{_SHM_DIR}{name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
-    except OSError:  # not ours to open (another user's, or not a file): the plain call decides
-        return _unlink_name(name)
+    except OSError:  # a symlink, or a file we may not open
+        return _is_own_file(path) and _unlink_name(name)
     try:
         if _try_lock(fd, OWNER_LOCK) or _created_here(name, fd):
             return _same_file(path, fd) and _unlink_name(name)
@@ -359,6 +360,17 @@ def _unlink_name(name: str) -> bool:
         return True
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EPERM, f"may not remove shared memory {name}: {exc}") from None
+
+
+def _is_own_file(path: str) -> bool:
+    """True if ``path`` is a regular file (not a symlink) owned by this process's uid."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _created_here(name: str, fd: int) -> bool:
@@ -390,14 +402,22 @@ def check_semaphore_owner(name: str) -> bool:
     """True if semaphore ``name`` exists and is ours, False if it does not exist;
     ``PermissionError`` naming its owner uid if another user owns it. Never blocks.
 
-    Reads the owner of ``/dev/shm/sem.NAME`` (glibc's file for a named semaphore); a
-    semaphore swapped between this check and ``sem_open`` would need write access to
-    ``/dev/shm`` names we just created, which sticky ``/dev/shm`` does not give others."""
+    Reads the owner of ``/dev/shm/sem.NAME`` (glibc's file for a named semaphore) without
+    following a symlink: a symlink, or anything else that is not a regular file, is refused
+    as another user's would be (``PermissionError``). A semaphore swapped between this check
+    and ``sem_open`` would need write access to ``/dev/shm`` names we just created, which
+    sticky ``/dev/shm`` does not give others."""
+    path = _sem_file(name)
     try:
-        st = os.stat(_sem_file(name))
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
-    _check_owner(st, f"semaphore {name}", _sem_file(name))
+    _check_owner(st, f"semaphore {name}", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionError(
+            errno.EPERM, f"semaphore {name}: {path} is not a regular file (mode "
+            f"{oct(st.st_mode)}): neither used nor removed. Remove it as its owner or root, "
+            f"or use another name/dp_id")
     return True
 
 
@@ -558,11 +578,17 @@ def sem_wait(sem: "posix_ipc.Semaphore", timeout) -> bool:
 
 
 def unlink_semaphore(name: str) -> bool:
+    """Remove semaphore ``name``; True if removed. Only a regular file of this uid: another
+    user's, a symlink or anything else is left alone (False). Never blocks."""
+    if not _is_own_file(_sem_file(name)):
+        return False
     try:
         posix_ipc.unlink_semaphore(name)
         return True
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EPERM, f"may not remove semaphore {name}: {exc}") from None
 
 
 def pid_alive(pid: int) -> bool:

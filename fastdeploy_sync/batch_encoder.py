@@ -29,6 +29,8 @@ import threading
 import time
 import weakref
 
+import numpy as np
+
 from . import codec, envs, payload_shm
 from .errors import EndpointInUseError
 from .logs import RateLimitedLog
@@ -330,12 +332,17 @@ class BatchEncoder:
 
     @staticmethod
     def decode_retained(frames, shared):
-        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only
-        and, for a shared batch, views of the engine's mapping, which they keep alive."""
+        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only.
+        A shared batch's bytes are copied out of shared memory first (numpy's copy, GIL
+        released): views of the mapping would keep the retired group's whole pool (or the
+        batch's segment, in ``/dev/shm``) alive for as long as the caller holds the event,
+        where the copy holds the batch's own bytes only."""
         if shared is None:
             return codec.decode_payload(frames)
         ref = payload_shm.unpack_ref(frames[1])
-        data = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        view = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        data = np.frombuffer(view, dtype=np.uint8).copy()
+        del view  # the mapping goes with the last view of it
         return codec.decode_payload([frames[0], ref.offsets, data])
 
     def close(self) -> None:

@@ -566,6 +566,43 @@ def test_a_retired_groups_shared_batches_come_back_and_its_pool_is_unlinked(
         assert len(pool_names(name)) == 1 and shm_stats(queue)["shm_pools_created"] == 2
 
 
+def _mapped_shm(name):
+    """The shared batches and pools of queue ``name`` this process has mapped (deleted or
+    not)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split(None, 5)[5].strip() for line in maps
+                       if f"/dev/shm/fdsync.{name}.dp0.b" in line})
+
+
+def test_a_held_group_lost_event_holds_its_batches_not_the_retired_pool(
+        name, procs, doomed, small_threshold, monkeypatch):
+    """Each held GroupLost event used to pin its retired group's whole pool (the decoded
+    arrays viewed the pool's mapping): 1.5 GiB after six groups of a 256 MiB pool. The
+    event's batches are now private copies: once retired, neither the pool nor a batch's
+    own segment stays mapped while the event (and its arrays) are held."""
+    from fastdeploy_sync import Heartbeat
+
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "4")
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        worker = procs(take_then_hang, doomed, 0, name, 1, 1)
+        queue.put_tasks(make_batch(0), timeout=10)
+        collect(doomed, "took", 1, timeout=30)
+        os.kill(worker.pid, signal.SIGKILL)
+        queue.put_tasks(make_batch(2), timeout=10)  # in the pool, never taken
+        queue.put_tasks((4, {"prompt": "own segment", "arrays": [np.ones(1 << 20)]}),
+                        timeout=10)  # 8 MiB, larger than the pool: a segment of its own
+        assert any(".dp0.bp" in n for n in _mapped_shm(name)), _mapped_shm(name)
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [2, 3]
+        lost = [b.tasks for b in event.unfinished]
+        assert describe(lost[0]) == expected(2)
+        assert lost[1][1]["arrays"][0].sum() == 1 << 20
+        assert not lost[0][1]["arrays"][0].flags.writeable  # still read-only, as documented
+        gc.collect()
+        assert wait_until(lambda: _mapped_shm(name) == [], 10), _mapped_shm(name)
+        assert describe(lost[0]) == expected(2)  # the event's data is intact
+
+
 @pytest.mark.parametrize("setting,hashed", [(None, False), ("1", True)],
                          ids=["default-unhashed", "FD_SYNC_SHM_CHECKSUM=1"])
 def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_threshold,

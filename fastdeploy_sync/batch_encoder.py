@@ -112,17 +112,20 @@ class BatchEncoder:
 
         Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
         message would exceed the workers' limit (or a codec bound); nothing is held then.
+        The size is checked before anything is copied, and pickling stops at the limit:
+        refusing a 2 GiB batch costs no more memory than the limit's worth of pickle.
         A failure to use shared memory is never raised: it is logged (at most once a
         minute per kind) and the batch goes over the socket.
         """
-        parts = codec.encode_parts(tasks)
+        parts = codec.encode_parts(tasks, max_body_bytes=self._max_message_bytes)
         threshold = self._shm_min_bytes
         if threshold is not None and parts.buffers and parts.data_size >= threshold:
             batch = self._encode_shared(parts)
             if batch is not None:
                 return batch
+        # before the copy into one data frame: refuse what no rank would accept
+        self._check_size(len(parts.body) + len(parts.offsets) + parts.data_size)
         frames = parts.frames()
-        self._check_message_size(frames)
         return EncodedBatch(frames, codec.payload_checksum(frames), None)
 
     def _encode_shared(self, parts):
@@ -259,7 +262,9 @@ class BatchEncoder:
         self._log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, self.name, self.dp_id, *args)
 
     def _check_message_size(self, frames):
-        size = sum(len(f) for f in frames)
+        self._check_size(sum(len(f) for f in frames))
+
+    def _check_size(self, size):
         if size > self._max_message_bytes:
             raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
                              f"the {self._max_message_bytes}-byte limit workers accept "

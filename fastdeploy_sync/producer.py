@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from . import codec
+from . import codec, envs
 from .errors import ClosedError, ProtocolError, TaskSyncError
 from .transport import (ENGINE_FDS, check_ipc_endpoint, default_endpoint, ensure_free_fds,
                         ipc_path, new_socket, validate_name)
@@ -244,7 +244,14 @@ class TaskProducer:
         When the queue holds too many other producers' batches waiting for room
         (``P_BUSY``, only under a flood) it sends the batch again after a short pause
         (5 ms doubling to 200 ms) within the same ``timeout``."""
-        frames = codec.encode_payload(tasks)
+        limit = envs.max_message_bytes()  # the engine's bound for a PUT's frames
+        parts = codec.encode_parts(tasks, max_body_bytes=limit)
+        size = len(parts.body) + len(parts.offsets) + parts.data_size
+        if size > limit:  # before the copy: the engine would drop the connection
+            raise ValueError(f"TaskProducer {self.name!r}: the batch encodes to {size} bytes, "
+                             f"above the {limit}-byte limit (FD_SYNC_MAX_MESSAGE_MB, the same "
+                             f"on the engine and the workers); not sent")
+        frames = parts.frames()
         check = codec.payload_checksum(frames)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005

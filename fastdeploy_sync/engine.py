@@ -265,6 +265,7 @@ class TaskQueue:
         self._peer_log = RateLimitedLog(log)
         self._current = None  # the frame being handled (its peer address, for logs)
         self._status_cache = (float("-inf"), b"")  # (when, the STATUS reply's JSON)
+        self._rank_fds = set()  # descriptors of connections ranks of the group spoke on
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
@@ -751,19 +752,44 @@ class TaskQueue:
             except ProtocolError as exc:
                 self._garbage(exc)
                 welcome = False
-            if not welcome and self._guard.unwelcome(msg[0], time.monotonic()):
+            if welcome:
+                self._note_rank_connection(msg[0])
+            elif self._guard.unwelcome(msg[0], time.monotonic()):
                 self._counters["connections_cut"] += 1
 
+    def _note_rank_connection(self, identity):
+        """A rank of the group spoke on this connection: remember its descriptor, so that
+        its drop (and only a rank's: not a status asker's) makes the ranks be probed at
+        once (``_connection_dropped``). Bounded: forgotten wholesale past a few per rank
+        (then any drop probes until they are learned again)."""
+        try:
+            fd = identity.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return
+        fds = self._rank_fds
+        if fd not in fds:
+            if len(fds) >= 4 * self.tp_size + 16:
+                fds.clear()
+            fds.add(fd)
+
     def _connection_dropped(self) -> bool:
-        """Read what the socket monitor reported (bounded); True if a connection of the
-        workers' socket went away."""
+        """Read what the socket monitor reported (bounded); True if a connection a rank of
+        the group spoke on went away (or one of unknown use, while the ranks' are not all
+        known). The connections of status askers and other peers come and go without
+        making the engine probe its ranks (a scraper asking 50 times a second would wake
+        every rank as often)."""
         dropped = False
+        fds = self._rank_fds
         for _ in range(_RECEIVE_BUDGET):
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                fd = int(event["value"])
+                if fd in fds or not fds:
+                    fds.discard(fd)
+                    dropped = True
         return dropped
 
     def _status_reply(self) -> bytes:

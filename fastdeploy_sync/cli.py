@@ -95,29 +95,43 @@ def _status_once(endpoint, args) -> int:
     return 0 if engine_seen or group_seen else 1
 
 
+def _text(value, limit: int = 200) -> str:
+    """``value`` as one line that is safe on a terminal: what a peer sent is printed with
+    its control characters (escape sequences, newlines) escaped, at most ``limit`` chars."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _engine_status(endpoint, args) -> bool:
-    """What the engine knows: every rank's state and watermark (any coordinator)."""
+    """What the engine knows: every rank's state and watermark (any coordinator). Whatever
+    the endpoint answers is checked (``query_status``) and printed escaped (``_text``)."""
     from .engine import query_status
-    from .errors import TaskSyncError
+    from .errors import ProtocolError, TaskSyncError
 
     try:
         st = query_status(endpoint, keys_dir=args.keys, timeout=args.timeout)
     except TimeoutError as exc:
-        print(f"no engine answered: {exc}")
+        print(f"no engine answered: {_text(exc, 400)}")
+        return False
+    except ProtocolError as exc:
+        print(f"no engine answered: {_text(exc, 400)}")
         return False
     except (OSError, TaskSyncError) as exc:
-        print(f"no engine answered: asking {endpoint} failed: {exc}")
+        print(f"no engine answered: asking {endpoint} failed: {_text(exc, 400)}")
         return False
-    print(f"engine {st['name']!r} dp_id={st['dp_id']} tp_size={st['tp_size']} at "
-          f"{st['endpoint']} (pid {st['pid']}, instance {st['engine']}): last seq "
-          f"{st['last_seq']}, {st['retained']} retained, max_inflight {st['max_inflight']}, "
-          f"worker group {st['group'] or '(none connected)'}, "
-          f"{st.get('groups_retired', 0)} group(s) retired")
+    retired = st.get("groups_retired", 0)
+    print(f"engine '{_text(st['name'], 64)}' dp_id={st['dp_id']} tp_size={st['tp_size']} at "
+          f"{_text(st['endpoint'])} (pid {st['pid']}, instance {_text(st['engine'][:8])}): last "
+          f"seq {st['last_seq']}, {st['retained']} retained, max_inflight "
+          f"{st['max_inflight']}, worker group {_text(st['group'] or '(none connected)', 32)}, "
+          f"{retired if isinstance(retired, int) else '?'} group(s) retired")
     print(f"{'rank':>4} {'state':<16} {'consumed':>9} {'silent s':>8} {'worker':>16}  reason")
     for r in st["ranks"]:
         silent = "-" if r["silent_s"] is None else f"{r['silent_s']:.1f}"
-        print(f"{r['rank']:>4} {r['state']:<16} {r['consumed']:>9} {silent:>8} "
-              f"{r['worker'] or '-':>16}  {r['reason'] or ''}")
+        print(f"{r['rank']:>4} {_text(r['state'], 16):<16} {r['consumed']:>9} {silent:>8} "
+              f"{_text(r['worker'] or '-', 16):>16}  {_text(r['reason'] or '')}")
     return True
 
 

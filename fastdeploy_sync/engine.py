@@ -429,11 +429,12 @@ class TaskQueue:
 
     def status(self) -> dict:
         """Everything ``fastdeploy-sync status`` shows: the queue's name, dp_id, tp_size,
-        endpoint, engine instance and ``stats()`` (per-rank state and watermarks included).
+        endpoint, engine instance (``liveness.id_tag`` of it: the STATUS reply goes to
+        anyone past authentication) and ``stats()`` (per-rank state and watermarks included).
         ``closed`` is True from the start of ``close()``. JSON-serialisable. Never blocks
         on the workers; never raises after ``close()``."""
         out = {"name": self.name, "dp_id": self.dp_id, "tp_size": self.tp_size,
-               "endpoint": self.endpoint, "engine": f"{self.instance:016x}",
+               "endpoint": self.endpoint, "engine": id_tag(self.instance),
                "max_inflight": self.max_inflight, "pid": os.getpid(), "closed": self._closed}
         out.update(self.stats())
         return out
@@ -958,6 +959,15 @@ class TaskQueue:
                 link.sent = last
 
 
+# What query_status accepts: a STATUS reply is a few KiB (a TP=8 queue: ~2 KiB); a frame
+# beyond this drops the connection, and a reply that makes this process hold more than
+# _STATUS_INPUT_BOUND without completing (a peer that never sends its last frame, which
+# libzmq buffers out of our sight) is abandoned.
+_STATUS_MAX_BYTES = 4 << 20
+_STATUS_INPUT_BOUND = 64 << 20
+_STATUS_MAX_RANKS = 1 << 16
+
+
 def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
                  timeout: float = 2.0) -> dict:
     """Ask the live ``TaskQueue`` at ``endpoint`` for its ``status()``; the engine knows
@@ -967,32 +977,89 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
 
     Blocks at most ``timeout`` seconds; raises ``TimeoutError`` naming the endpoint when no
     engine answers (none running, or the handshake failed), ``ProtocolError`` for a reply
-    that is not a status."""
+    that is not a status: another message kind, more than two frames, a frame over 4 MiB,
+    JSON that does not parse (or nests too deep), or a value that is not a status of the
+    shape ``TaskQueue.status()`` gives (the result has every field the CLI prints, of the
+    right type). A peer that streams a reply without ever finishing it makes this process
+    hold at most ~64 MiB before the call gives up (``ProtocolError``), and that memory is
+    given back."""
     from .auth import ClientAuth
-    from .transport import check_ipc_endpoint
+    from .transport import anon_rss_bytes, check_ipc_endpoint, trim_heap
 
     path = ipc_path(endpoint)
     if path is not None:
         check_ipc_endpoint(path)
     auth = ClientAuth.load(endpoint, keys_dir, insecure_tcp)
     ctx = zmq.Context(io_threads=1)
+    overrun = False
     try:
         sock = new_socket(ctx, zmq.DEALER)
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        sock.setsockopt(zmq.MAXMSGSIZE, _STATUS_MAX_BYTES)
         if auth is not None:
             auth.apply(sock)
         sock.connect(endpoint)
         sock.send(codec.pack_header(codec.STATUS))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s (none "
-                               f"running there, or keys that do not match)")
-        frames = sock.recv_multipart()
+        deadline = time.monotonic() + timeout
+        held = anon_rss_bytes()
+        # in slices: what an unfinished reply makes libzmq buffer is seen only as memory
+        while not sock.poll(20):
+            if anon_rss_bytes() - held > _STATUS_INPUT_BOUND:
+                overrun = True
+                raise ProtocolError(f"{endpoint} sent more than {_STATUS_INPUT_BOUND >> 20} MiB "
+                                    f"without finishing a reply: not a fastdeploy_sync engine")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s "
+                                   f"(none running there, or keys that do not match)")
+        frames = [sock.recv()]
+        while sock.getsockopt(zmq.RCVMORE):  # one frame at a time: the count is bounded too
+            if len(frames) == 2:
+                raise ProtocolError(f"{endpoint} answered with more than 2 frames")
+            frames.append(sock.recv())
         header = codec.unpack_header(frames[0])
         if header.kind != codec.STATUS_REPLY or len(frames) != 2:
-            raise ProtocolError(f"{endpoint} answered with message kind {header.kind}")
-        return json.loads(frames[1])
+            raise ProtocolError(f"{endpoint} answered with message kind {header.kind} in "
+                                f"{len(frames)} frame(s), not a status")
+        try:
+            status = json.loads(frames[1])
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ProtocolError(f"{endpoint} answered with a status that is not JSON: "
+                                f"{type(exc).__name__}") from None
+        _check_status(status, endpoint)
+        return status
     finally:
         ctx.destroy(linger=0)
+        if overrun:
+            trim_heap()
+
+
+# The fields of a status the CLI reads, and their types (JSON: int, float, str, None).
+_STATUS_FIELDS = {"name": str, "dp_id": int, "tp_size": int, "endpoint": str, "engine": str,
+                  "pid": int, "last_seq": int, "retained": int, "max_inflight": int,
+                  "group": (str, type(None)), "ranks": list}
+_RANK_FIELDS = {"rank": int, "state": str, "consumed": int,
+                "silent_s": (int, float, type(None)), "worker": (str, type(None)),
+                "reason": (str, type(None))}
+
+
+def _check_status(status, endpoint) -> None:
+    """``ProtocolError`` unless ``status`` has the shape ``TaskQueue.status()`` gives."""
+    def bad(what):
+        return ProtocolError(f"{endpoint} answered with a status that is not a TaskQueue's: "
+                             f"{what}")
+
+    if not isinstance(status, dict):
+        raise bad(f"a JSON {type(status).__name__}, not an object")
+    for key, kind in _STATUS_FIELDS.items():
+        if not isinstance(status.get(key), kind) or isinstance(status.get(key), bool):
+            raise bad(f"field {key!r} missing or of the wrong type")
+    if len(status["ranks"]) > _STATUS_MAX_RANKS:
+        raise bad(f"{len(status['ranks'])} ranks")
+    for rank in status["ranks"]:
+        if not isinstance(rank, dict):
+            raise bad("a rank that is not an object")
+        for key, kind in _RANK_FIELDS.items():
+            if not isinstance(rank.get(key), kind) or isinstance(rank.get(key), bool):
+                raise bad(f"a rank's field {key!r} missing or of the wrong type")
 
 
 def _remove_names(owner_pid, ipc_file, board_name, put_file=None):

@@ -54,15 +54,15 @@ from .ack_board import AckBoard
 from .auth import ServerAuth
 from .batch_encoder import BatchEncoder
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
-from .flood_guard import FloodGuard
+from .flood_guard import FloodGuard, InputGuard
 from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
 from .membership import GroupLost, LostBatch, Membership
 from .producer import ProducerEndpoint, TaskProducer
 from .shm import forget_in_child, unlink_segment
-from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, close_listeners, default_endpoint,
-                        ensure_free_fds, ipc_path, listener_address, new_socket,
-                        secure_socket_file, unlink_quietly, validate_name)
+from .transport import (ENGINE_FDS, WakePipe, anon_rss_bytes, claim_ipc_path, close_listeners,
+                        default_endpoint, ensure_free_fds, ipc_path, listener_address,
+                        new_socket, secure_socket_file, unlink_quietly, validate_name)
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status"]
 
@@ -90,6 +90,13 @@ _PROBE_AFTER_DROP_S = 0.02
 # A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
 # flood of STATUS requests must not cost a JSON encoding each).
 _STATUS_CACHE_S = 0.2
+# What peers may make the engine hold, beyond what it accounts for (batches retained,
+# producers' PUTs waiting), in messages they have not finished (InputGuard): on the
+# workers' socket, whose messages are small, this much; on the producers', one
+# maximum-size batch more (a PUT in flight).
+_UNFINISHED_INPUT_BYTES = 128 << 20
+# Socket-monitor events the engine follows on both sockets.
+_WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # How long close() waits, after sending CLOSE, for every rank it told to answer BYE (a
 # gone or stopped worker must not make close() hang). The workers' socket is read all
 # that time and closed with no linger: libzmq 4.3.5 aborts the process ("Assertion
@@ -227,9 +234,12 @@ class TaskQueue:
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # A connection of the workers' socket that drops makes the I/O thread probe the
-        # ranks at once instead of at the next tick.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # ranks at once instead of at the next tick; connections are followed for the
+        # input guard too (both sockets: see _watch_connections).
+        self._monitor = self._sock.get_monitor_socket(_WATCHED_EVENTS)
         self._guard = FloodGuard(self._sock, limit=_UNWELCOME_PER_S)
+        self._input_guard = InputGuard(anon_rss_bytes, small=_UNFINISHED_INPUT_BYTES,
+                                       large=self._max_batch_bytes + _UNFINISHED_INPUT_BYTES)
         # The producer endpoint: node-local, for engine processes other than this one
         # (TaskProducer). Its own socket, so that the workers' socket keeps its small
         # bound; same-user only, like every node-local endpoint.
@@ -239,11 +249,14 @@ class TaskQueue:
         self._put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._put_sock.setsockopt(zmq.MAXMSGSIZE, self._max_batch_bytes + 4096)
         ProducerEndpoint.configure_socket(self._put_sock)
+        self._put_monitor = self._put_sock.get_monitor_socket(_WATCHED_EVENTS)
         try:
             claim_ipc_path(self._put_path)
             self._put_sock.bind(self.producer_endpoint)
             secure_socket_file(self._put_path)
         except BaseException:
+            self._put_sock.disable_monitor()
+            self._put_monitor.close(linger=0)
             self._put_sock.close(linger=0)
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -255,7 +268,7 @@ class TaskQueue:
             self._ctx.term()
             unlink_quietly(self._ipc_path)
             raise
-        self._producers = ProducerEndpoint(self, self._put_sock)
+        self._producers = ProducerEndpoint(self, self._put_sock, self._input_guard)
         # Process exit without close(): still remove the names others would trip on.
         self._finalizer = weakref.finalize(self, _remove_names, os.getpid(), self._ipc_path,
                                            self._board.name if self._board else None,
@@ -596,6 +609,7 @@ class TaskQueue:
         poller.register(sock_fd, zmq.POLLIN)
         poller.register(self._put_sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._put_monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         interval = self.heartbeat.interval
         next_tick = time.monotonic() + interval
@@ -608,7 +622,8 @@ class TaskQueue:
                 # millisecond while a producer waits for room (the ack board notifies
                 # nobody). One pass does a bounded amount of work: receive (at most
                 # _RECEIVE_BUDGET messages per socket) -> dispatch -> tick -> send.
-                wait_ms = max(0.0, min(next_tick, probe_at) - time.monotonic()) * 1000
+                wait_ms = max(0.0, min(next_tick, probe_at, self._input_guard.next_check)
+                              - time.monotonic()) * 1000
                 if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
                 events = dict(poller.poll(0 if waiting else wait_ms))
@@ -629,6 +644,8 @@ class TaskQueue:
                     # its own send consumed their descriptor's signal (_send_now)
                     if waiting or sock_fd in events or self._wake.r in events:
                         self._receive()
+                    if self._put_monitor in events:
+                        self._watch_connections(self._put_monitor, "producers")
                     if self._put_sock in events:
                         self._producers.receive(_RECEIVE_BUDGET)
                     if self._producers.pending:
@@ -639,6 +656,9 @@ class TaskQueue:
                         next_tick = now + interval
                     # sooner if a rank's state would retire its group before then
                     next_tick = min(next_tick, self._members.deadline())
+                    if now >= self._input_guard.next_check:
+                        self._counters["connections_cut"] += self._input_guard.check(
+                            now, self._held_bytes(), self._rank_fds)
                     self._send_new()
                     waiting = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         except BaseException as exc:  # never silent: every caller learns it
@@ -657,7 +677,10 @@ class TaskQueue:
         thread set (a short linger for the CLOSE messages)."""
         if not self._sock.closed:
             self._sock.disable_monitor()
+        if not self._put_sock.closed:
+            self._put_sock.disable_monitor()
         self._monitor.close(linger=0)
+        self._put_monitor.close(linger=0)
         self._sock.close(linger=linger)
         self._put_sock.close(linger=linger)
 
@@ -749,23 +772,27 @@ class TaskQueue:
                 return
             self._current = msg[0]  # for _peer(): where the message came from
             try:
+                fd = msg[0].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = -1
+            self._input_guard.spoke("workers", fd, time.monotonic())
+            try:
                 welcome = self._dispatch([frame.bytes for frame in msg])
             except ProtocolError as exc:
                 self._garbage(exc)
                 welcome = False
             if welcome:
-                self._note_rank_connection(msg[0])
+                self._note_rank_connection(fd)
             elif self._guard.unwelcome(msg[0], time.monotonic()):
                 self._counters["connections_cut"] += 1
 
-    def _note_rank_connection(self, identity):
-        """A rank of the group spoke on this connection: remember its descriptor, so that
-        its drop (and only a rank's: not a status asker's) makes the ranks be probed at
-        once (``_connection_dropped``). Bounded: forgotten wholesale past a few per rank
-        (then any drop probes until they are learned again)."""
-        try:
-            fd = identity.get(zmq.SRCFD)
-        except zmq.ZMQError:
+    def _note_rank_connection(self, fd):
+        """A rank of the group spoke on connection ``fd``: remember it, so that its drop
+        (and only a rank's: not a status asker's) makes the ranks be probed at once
+        (``_connection_dropped``), and the input guard never cuts it. Bounded: forgotten
+        wholesale past a few per rank (then any drop probes until they are learned
+        again)."""
+        if fd < 0:
             return
         fds = self._rank_fds
         if fd not in fds:
@@ -781,17 +808,36 @@ class TaskQueue:
         every rank as often)."""
         dropped = False
         fds = self._rank_fds
+        for event, fd in self._watch_connections(self._monitor, "workers"):
+            if event == zmq.EVENT_DISCONNECTED and (fd in fds or not fds):
+                fds.discard(fd)
+                dropped = True
+        return dropped
+
+    def _watch_connections(self, monitor, which):
+        """``(event, descriptor)`` of what ``monitor`` reported (bounded), each accepted or
+        dropped connection also told to the input guard."""
+        now = time.monotonic()
+        out = []
         for _ in range(_RECEIVE_BUDGET):
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                fd = int(event["value"])
-                if fd in fds or not fds:
-                    fds.discard(fd)
-                    dropped = True
-        return dropped
+            kind, fd = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._input_guard.accepted(which, fd, now)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._input_guard.closed(which, fd)
+            out.append((kind, fd))
+        return out
+
+    def _held_bytes(self) -> int:
+        """What the engine knowingly holds of batches: retained frames (the socket path;
+        shared memory is not heap) and producers' PUTs waiting."""
+        with self._mutex:
+            retained = sum(len(f) for frames, _ in self._retained.values() for f in frames)
+        return retained + self._producers.pending_bytes
 
     def _status_reply(self) -> bytes:
         """``status()`` as JSON, rebuilt at most every ``_STATUS_CACHE_S`` (I/O thread)."""

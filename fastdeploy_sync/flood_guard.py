@@ -1,5 +1,7 @@
 """Per-connection limits on what a peer that passed authentication can make the engine
-hold: a connection that sends too many unwelcome messages is cut.
+hold: a connection that sends too many unwelcome messages is cut (``FloodGuard``), and so
+is one that may be holding a message it never finishes, when the engine's heap grows past
+what it accounts for (``InputGuard``).
 
 Why not a receive high-water mark: ZeroMQ's ``RCVHWM`` would slow a flooding peer down
 by its own socket, but libzmq 4.3.5 aborts the process ("Assertion failed: !_io_error
@@ -28,8 +30,9 @@ import socket
 import zmq
 
 from .logs import RateLimitedLog
+from .transport import trim_heap
 
-__all__ = ["FloodGuard"]
+__all__ = ["FloodGuard", "InputGuard"]
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +89,99 @@ class FloodGuard:
                       "%d connection(s) cut so far", peer, count, self.window,
                       why or "flood", self.cut)
         return True
+
+
+class InputGuard:
+    """What peers can make the engine hold in messages they never finish: bounded.
+
+    ``MAXMSGSIZE`` bounds a frame, not a message, and libzmq hands a multipart message to
+    the socket only once its last frame has arrived (frames of an unfinished one are not
+    readable, ``RCVMORE`` or not, and a high-water mark counts finished messages only): a
+    peer that streams frames and never sends the last one grows the receiving process
+    without bound, out of its sight (measured: 1.5 GiB in 2-3 s, kept after it left).
+    So the guard watches the process's own heap (``transport.anon_rss_bytes``, at most
+    every ``check_s``) against what the engine knowingly holds (``legit``: batches
+    retained, producers' PUTs waiting) and cuts, when the excess passes a budget, the
+    connections that may hold such a message: those of the socket with no finished
+    message for ``quiet_s`` (a peer in the middle of an endless message finishes
+    nothing), never a rank of the group. Two budgets: ``small`` for the workers' socket
+    (its peers' messages are a few KiB: anything large there is garbage), ``large`` for
+    the producers' (a PUT may legitimately be one maximum-size batch in flight). After a
+    cut the freed heap is given back (``transport.trim_heap``). An excess with nothing to
+    cut (the engine's own allocations) becomes the new baseline.
+
+    Connections are known from the sockets' monitors (``accepted``/``closed``, by
+    descriptor) and ``spoke`` (a finished message, by ``zmq.SRCFD``). One owning thread
+    (the engine's I/O thread)."""
+
+    def __init__(self, read_heap, small: int, large: int, check_s: float = 0.05,
+                 quiet_s: float = 0.2):
+        self._read_heap = read_heap
+        self.small, self.large = small, large
+        self.check_s, self.quiet_s = check_s, quiet_s
+        self._baseline = read_heap()
+        self._conns = {"workers": {}, "producers": {}}  # fd -> when it last finished one
+        self._trim_at = None
+        self.next_check = 0.0
+        self.cut = 0  # connections cut so far
+        self._log = RateLimitedLog(log)
+
+    def accepted(self, which: str, fd: int, now: float) -> None:
+        conns = self._conns[which]
+        if len(conns) < 65536:  # bounded by the descriptors a process can have anyway
+            conns[fd] = now
+
+    def closed(self, which: str, fd: int) -> None:
+        self._conns[which].pop(fd, None)
+
+    def spoke(self, which: str, fd: int, now: float) -> None:
+        conns = self._conns[which]
+        if fd in conns:
+            conns[fd] = now
+
+    def check(self, now: float, legit: int, exempt=()) -> int:
+        """At most every ``check_s``: the connections cut now (0 mostly). ``legit``: the
+        bytes the engine knowingly holds; ``exempt``: descriptors never cut (the ranks')."""
+        if now < self.next_check:
+            return 0
+        self.next_check = now + self.check_s
+        if self._trim_at is not None and now >= self._trim_at:
+            self._trim_at = None
+            trim_heap()
+        heap = self._read_heap()
+        excess = heap - self._baseline - legit
+        if excess <= self.small:
+            return 0
+        workers = self._quiet("workers", now, exempt)
+        producers = self._quiet("producers", now, exempt)
+        cut = self._cut("workers", workers, excess)
+        if excess > self.large:
+            cut += self._cut("producers", producers, excess)
+        if cut:
+            self._trim_at = now + 0.2  # once libzmq has let go of their buffers
+        elif not workers and not producers:
+            self._baseline = heap - legit  # no peer could be holding it: the engine's own
+        return cut
+
+    def _quiet(self, which, now, exempt):
+        return [fd for fd, when in self._conns[which].items()
+                if fd not in exempt and now - when >= self.quiet_s]
+
+    def _cut(self, which, fds, excess) -> int:
+        cut = 0
+        for fd in fds:
+            self._conns[which].pop(fd, None)
+            try:
+                with socket.socket(fileno=os.dup(fd)) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
+            cut += 1
+        if cut:
+            self.cut += cut
+            self._log.log(("input", which), logging.WARNING,
+                          "cut %d connection(s) of the %s' socket that finished no message for "
+                          "%.1f s while the engine held %d MiB more than it accounts for (a "
+                          "message that never ends?); %d cut so far", cut, which, self.quiet_s,
+                          excess >> 20, self.cut)
+        return cut

@@ -53,9 +53,10 @@ class ProducerEndpoint:
     does not read them (beyond, replies are dropped). A waiting PUT whose producer went
     away is dropped, never enqueued."""
 
-    def __init__(self, queue, sock):
+    def __init__(self, queue, sock, input_guard=None):
         self._queue = queue
         self.sock = sock
+        self._input_guard = input_guard  # told of every finished message (flood_guard)
         self._counters = queue._counters
         self.pending = collections.deque()  # (deadline, identity, header, frames, size)
         self._pending_bytes = 0
@@ -76,6 +77,11 @@ class ProducerEndpoint:
             except zmq.Again:
                 return
             queue._current = msg[0]
+            if self._input_guard is not None:
+                try:
+                    self._input_guard.spoke("producers", msg[0].get(zmq.SRCFD), time.monotonic())
+                except zmq.ZMQError:
+                    pass
             try:
                 if len(msg) < 2:
                     raise ProtocolError(f"{len(msg)} frame(s) on the producer endpoint")
@@ -123,6 +129,11 @@ class ProducerEndpoint:
         self.pending.append((time.monotonic() + h.aux / 1000, identity, h, frames, size))
         self._pending_bytes += size
         self.serve()
+
+    @property
+    def pending_bytes(self) -> int:
+        """The bytes of the PUTs waiting for room."""
+        return self._pending_bytes
 
     def serve(self):
         """Enqueue waiting producer batches, in arrival order, while there is room; answer

@@ -68,6 +68,7 @@ __all__ = [
     "E_STALE_ENGINE",
     "E_GROUP_LOST",
     "E_GROUP_BUSY",
+    "E_TOO_MANY",
     "HEADER_SIZE",
     "payload_checksum",
     "pack_header",
@@ -126,6 +127,7 @@ E_PLACE_TAKEN = 2  # a live worker holds this rank: EngineRejectedError
 E_STALE_ENGINE = 3  # bound to an engine instance that is gone (restart): EngineGoneError
 E_GROUP_LOST = 4  # the engine retired this worker group: GroupLostError
 E_GROUP_BUSY = 5  # another live worker group holds the queue: EngineRejectedError
+E_TOO_MANY = 6  # producer endpoint: the queue serves as many producers as it may already
 
 # magic, version, kind, rank, tp_size, seq, aux, engine, group, worker, check.
 # 60 bytes, little-endian.

@@ -62,7 +62,8 @@ from .producer import ProducerEndpoint, TaskProducer
 from .shm import forget_in_child, unlink_segment
 from .transport import (ENGINE_FDS, WakePipe, anon_rss_bytes, claim_ipc_path, close_listeners,
                         default_endpoint, ensure_free_fds, ipc_path, listener_address,
-                        new_socket, secure_socket_file, unlink_quietly, validate_name)
+                        new_socket, raise_fd_limit, secure_socket_file, unlink_quietly,
+                        validate_name)
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status"]
 
@@ -186,7 +187,13 @@ class TaskQueue:
         self._delivery = [0] * (len(DELIVERY_BOUNDS_S) + 1) + [0.0]  # bucket counts, sum
         self._retirements = collections.Counter()
 
-        # libzmq aborts the process when it runs out of fds: fail here, cleanly, instead
+        # libzmq aborts the process when it runs out of fds: take what the hard limit
+        # allows (many producers may connect at once), and fail here, cleanly, if even
+        # the queue's own sockets would not fit
+        before, after = raise_fd_limit()
+        if after > before:
+            log.info("TaskQueue %s: raised the soft limit of open files from %d to the hard "
+                     "limit %d (many peers may connect at once)", name, before, after)
         ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ctx = zmq.Context(io_threads=1)
@@ -626,6 +633,8 @@ class TaskQueue:
                               - time.monotonic()) * 1000
                 if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
+                if self._producers.refusing:
+                    wait_ms = min(wait_ms, 100.0)
                 events = dict(poller.poll(0 if waiting else wait_ms))
                 if self._wake.r in events:
                     self._wake.drain()
@@ -650,6 +659,8 @@ class TaskQueue:
                         self._producers.receive(_RECEIVE_BUDGET)
                     if self._producers.pending:
                         self._producers.serve()
+                    if self._producers.refusing:
+                        self._producers.cut_refused(time.monotonic())
                     now = time.monotonic()
                     if now >= next_tick:
                         self._members.tick(now)
@@ -829,6 +840,8 @@ class TaskQueue:
                 self._input_guard.accepted(which, fd, now)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._input_guard.closed(which, fd)
+            if which == "producers":
+                self._producers.connection_event(kind, fd, now)
             out.append((kind, fd))
         return out
 

@@ -46,6 +46,7 @@ __all__ = [
     "close_listeners",
     "anon_rss_bytes",
     "trim_heap",
+    "raise_fd_limit",
     "unlink_quietly",
     "new_socket",
     "WakePipe",
@@ -369,6 +370,30 @@ def trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def raise_fd_limit() -> tuple:
+    """Raise this process's soft limit of open files to its hard limit (capped by the
+    kernel's ``fs.nr_open``); returns ``(before, after)``. libzmq aborts the whole process
+    (SIGABRT, "Too many open files") when its I/O thread cannot accept a connection, so an
+    engine takes what it may have at start instead of dying at the common default of 1024
+    when many peers connect at once. Never lowers it; never raises. Note for the rest of
+    the process: descriptors above 1023 do not fit ``select.select``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (OSError, ValueError):
+            pass
+    return soft, soft
 
 
 def unlink_quietly(path) -> None:

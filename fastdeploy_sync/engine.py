@@ -669,7 +669,7 @@ class TaskQueue:
                     next_tick = min(next_tick, self._members.deadline())
                     if now >= self._input_guard.next_check:
                         self._counters["connections_cut"] += self._input_guard.check(
-                            now, self._held_bytes(), self._rank_fds)
+                            now, self._held_bytes())
                     self._send_new()
                     waiting = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         except BaseException as exc:  # never silent: every caller learns it
@@ -805,6 +805,7 @@ class TaskQueue:
         again)."""
         if fd < 0:
             return
+        self._input_guard.trust("workers", fd)
         fds = self._rank_fds
         if fd not in fds:
             if len(fds) >= 4 * self.tp_size + 16:
@@ -847,10 +848,12 @@ class TaskQueue:
 
     def _held_bytes(self) -> int:
         """What the engine knowingly holds of batches: retained frames (the socket path;
-        shared memory is not heap) and producers' PUTs waiting."""
+        shared memory is not heap; with CURVE libzmq also holds an encrypted copy per rank
+        it is sending to) and producers' PUTs waiting."""
         with self._mutex:
             retained = sum(len(f) for frames, _ in self._retained.values() for f in frames)
-        return retained + self._producers.pending_bytes
+        copies = 1 + (self.tp_size if self._auth is not None else 0)
+        return retained * copies + self._producers.pending_bytes
 
     def _status_reply(self) -> bytes:
         """``status()`` as JSON, rebuilt at most every ``_STATUS_CACHE_S`` (I/O thread)."""

@@ -74,9 +74,11 @@ class BatchEncoder:
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, *, node_local: bool,
-                 max_message_bytes: int):
+                 max_message_bytes: int, encrypted_limit=None):
         self.name, self.dp_id, self.tp_size = name, dp_id, tp_size
         self._max_message_bytes = max_message_bytes
+        # (bytes, why) for a CURVE-encrypted endpoint: see TaskQueue; None otherwise
+        self._encrypted_limit = encrypted_limit
         # None: never through shared memory
         self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
         self._pool_bytes = envs.shm_pool_bytes() if node_local else 0
@@ -124,7 +126,9 @@ class BatchEncoder:
             if batch is not None:
                 return batch
         # before the copy into one data frame: refuse what no rank would accept
-        self._check_size(len(parts.body) + len(parts.offsets) + parts.data_size)
+        size = len(parts.body) + len(parts.offsets) + parts.data_size
+        self._check_size(size)
+        self.check_encrypted_size(size)
         frames = parts.frames()
         return EncodedBatch(frames, codec.payload_checksum(frames), None)
 
@@ -139,7 +143,12 @@ class BatchEncoder:
             return None
         try:
             data_hash = parts.data_hash() if self._hash_shared else 0
-            target.write_payload(parts)
+            try:
+                target.write_payload(parts)
+            except payload_shm.PoolTruncated as exc:  # tampered with: never SIGBUS, go on
+                self._discard(target)
+                self._retire_damaged(target.pool, exc)
+                return None
             ref = payload_shm.pack_ref(target.name, parts.data_size, parts.offsets,
                                        stamp=target.stamp, start=target.start,
                                        data_hash=data_hash)
@@ -202,6 +211,16 @@ class BatchEncoder:
                        size / payload_shm.MiB, no_room)
         return None
 
+    def _retire_damaged(self, pool, exc):
+        """A pool another process damaged: no batch goes into it any more (the next shared
+        batch creates a new one; this one goes over the socket)."""
+        with self._lock:
+            if pool is self._pool:
+                pool.abandon_kept()
+                self._retired.append(pool)
+                self._pool = None
+            self._note("pool-damaged", logging.ERROR, "%s; a new pool replaces it", exc)
+
     def _plan_pool(self):
         """(name, size) of the pool this put should create, or None: pools are off, one is
         being created by another put (this batch takes a segment of its own meanwhile),
@@ -263,6 +282,17 @@ class BatchEncoder:
 
     def _check_message_size(self, frames):
         self._check_size(sum(len(f) for f in frames))
+
+    def check_encrypted_size(self, size):
+        """``ValueError`` (saying why and what to do) for a batch of ``size`` bytes that an
+        encrypted endpoint's I/O thread would take too long to encrypt (see TaskQueue)."""
+        if self._encrypted_limit is not None and size > self._encrypted_limit[0]:
+            limit, why = self._encrypted_limit
+            raise ValueError(f"TaskQueue {self.name}: a {size / payload_shm.MiB:.0f} MiB batch "
+                             f"is refused on this CURVE-encrypted tcp endpoint, whose limit is "
+                             f"{limit / payload_shm.MiB:.0f} MiB: {why}. Split the batch, put "
+                             f"it over ipc (ranks on this node), or raise "
+                             f"FD_SYNC_HEARTBEAT_TIMEOUT on the engine and the workers")
 
     def _check_size(self, size):
         if size > self._max_message_bytes:

@@ -120,6 +120,7 @@ P_TIMEOUT = 1  # no room within the producer's wait: the batch was not enqueued
 P_CLOSED = 2  # the queue is closed: not enqueued
 P_INVALID = 3  # the payload failed its checksum or structure check: not enqueued
 P_BUSY = 4  # too many producers' batches wait for room already: not enqueued, retry later
+P_TOO_LARGE = 5  # larger than the queue sends (frames[1]: why): not enqueued
 
 # ERROR codes (Header.aux of an ERROR message): what the worker raises.
 E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError

@@ -96,6 +96,9 @@ _STATUS_CACHE_S = 0.2
 # workers' socket, whose messages are small, this much; on the producers', one
 # maximum-size batch more (a PUT in flight).
 _UNFINISHED_INPUT_BYTES = 128 << 20
+# How fast libzmq's I/O thread encrypts with CURVE, assumed low: measured ~400 MiB/s for
+# encrypt + decrypt over loopback on these 2 shared cores (docs/security.md).
+_CURVE_BYTES_PER_S = 256 << 20
 # Socket-monitor events the engine follows on both sockets.
 _WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # How long close() waits, after sending CLOSE, for every rank it told to answer BYE (a
@@ -215,7 +218,8 @@ class TaskQueue:
         # The put path's encoding, and the shared memory its batches hold (node-local
         # ranks map large batches from shared memory; tcp ranks cannot).
         self._encoder = BatchEncoder(name, dp_id, tp_size, node_local=bool(self._ipc_path),
-                                     max_message_bytes=self._max_batch_bytes)
+                                     max_message_bytes=self._max_batch_bytes,
+                                     encrypted_limit=self._encrypted_limit())
         self._board = None
         try:
             if self._ipc_path:
@@ -525,6 +529,27 @@ class TaskQueue:
         unlink_quietly(self._put_path)
         self._finalizer.detach()
         return unconsumed
+
+    def _encrypted_limit(self):
+        """``(bytes, why)``: the largest batch a CURVE-encrypted endpoint sends, or None
+        (ipc, plain tcp). libzmq encrypts a message in one piece in its I/O thread, and
+        the connections to every rank may be encrypted in one pass of it: while it does,
+        no heartbeat of any connection is sent or answered. A batch whose ``tp_size``
+        copies take longer than half the heartbeat timeout to encrypt makes healthy ranks
+        look gone (a 600 MiB batch to TP=2 retired the group), so it is refused at
+        ``put_tasks()`` instead; the bound assumes ``_CURVE_BYTES_PER_S``."""
+        if self._auth is None:
+            return None
+        limit = int(_CURVE_BYTES_PER_S * self.heartbeat.timeout / (2 * self.tp_size))
+        why = (f"libzmq encrypts a message in one piece, one copy per rank ({self.tp_size}), in "
+               f"its I/O thread, which answers no heartbeat meanwhile; past half the heartbeat "
+               f"timeout ({self.heartbeat.timeout:g} s) healthy ranks would look gone")
+        return limit, why
+
+    def _check_encrypted_size(self, size):
+        """For the producer endpoint: ``ValueError`` for a batch this encrypted endpoint
+        refuses (``_encrypted_limit``)."""
+        self._encoder.check_encrypted_size(size)
 
     def _forget_in_child(self):
         """In a process forked from this engine's: close the inherited descriptors of the

@@ -87,7 +87,7 @@ from .shm import create_exclusive, forget_in_child, unlink_segment
 __all__ = ["SharedPayload", "PayloadPool", "PoolRegion", "PayloadReader", "MappedPayload",
            "payload_prefix", "payload_name", "pool_name", "pack_ref", "unpack_ref",
            "map_payload", "reclaim_stale", "pool_locked", "shm_room", "pool_size", "fresh_fits",
-           "REF_MAGIC"]
+           "REF_MAGIC", "PoolTruncated"]
 
 log = logging.getLogger(__name__)
 
@@ -529,11 +529,16 @@ class PayloadPool:
             live.popleft()
 
     def write(self, region, parts) -> None:
+        """Copy ``parts`` into ``region``; ``PoolTruncated`` (nothing written) if another
+        process truncated the pool's file."""
+        _check_length(self._fd, self.name, self._words.nbytes + self.data_size)
         base = region.start
         parts.write_data(self._data[base:base + region.size])
         self._words[_H_FILLED + region.stamp % self.entries] = region.stamp
 
     def view(self, region) -> memoryview:
+        if self._fd >= 0:  # a closed pool cannot be asked (its mapping stays, unchecked)
+            _check_length(self._fd, self.name, self._words.nbytes + self.data_size)
         return self._data[region.start:region.start + region.size].toreadonly()
 
     def kept(self, region):
@@ -581,7 +586,8 @@ class PayloadPool:
             return
         self.closed = self.retired = True
         unlink_segment(self.name)
-        os.close(self._fd)
+        fd, self._fd = self._fd, -1
+        os.close(fd)
 
     def _forget_in_child(self):
         """In a forked child: drop the inherited descriptor (and with it the child's share
@@ -589,8 +595,9 @@ class PayloadPool:
         parent's pool (``close()`` does nothing)."""
         if not self.closed:
             self.closed = self.retired = True
+            fd, self._fd = self._fd, -1
             try:
-                os.close(self._fd)
+                os.close(fd)
             except OSError:
                 pass
 
@@ -598,15 +605,34 @@ class PayloadPool:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use
 
 
+class PoolTruncated(ProtocolError):
+    """A pool's file is shorter than its layout: another process of this uid truncated it.
+    Reading (rank) or writing (engine) its pages would kill the process with SIGBUS, so
+    it is checked (``fstat``) before they are touched."""
+
+
+def _check_length(fd: int, name: str, total: int) -> None:
+    """``PoolTruncated`` unless the file ``fd`` still holds the pool's ``total`` bytes."""
+    have = os.fstat(fd).st_size
+    if have < total:
+        raise PoolTruncated(f"pool {name} holds {have} bytes, its layout {total}: another "
+                            f"process of this user truncated it; its batches are gone (not "
+                            f"read: touching them would be a SIGBUS)")
+
+
 class _PoolView:
     """A rank's mapping of one pool: the data read-only (populated once), the header
-    read-write (its release row)."""
+    read-write (its release row), and a descriptor of its own to check the file's length
+    before each batch is read (``PoolTruncated``)."""
 
-    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data")
+    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_fd", "_total",
+                 "__weakref__")
 
-    def __init__(self, name, entries, data_size, rank, words, data):
+    def __init__(self, name, entries, data_size, rank, words, data, fd, total):
         self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
         self._words, self._data = words, data
+        self._fd, self._total = fd, total
+        weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "_PoolView":
@@ -630,9 +656,11 @@ class _PoolView:
             header = mmap.mmap(shm.fd, data_offset, flags=mmap.MAP_SHARED)
             data = mmap.mmap(shm.fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
                              prot=mmap.PROT_READ, offset=data_offset)
+            fd = os.dup(shm.fd)
         finally:
             shm.close_fd()
-        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)
+        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data, fd,
+                   data_offset + data_size)
 
     def region(self, start: int, size: int, stamp: int):
         """The batch ``stamp``'s bytes as a read-only numpy array of ``size`` bytes, after
@@ -642,6 +670,7 @@ class _PoolView:
         if not 0 <= start <= self.data_size - size or stamp <= 0:
             raise ProtocolError(f"pool {self.name}: region of {size} bytes at {start} "
                                 f"(stamp {stamp}) outside its {self.data_size} bytes")
+        _check_length(self._fd, self.name, self._total)  # before any page is touched
         entry = stamp % self.entries
         filled = self._words[_H_FILLED + entry]
         if filled != stamp:

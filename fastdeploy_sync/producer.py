@@ -136,6 +136,13 @@ class ProducerEndpoint:
                                       exc)
             return self.reply(identity, h, codec.P_INVALID)
         size = sum(len(frame) for frame in payload)
+        try:
+            self._queue._check_encrypted_size(size)
+        except ValueError as exc:
+            self._counters["puts_too_large"] += 1
+            return self._send(identity, [codec.pack_header(
+                codec.PUT_REPLY, seq=h.seq, aux=codec.P_TOO_LARGE, engine=self._queue.instance),
+                str(exc).encode()])
         if self.pending and (len(self.pending) >= _MAX_PENDING_PUTS
                              or self._pending_bytes + size > _MAX_PENDING_BYTES):
             self._counters["puts_busy"] += 1
@@ -278,6 +285,7 @@ class TaskProducer:
         self.endpoint = default_endpoint(name, dp_id, "put")
         check_ipc_endpoint(ipc_path(self.endpoint))
         self._timeout = timeout  # for a reply to a query or to a put once decided
+        self._last_reason = ""  # the reason frame of the last reply that carried one
         self._lock = threading.Lock()
         self._request = 0
         ensure_free_fds(ENGINE_FDS, f"TaskProducer {name!r} dp_id={dp_id}")
@@ -342,6 +350,9 @@ class TaskProducer:
                                f"rank: see fastdeploy-sync status {self.name}); not enqueued")
         if h.aux == codec.P_CLOSED:
             raise ClosedError(f"TaskProducer {self.name!r}: the queue is closed; not enqueued")
+        if h.aux == codec.P_TOO_LARGE:
+            raise ValueError(f"TaskProducer {self.name!r}: the queue refused the batch: "
+                             f"{self._last_reason}; not enqueued")
         raise ProtocolError(f"TaskProducer {self.name!r}: the queue refused the batch "
                             f"(status {h.aux}); not enqueued")
 
@@ -401,6 +412,8 @@ class TaskProducer:
         """The header of a reply; ``ConnectionRefusedError`` (saying why) if the queue
         refused this producer (``E_TOO_MANY``: it serves as many as it may)."""
         h = codec.unpack_header(frames[0])
+        self._last_reason = (frames[1][:1024].decode("utf-8", "replace") if len(frames) > 1
+                             else "")
         if h.kind == codec.ERROR:
             reason = frames[1][:1024].decode("utf-8", "replace") if len(frames) > 1 else ""
             raise ConnectionRefusedError(f"TaskProducer {self.name!r}: the TaskQueue at "

@@ -728,3 +728,49 @@ def test_the_engine_writes_into_a_new_pool_without_page_faults(name):
         for region in regions:
             pool.discarded(region)
         pool.close()
+
+
+# One process holds the engine and a sync-mode rank (it decodes when it steps): a shared
+# batch is taken (the rank maps the pool), the next one is put, another process of this
+# user truncates the pool, then the rank steps and the engine puts again. Prints what each
+# side got; a SIGBUS would end the process instead.
+_TRUNCATED_POOL = """
+import glob, os, sys
+import numpy as np
+from fastdeploy_sync import TaskClient, TaskQueue
+name = sys.argv[1]
+with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=False) as client:
+    queue.put_tasks(np.arange(1 << 15), timeout=10)          # 256 KiB: into the pool
+    got = []
+    while not got:
+        got = client.sync_step(timeout=10)
+    queue.put_tasks(np.arange(1 << 15) + 1, timeout=10)      # written into the pool
+    [pool] = glob.glob(f"/dev/shm/fdsync.{name}.dp0.bp*")
+    os.truncate(pool, 4096)                                  # what another process could do
+    try:
+        client.sync_step(timeout=10)
+        print("rank took it")
+    except Exception as exc:
+        print("rank raised", type(exc).__name__, str(exc)[:200])
+    seq = queue.put_tasks(np.arange(1 << 15) + 2, timeout=10)  # the engine writes again
+    print("engine put", seq, queue.stats().get("shm_socket_fallbacks", 0))
+    queue.close(timeout=0)
+"""
+
+
+def test_a_truncated_pool_is_an_error_not_a_sigbus(name, small_threshold, monkeypatch):
+    """A same-user process truncates the pool under a live group: the rank's next batch
+    from it raises ProtocolError (the pool's length is checked with fstat before any page
+    is read), and the engine's next put, which would write into it, goes over the socket
+    and a new pool replaces it. Before: both the rank and the engine died of SIGBUS."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "4")
+    out = subprocess.run([sys.executable, "-c", _TRUNCATED_POOL, name], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    # PoolTruncated is a ProtocolError
+    assert lines[0].startswith("rank raised PoolTruncated") and "truncated" in lines[0], lines
+    assert lines[1].startswith("engine put 3 "), lines

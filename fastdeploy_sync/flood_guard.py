@@ -139,6 +139,7 @@ class InputGuard:
         conns = self._conns[which]
         if len(conns) < 65536:  # bounded by the descriptors a process can have anyway
             conns[fd] = [now, None, peer_key(fd)]
+            self.next_check = min(self.next_check, now + self.check_s)
 
     def closed(self, which: str, fd: int) -> None:
         self._conns[which].pop(fd, None)
@@ -162,10 +163,15 @@ class InputGuard:
         bytes the engine knowingly holds."""
         if now < self.next_check:
             return 0
-        self.next_check = now + self.check_s
-        if self._trim_at is not None and now >= self._trim_at:
-            self._trim_at = None
-            trim_heap()
+        # checks are due only while a connection of an untrusted peer is up (the engine's
+        # I/O thread then wakes every check_s; a group alone costs it nothing)
+        self.next_check = now + self.check_s if self._watching() else float("inf")
+        if self._trim_at is not None:
+            if now >= self._trim_at:
+                self._trim_at = None
+                trim_heap()
+            else:
+                self.next_check = min(self.next_check, self._trim_at)
         heap = self._read_heap()
         excess = heap - self._baseline - legit
         if excess <= self.small:
@@ -177,9 +183,15 @@ class InputGuard:
             cut += self._cut("producers", producers, excess)
         if cut:
             self._trim_at = now + 0.2  # once libzmq has let go of their buffers
+            self.next_check = now + self.check_s
         elif not workers and not producers:
             self._baseline = heap - legit  # no peer could be holding it: the engine's own
         return cut
+
+    def _watching(self) -> bool:
+        trusted = self._trusted
+        return any(peer is None or peer not in trusted
+                   for conns in self._conns.values() for _, _, peer in conns.values())
 
     def _suspects(self, which, now):
         trusted = self._trusted

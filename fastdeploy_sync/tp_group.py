@@ -643,7 +643,8 @@ class ShmTPGroup:
         Spins as the barrier would for this loop (busy: up to the window), then blocks on
         rank 0's semaphore (GIL released), posted by the receiver that completes ``seq`` and
         by the arrival of a rank that lacks it; without a post it re-checks every 0.5 ms.
-        Never raises; returns at once when the group is closing or a peer published a
+        Raises nothing of its own (only what a signal handler raises during the wait:
+        ``shm.sem_wait``); returns at once when the group is closing or a peer published a
         fault (the barrier then says why)."""
         gen = self.gen + 1
         if self._peers_settled(seq, gen):

@@ -26,9 +26,10 @@ import sys
 import time
 
 from . import __version__
-from .shm import Segment, pid_alive
+from .shm import Segment
 from .tp_group import (H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, MAGIC, R_ARRIVED, R_CONSUMED,
-                       R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name)
+                       R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name,
+                       rank_lock)
 from .transport import MAX_DP_ID, default_endpoint, validate_name
 
 
@@ -155,14 +156,21 @@ def _group_status(args, engine_seen: bool) -> bool:
             print(f"{shm_name}: not a ready fastdeploy_sync group")
             return False
         tp, owner = v[H_TP_SIZE], v[H_OWNER_PID]
+        if not 0 < tp <= 4096 or seg.size < (RANK_BASE + tp * RANK_STRIDE) * 8:
+            print(f"{shm_name}: not a fastdeploy_sync group of this layout (tp_size {tp} in "
+                  f"{seg.size} bytes)")
+            return False
+        # alive by the locks the owner and each rank hold, never by a pid: pids are reused,
+        # and another pid namespace sharing /dev/shm (a sidecar container) sees other pids
         print(f"{shm_name}: tp_size={tp} owner pid {owner} "
-              f"({'alive' if pid_alive(owner) else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
+              f"({'alive' if seg.owner_alive() else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
         print(f"{'rank':>4} {'pid':>8} {'alive':>5} {'received':>9} {'consumed':>9} "
               f"{'barrier gen':>11} {'sleeping':>8}")
         for r in range(tp):
             b = RANK_BASE + r * RANK_STRIDE
             pid = v[b + R_PID]
-            print(f"{r:>4} {pid:>8} {str(pid_alive(pid)):>5} {v[b + R_RECEIVED]:>9} "
+            alive = seg.lock_held(rank_lock(r))
+            print(f"{r:>4} {pid:>8} {str(alive):>5} {v[b + R_RECEIVED]:>9} "
                   f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
     finally:
         seg.close()

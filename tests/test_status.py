@@ -208,3 +208,37 @@ def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
     assert usage.ru_maxrss < 300 << 10, usage.ru_maxrss  # KiB: under 300 MiB peak
+
+
+def _unshare_pid_namespace_allowed():
+    try:
+        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
+                    reason="this machine does not allow a new pid namespace "
+                           "(unshare -p -f --mount-proc)")
+def test_status_from_another_pid_namespace_sees_a_live_group_alive(name, procs, results):
+    """`fastdeploy-sync status` in a sidecar container (its own pid namespace, the same
+    /dev/shm) reads who is alive from the locks the owner and the ranks hold, not from
+    their pids, which are nobody's there. Before: "exited: stale" and every rank False."""
+    leave = SPAWN.Event()
+    with TaskQueue(name, 2) as queue:
+        try:
+            for rank in range(2):
+                procs(connected_rank, results, rank, name, 2, leave)
+            collect(results, "ready", 2)
+            out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m",
+                                  "fastdeploy_sync.cli", "status", name], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert "(alive)" in out.stdout and "exited" not in out.stdout, out.stdout
+            rows = [line.split() for line in out.stdout.splitlines()
+                    if line.strip()[:1].isdigit() and line.split()[1].isdigit()]
+            assert [row[2] for row in rows] == ["True", "True"], out.stdout
+        finally:
+            leave.set()
+        queue.close(timeout=5)

@@ -50,6 +50,8 @@ def rank(r, name, n, how):
         # this thread's stack only: with all_threads=True, dumps at this rate read other
         # threads' frames while they run and crash CPython 3.11 itself, with or without
         # fastdeploy_sync (faulthandler's own caveat); the wait sees the same signal
+        # ignored underneath: unregister() restores it, so a late signal cannot kill us
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         faulthandler.register(signal.SIGUSR1, file=open(os.devnull, "w"), all_threads=False)
     took = []
     with TaskClient(name, 2, r) as client:
@@ -62,8 +64,9 @@ def rank(r, name, n, how):
             tasks, _ = client.get_tasks()
             took.extend(i for i, ids in tasks if ids[0] == i)
     if how == "faulthandler":
-        faulthandler.unregister(signal.SIGUSR1)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the test may still be sending
+        faulthandler.unregister(signal.SIGUSR1)  # back to SIG_IGN
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the test may still be sending
     print("took", ",".join(map(str, took)), "signals", count[0], flush=True)
 
 

@@ -93,7 +93,7 @@ def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, mon
         assert engine.poll() is None, engine.stderr.read()
         peak = max(heap for heap, _ in during) - start_heap
         assert cut, f"sent {sent} MiB and was never cut; heap +{peak} MiB"
-        assert peak < 512, f"heap grew by {peak} MiB while {sent} MiB were sent"
+        assert peak < 768, f"heap grew by {peak} MiB while {sent} MiB were sent"
         assert samples[-1][0] - start_heap < 64, (samples[-1], start_heap)
         print(f"{endpoint}: sent {sent} MiB, heap peak +{peak} MiB, after "
               f"+{samples[-1][0] - start_heap} MiB, {samples[-1][1] - start_taken} batches "

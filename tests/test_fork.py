@@ -10,12 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from fastdeploy_sync import TaskQueue, envs
-from fastdeploy_sync.transport import ipc_listener_alive
 
-from workers import free_ports, wait_until
+from workers import free_ports
 
 # An engine that makes a pool (a 2 MiB batch), forks a child that sleeps (as a helper
 # FastDeploy forks would), prints "ready <child pid>" and waits to be killed.

@@ -24,9 +24,12 @@ before this lock, never after.
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
+
+import numpy as np
 
 from . import codec, envs, payload_shm
 from .errors import EndpointInUseError
@@ -71,9 +74,11 @@ class BatchEncoder:
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, *, node_local: bool,
-                 max_message_bytes: int):
+                 max_message_bytes: int, encrypted_limit=None):
         self.name, self.dp_id, self.tp_size = name, dp_id, tp_size
         self._max_message_bytes = max_message_bytes
+        # (bytes, why) for a CURVE-encrypted endpoint: see TaskQueue; None otherwise
+        self._encrypted_limit = encrypted_limit
         # None: never through shared memory
         self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
         self._pool_bytes = envs.shm_pool_bytes() if node_local else 0
@@ -90,7 +95,7 @@ class BatchEncoder:
         self.counters = collections.Counter()
         # every shared name not yet unlinked; the finalizer must not reference self
         self.names = set()
-        self._finalizer = weakref.finalize(self, _unlink_all, self.names)
+        self._finalizer = weakref.finalize(self, _unlink_all, self.names, os.getpid())
 
     def reclaim_stale(self) -> list:
         """Remove the shared batches and pools a killed engine of this queue left. Call it
@@ -109,17 +114,22 @@ class BatchEncoder:
 
         Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
         message would exceed the workers' limit (or a codec bound); nothing is held then.
+        The size is checked before anything is copied, and pickling stops at the limit:
+        refusing a 2 GiB batch costs no more memory than the limit's worth of pickle.
         A failure to use shared memory is never raised: it is logged (at most once a
         minute per kind) and the batch goes over the socket.
         """
-        parts = codec.encode_parts(tasks)
+        parts = codec.encode_parts(tasks, max_body_bytes=self._max_message_bytes)
         threshold = self._shm_min_bytes
         if threshold is not None and parts.buffers and parts.data_size >= threshold:
             batch = self._encode_shared(parts)
             if batch is not None:
                 return batch
+        # before the copy into one data frame: refuse what no rank would accept
+        size = len(parts.body) + len(parts.offsets) + parts.data_size
+        self._check_size(size)
+        self.check_encrypted_size(size)
         frames = parts.frames()
-        self._check_message_size(frames)
         return EncodedBatch(frames, codec.payload_checksum(frames), None)
 
     def _encode_shared(self, parts):
@@ -133,7 +143,12 @@ class BatchEncoder:
             return None
         try:
             data_hash = parts.data_hash() if self._hash_shared else 0
-            target.write_payload(parts)
+            try:
+                target.write_payload(parts)
+            except payload_shm.PoolTruncated as exc:  # tampered with: never SIGBUS, go on
+                self._discard(target)
+                self._retire_damaged(target.pool, exc)
+                return None
             ref = payload_shm.pack_ref(target.name, parts.data_size, parts.offsets,
                                        stamp=target.stamp, start=target.start,
                                        data_hash=data_hash)
@@ -196,6 +211,16 @@ class BatchEncoder:
                        size / payload_shm.MiB, no_room)
         return None
 
+    def _retire_damaged(self, pool, exc):
+        """A pool another process damaged: no batch goes into it any more (the next shared
+        batch creates a new one; this one goes over the socket)."""
+        with self._lock:
+            if pool is self._pool:
+                pool.abandon_kept()
+                self._retired.append(pool)
+                self._pool = None
+            self._note("pool-damaged", logging.ERROR, "%s; a new pool replaces it", exc)
+
     def _plan_pool(self):
         """(name, size) of the pool this put should create, or None: pools are off, one is
         being created by another put (this batch takes a segment of its own meanwhile),
@@ -256,7 +281,20 @@ class BatchEncoder:
         self._log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, self.name, self.dp_id, *args)
 
     def _check_message_size(self, frames):
-        size = sum(len(f) for f in frames)
+        self._check_size(sum(len(f) for f in frames))
+
+    def check_encrypted_size(self, size):
+        """``ValueError`` (saying why and what to do) for a batch of ``size`` bytes that an
+        encrypted endpoint's I/O thread would take too long to encrypt (see TaskQueue)."""
+        if self._encrypted_limit is not None and size > self._encrypted_limit[0]:
+            limit, why = self._encrypted_limit
+            raise ValueError(f"TaskQueue {self.name}: a {size / payload_shm.MiB:.0f} MiB batch "
+                             f"is refused on this CURVE-encrypted tcp endpoint, whose limit is "
+                             f"{limit / payload_shm.MiB:.0f} MiB: {why}. Split the batch, put "
+                             f"it over ipc (ranks on this node), or raise "
+                             f"FD_SYNC_HEARTBEAT_TIMEOUT on the engine and the workers")
+
+    def _check_size(self, size):
         if size > self._max_message_bytes:
             raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
                              f"the {self._max_message_bytes}-byte limit workers accept "
@@ -329,12 +367,17 @@ class BatchEncoder:
 
     @staticmethod
     def decode_retained(frames, shared):
-        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only
-        and, for a shared batch, views of the engine's mapping, which they keep alive."""
+        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only.
+        A shared batch's bytes are copied out of shared memory first (numpy's copy, GIL
+        released): views of the mapping would keep the retired group's whole pool (or the
+        batch's segment, in ``/dev/shm``) alive for as long as the caller holds the event,
+        where the copy holds the batch's own bytes only."""
         if shared is None:
             return codec.decode_payload(frames)
         ref = payload_shm.unpack_ref(frames[1])
-        data = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        view = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        data = np.frombuffer(view, dtype=np.uint8).copy()
+        del view  # the mapping goes with the last view of it
         return codec.decode_payload([frames[0], ref.offsets, data])
 
     def close(self) -> None:
@@ -381,6 +424,8 @@ class BatchEncoder:
         shared.release()
 
 
-def _unlink_all(names):
+def _unlink_all(names, owner_pid):
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: these are its parent's, still in use
     for name in list(names):  # shared batches and pools left when the process exits
         unlink_segment(name)

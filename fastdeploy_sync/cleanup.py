@@ -20,16 +20,21 @@ process's effective uid, and never a name whose owner is alive:
   * a segment's owner is alive according to ``owner_alive()`` (the one place that decides
     it here): the owner lock its creator holds for its life (``shm.owner_alive``), not the
     pid it recorded, which another process may have reused or which may belong to another
-    pid namespace sharing ``/dev/shm``; a shared batch (its creator's pid is in its name,
-    and it has no lock) by that pid; a segment nobody holds whose owner is not written
-    yet is taken as being created while it is younger than ``CREATING_GRACE_S``;
+    pid namespace sharing ``/dev/shm`` (a sidecar container); a shared batch or pool (its
+    creator's pid is in its name, for people only) while the engine of its queue holds
+    the queue's ack board's owner lock, or, for a pool, the pool's own ``flock``; a
+    segment nobody holds whose owner is not written yet is taken as being created while
+    it is younger than ``CREATING_GRACE_S``;
   * a semaphore lives and dies with its group segment (a semaphore without one is left by
     a killed run: its creator makes the segment first and unlinks it first);
   * a socket file is in use while a process accepts connections on it.
 
-Another user's names are reported, never opened or removed. A name is checked again just
-before it is removed, but a process of the same name can still start in between and
-reclaim it first: run ``clean`` while nothing of that name is starting.
+Another user's names are reported, never opened or removed, and nothing is judged through
+a symlink (``lstat``; a symlink among the names, whoever planted it, is "not ours"). A name
+this process may not check or remove (an unprivileged user) is left alone with a one-line
+note; one such name never stops the others. A name is checked again just before it is
+removed, but a process of the same name can still start in between and reclaim it first:
+run ``clean`` while nothing of that name is starting.
 
 Also here: ``install_signal_cleanup()``, for a process that wants SIGTERM to remove its
 names too (a library must not take over signals by default, so nothing installs it).
@@ -44,8 +49,8 @@ from dataclasses import dataclass
 
 from . import envs
 from .ack_board import B_OWNER_PID
-from . import shm
-from .shm import check_semaphore_owner, pid_alive, segment_owner, unlink_segment, unlink_semaphore
+from . import payload_shm, shm
+from .shm import segment_owner, unlink_segment, unlink_semaphore
 from .tp_group import H_OWNER_PID
 from .transport import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
 
@@ -96,30 +101,45 @@ class Leftover:
 
 def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
     """Whether the process that owns shared-memory file ``path`` (of our uid) is alive.
-    Never blocks.
+    Never blocks. A pid proves nothing either way (reused by an unrelated process, or from
+    another pid namespace sharing ``/dev/shm``): only locks do.
 
     The one place ``scan()`` and ``remove()`` decide it for segments, and so for their
     semaphores. A segment with an owner lock (``locked``: TP group, ack board, drop-in
-    board) is alive while some process holds that lock, whatever ``pid`` says: a pid
-    reused by an unrelated process, or one from another pid namespace, proves nothing.
-    Nobody holding it and ``pid`` 0 (not written yet): alive while the file changed within
-    ``CREATING_GRACE_S`` (being created), stale after. A shared batch has no lock
-    (``locked=False``): its creator's ``pid``, from its name, decides; a reused pid makes
-    it look alive (kept, never wrongly removed)."""
-    if locked:
-        try:
-            if shm.owner_alive("/" + os.path.basename(path)):
-                return True
-        except FileNotFoundError:
-            return False
-        if pid != 0:
-            return False
-    elif pid != 0:
-        return pid_alive(pid)
+    board) is alive while some process holds that lock. Nobody holding it and ``pid`` 0
+    (not written yet): alive while the file changed within ``CREATING_GRACE_S`` (being
+    created), stale after. A shared batch or pool (``locked=False``: ``path`` is
+    ``.../fdsync.NAME.dpN.b...``): alive while the engine of queue NAME/dpN holds its ack
+    board's owner lock (an engine reclaims its dead predecessors' batches when it starts),
+    or the pool's own ``flock`` (``payload_shm.pool_locked``)."""
+    if not locked:
+        return _queue_engine_alive(path) or payload_shm.pool_locked(path)
+    try:
+        if shm.owner_alive("/" + os.path.basename(path)):
+            return True
+    except FileNotFoundError:
+        return False
+    if pid != 0:
+        return False
     try:
         return time.time() - os.stat(path).st_mtime < CREATING_GRACE_S
     except FileNotFoundError:
         return False
+
+
+def _queue_engine_alive(path: str) -> bool:
+    """True while a live engine holds the ack board of the queue a shared batch or pool
+    file ``path`` belongs to (its name without the ``.b...`` suffix). Another user's
+    board, which we may not open, counts as alive: never remove on a guess."""
+    m = _SEGMENT_RE.match(os.path.basename(path))
+    if m is None:
+        return False
+    try:
+        return shm.owner_alive(f"/fdsync.{m['name']}.dp{m['dp']}.acks")
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
 
 
 def scan(name: str = None, dp_id: int = None) -> list:
@@ -138,15 +158,32 @@ def scan(name: str = None, dp_id: int = None) -> list:
     for entry in entries:
         m = _SEGMENT_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            item = _segment(entry, m)
+            item = _judged(_segment, entry, m)
             segments[entry] = item
             found.append(item)
     for entry in entries:
         m = _SEMAPHORE_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            found.append(_semaphore(entry, m, segments))
+            found.append(_judged(_semaphore, entry, m, segments))
     found.extend(_sockets(name, dp_id))
     return found
+
+
+def _judged(judge, entry, m, *args) -> Leftover:
+    """``judge(entry, m, *args)``, or, when a check this process may not make fails (a
+    file it may not open, a socket it may not probe...), the name kept ("in use") with
+    why: never removed on a guess, and one name never stops the scan."""
+    try:
+        return judge(entry, m, *args)
+    except OSError as exc:
+        if os.path.isabs(entry):  # a socket file
+            path, kind = entry, ".put" if m["kind"] else "socket"
+        else:
+            path = f"{_SHM_DIR}/{entry}"
+            kind = ("semaphore" if entry.startswith("sem.") else
+                    "payload" if m.groupdict().get("pid") else m["kind"])
+        return Leftover(path, kind, m["name"], int(m["dp"]), "in use",
+                        f"could not check it ({exc.strerror or exc}): left alone")
 
 
 def remove(items) -> list:
@@ -157,16 +194,20 @@ def remove(items) -> list:
     for item in items:
         if not item.stale:
             continue
-        again = _recheck(item)
-        if again is None or not again.stale:
+        try:
+            again = _recheck(item)
+            if again is None or not again.stale:
+                continue
+            if item.kind == "semaphore" or item.kind == ".fd.lock":
+                gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
+            elif item.path.startswith(_SHM_DIR + "/"):
+                gone = unlink_segment("/" + os.path.basename(item.path))
+            else:
+                unlink_quietly(item.path)
+                gone = True
+        except OSError as exc:  # e.g. an unprivileged user and a name it may not remove
+            item.why = f"{item.why}; could not remove it ({exc.strerror or exc}): left alone"
             continue
-        if item.kind == "semaphore" or item.kind == ".fd.lock":
-            gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
-        elif item.path.startswith(_SHM_DIR + "/"):
-            gone = unlink_segment("/" + os.path.basename(item.path))
-        else:
-            unlink_quietly(item.path)
-            gone = True
         if gone:
             removed.append(item)
     return removed
@@ -197,8 +238,12 @@ def _ours(item: Leftover, is_type) -> bool:
     if st.st_uid != os.geteuid():
         item.state, item.why = "not ours", _not_ours(st)
         return False
+    if stat.S_ISLNK(st.st_mode):
+        item.state, item.why = "not ours", "a symlink: never followed, left alone"
+        return False
     if not is_type(st.st_mode):
-        item.state, item.why = "not ours", f"not a {is_type.__name__[4:].lower()} file: left alone"
+        wanted = "socket" if is_type is stat.S_ISSOCK else "regular file"
+        item.state, item.why = "not ours", f"not a {wanted}: left alone"
         return False
     return True
 
@@ -222,10 +267,13 @@ def _segment(entry, m) -> Leftover:
     except PermissionError as exc:
         item.state, item.why = "not ours", str(exc)
         return item
-    if owner == 0:
+    if m["pid"]:
+        lock = "its queue's engine lock" + (" or the pool's lock" if m["kind"].startswith(".bp")
+                                            else "")
+        item.why = (f"owner (engine pid {owner} where it started) holds {lock}" if alive else
+                    f"owner (engine pid {owner} where it started) exited: nobody holds {lock}")
+    elif owner == 0:
         item.why = "owner not written yet: being created" if alive else "owner never written"
-    elif m["pid"]:
-        item.why = f"owner pid {owner} " + ("alive" if alive else "exited")
     else:
         item.why = (f"owner (pid {owner} where it started) holds its lock" if alive else
                     f"owner (pid {owner} where it started) exited: nobody holds its lock")
@@ -239,10 +287,7 @@ def _semaphore(entry, m, segments) -> Leftover:
     kind = ".fd.lock" if m["kind"] == ".fd.lock" else "semaphore"
     segment = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if kind == ".fd.lock" else "")
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
-    try:
-        check_semaphore_owner("/" + entry[len("sem."):])
-    except PermissionError:
-        item.state, item.why = "not ours", _not_ours(os.stat(path))
+    if not _ours(item, stat.S_ISREG):  # lstat: a symlink planted here is never followed
         return item
     seg = segments.get(segment)
     if seg is None:
@@ -270,7 +315,7 @@ def _sockets(name, dp_id) -> list:
     for entry in entries:
         m = _SOCKET_RE.match(entry)
         if m and _wanted(m, name, dp_id):
-            found.append(_socket(os.path.join(directory, entry), m))
+            found.append(_judged(_socket, os.path.join(directory, entry), m))
     return found
 
 
@@ -293,11 +338,12 @@ def _recheck(item):
         m = _SEMAPHORE_RE.match(base)
         seg_entry = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if item.kind == ".fd.lock" else "")
         segments = {}
-        if os.path.exists(f"{_SHM_DIR}/{seg_entry}"):
+        if os.path.lexists(f"{_SHM_DIR}/{seg_entry}"):
             segments[seg_entry] = _segment(seg_entry, _SEGMENT_RE.match(seg_entry))
-        if not os.path.exists(item.path):
+        if not os.path.lexists(item.path):
             return None
-        return _semaphore(base, m, segments)
+        again = _semaphore(base, m, segments)
+        return None if again.state == "gone" else again
     if item.path.startswith(_SHM_DIR + "/"):
         again = _segment(base, _SEGMENT_RE.match(base))
     else:

@@ -25,9 +25,10 @@ import sys
 import time
 
 from . import __version__
-from .shm import Segment, pid_alive
+from .shm import Segment
 from .tp_group import (H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, MAGIC, R_ARRIVED, R_CONSUMED,
-                       R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name)
+                       R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name,
+                       rank_lock)
 from .transport import MAX_DP_ID, default_endpoint, validate_name
 
 
@@ -94,29 +95,43 @@ def _status_once(endpoint, args) -> int:
     return 0 if engine_seen or group_seen else 1
 
 
+def _text(value, limit: int = 200) -> str:
+    """``value`` as one line that is safe on a terminal: what a peer sent is printed with
+    its control characters (escape sequences, newlines) escaped, at most ``limit`` chars."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _engine_status(endpoint, args) -> bool:
-    """What the engine knows: every rank's state and watermark (any coordinator)."""
+    """What the engine knows: every rank's state and watermark (any coordinator). Whatever
+    the endpoint answers is checked (``query_status``) and printed escaped (``_text``)."""
     from .engine import query_status
-    from .errors import TaskSyncError
+    from .errors import ProtocolError, TaskSyncError
 
     try:
         st = query_status(endpoint, keys_dir=args.keys, timeout=args.timeout)
     except TimeoutError as exc:
-        print(f"no engine answered: {exc}")
+        print(f"no engine answered: {_text(exc, 400)}")
+        return False
+    except ProtocolError as exc:
+        print(f"no engine answered: {_text(exc, 400)}")
         return False
     except (OSError, TaskSyncError) as exc:
-        print(f"no engine answered: asking {endpoint} failed: {exc}")
+        print(f"no engine answered: asking {endpoint} failed: {_text(exc, 400)}")
         return False
-    print(f"engine {st['name']!r} dp_id={st['dp_id']} tp_size={st['tp_size']} at "
-          f"{st['endpoint']} (pid {st['pid']}, instance {st['engine']}): last seq "
-          f"{st['last_seq']}, {st['retained']} retained, max_inflight {st['max_inflight']}, "
-          f"worker group {st['group'] or '(none connected)'}, "
-          f"{st.get('groups_retired', 0)} group(s) retired")
+    retired = st.get("groups_retired", 0)
+    print(f"engine '{_text(st['name'], 64)}' dp_id={st['dp_id']} tp_size={st['tp_size']} at "
+          f"{_text(st['endpoint'])} (pid {st['pid']}, instance {_text(st['engine'][:8])}): last "
+          f"seq {st['last_seq']}, {st['retained']} retained, max_inflight "
+          f"{st['max_inflight']}, worker group {_text(st['group'] or '(none connected)', 32)}, "
+          f"{retired if isinstance(retired, int) else '?'} group(s) retired")
     print(f"{'rank':>4} {'state':<16} {'consumed':>9} {'silent s':>8} {'worker':>16}  reason")
     for r in st["ranks"]:
         silent = "-" if r["silent_s"] is None else f"{r['silent_s']:.1f}"
-        print(f"{r['rank']:>4} {r['state']:<16} {r['consumed']:>9} {silent:>8} "
-              f"{r['worker'] or '-':>16}  {r['reason'] or ''}")
+        print(f"{r['rank']:>4} {_text(r['state'], 16):<16} {r['consumed']:>9} {silent:>8} "
+              f"{_text(r['worker'] or '-', 16):>16}  {_text(r['reason'] or '')}")
     return True
 
 
@@ -140,14 +155,21 @@ def _group_status(args, engine_seen: bool) -> bool:
             print(f"{shm_name}: not a ready fastdeploy_sync group")
             return False
         tp, owner = v[H_TP_SIZE], v[H_OWNER_PID]
+        if not 0 < tp <= 4096 or seg.size < (RANK_BASE + tp * RANK_STRIDE) * 8:
+            print(f"{shm_name}: not a fastdeploy_sync group of this layout (tp_size {tp} in "
+                  f"{seg.size} bytes)")
+            return False
+        # alive by the locks the owner and each rank hold, never by a pid: pids are reused,
+        # and another pid namespace sharing /dev/shm (a sidecar container) sees other pids
         print(f"{shm_name}: tp_size={tp} owner pid {owner} "
-              f"({'alive' if pid_alive(owner) else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
+              f"({'alive' if seg.owner_alive() else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
         print(f"{'rank':>4} {'pid':>8} {'alive':>5} {'received':>9} {'consumed':>9} "
               f"{'barrier gen':>11} {'sleeping':>8}")
         for r in range(tp):
             b = RANK_BASE + r * RANK_STRIDE
             pid = v[b + R_PID]
-            print(f"{r:>4} {pid:>8} {str(pid_alive(pid)):>5} {v[b + R_RECEIVED]:>9} "
+            alive = seg.lock_held(rank_lock(r))
+            print(f"{r:>4} {pid:>8} {str(alive):>5} {v[b + R_RECEIVED]:>9} "
                   f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
     finally:
         seg.close()

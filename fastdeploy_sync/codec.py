@@ -68,6 +68,7 @@ __all__ = [
     "E_STALE_ENGINE",
     "E_GROUP_LOST",
     "E_GROUP_BUSY",
+    "E_TOO_MANY",
     "HEADER_SIZE",
     "payload_checksum",
     "pack_header",
@@ -119,6 +120,7 @@ P_TIMEOUT = 1  # no room within the producer's wait: the batch was not enqueued
 P_CLOSED = 2  # the queue is closed: not enqueued
 P_INVALID = 3  # the payload failed its checksum or structure check: not enqueued
 P_BUSY = 4  # too many producers' batches wait for room already: not enqueued, retry later
+P_TOO_LARGE = 5  # larger than the queue sends (frames[1]: why): not enqueued
 
 # ERROR codes (Header.aux of an ERROR message): what the worker raises.
 E_REJECTED = 1  # configuration mismatch (name, tp_size): EngineRejectedError
@@ -126,6 +128,7 @@ E_PLACE_TAKEN = 2  # a live worker holds this rank: EngineRejectedError
 E_STALE_ENGINE = 3  # bound to an engine instance that is gone (restart): EngineGoneError
 E_GROUP_LOST = 4  # the engine retired this worker group: GroupLostError
 E_GROUP_BUSY = 5  # another live worker group holds the queue: EngineRejectedError
+E_TOO_MANY = 6  # producer endpoint: the queue serves as many producers as it may already
 
 # magic, version, kind, rank, tp_size, seq, aux, engine, group, worker, check.
 # 60 bytes, little-endian.
@@ -332,13 +335,38 @@ def _dispatch_table():
     return table
 
 
-def encode_parts(obj) -> EncodedPayload:
+class _BodyTooLarge(Exception):
+    """Raised by ``_CappedBody.write``: the pickle stream passed its cap."""
+
+
+class _CappedBody(io.BytesIO):
+    """The pickle stream, refused as soon as it passes ``cap`` bytes: the pickler writes it
+    in frames of ~64 KiB (protocol 4+; large strings and bytes at once), so a batch too big
+    to send stops growing the process at the cap instead of being pickled whole first."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap = cap
+
+    def write(self, data) -> int:
+        if self.tell() + len(data) > self.cap:
+            raise _BodyTooLarge(self.tell() + len(data))
+        return super().write(data)
+
+
+def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
     """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
 
     The first half of ``encode_payload()``: the same checks and errors (``TypeError`` if
     ``obj`` cannot be pickled, ``ValueError`` beyond ``MAX_BODY_BYTES``, ``MAX_BUFFERS`` or
     ``MAX_DATA_BYTES``); the data region is left for the caller to fill, into a frame
     (``EncodedPayload.frames()``) or into shared memory (``payload_shm``).
+
+    ``max_body_bytes`` (None: ``MAX_BODY_BYTES``; the smaller of the two counts): pickling
+    stops with ``ValueError`` once the body passes it, so a batch too large to send costs
+    at most that much memory to refuse, not its whole pickle. Nothing is copied for the
+    out-of-band buffers: their total (``data_size``) is known before any copy, for the
+    caller to check.
     """
     buffers, layout = [], []
     size = 0
@@ -357,19 +385,20 @@ def encode_parts(obj) -> EncodedPayload:
         size = start + length
         return False
 
-    out = io.BytesIO()
+    cap = MAX_BODY_BYTES if max_body_bytes is None else min(MAX_BODY_BYTES, max_body_bytes)
+    out = _CappedBody(cap)
     pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep_out_of_band)
     pickler.dispatch_table = _dispatch_table()
     try:
         pickler.dump(obj)
+    except _BodyTooLarge as exc:
+        raise ValueError(
+            f"task batch pickles to more than {cap} bytes (pickling stopped there), the "
+            f"limit for its body (codec.MAX_BODY_BYTES, FD_SYNC_MAX_MESSAGE_MB); send token "
+            f"ids as numpy arrays (they travel out of band) or split the batch") from None
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise TypeError(f"task batch is not picklable: {exc}") from exc
     body = out.getvalue()
-    if len(body) > MAX_BODY_BYTES:
-        raise ValueError(
-            f"task batch pickles to {len(body)} bytes, more than codec.MAX_BODY_BYTES "
-            f"({MAX_BODY_BYTES}); send token ids as numpy arrays (they travel out of band) "
-            f"or split the batch")
     if not buffers:
         return EncodedPayload(body, [], [], b"", 0)
     if len(buffers) > MAX_BUFFERS:

@@ -54,15 +54,16 @@ from .ack_board import AckBoard
 from .auth import ServerAuth
 from .batch_encoder import BatchEncoder
 from .errors import ClosedError, EndpointInUseError, ProtocolError, TaskSyncError
-from .flood_guard import FloodGuard
+from .flood_guard import FloodGuard, InputGuard
 from .liveness import CONNECTED, NEVER, Heartbeat, RankLink, id_tag
 from .logs import RateLimitedLog
 from .membership import GroupLost, LostBatch, Membership
 from .producer import ProducerEndpoint, TaskProducer
-from .shm import unlink_segment
-from .transport import (ENGINE_FDS, WakePipe, claim_ipc_path, default_endpoint,
-                        ensure_free_fds, ipc_path, new_socket, secure_socket_file,
-                        unlink_quietly, validate_name)
+from .shm import forget_in_child, unlink_segment
+from .transport import (ENGINE_FDS, WakePipe, anon_rss_bytes, claim_ipc_path, close_listeners,
+                        default_endpoint, ensure_free_fds, ipc_path, listener_address,
+                        new_socket, raise_fd_limit, secure_socket_file, unlink_quietly,
+                        validate_name)
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status"]
 
@@ -90,6 +91,16 @@ _PROBE_AFTER_DROP_S = 0.02
 # A STATUS reply is rebuilt at most this often (a status is for people and scrapers; a
 # flood of STATUS requests must not cost a JSON encoding each).
 _STATUS_CACHE_S = 0.2
+# What peers may make the engine hold, beyond what it accounts for (batches retained,
+# producers' PUTs waiting), in messages they have not finished (InputGuard): on the
+# workers' socket, whose messages are small, this much; on the producers', one
+# maximum-size batch more (a PUT in flight).
+_UNFINISHED_INPUT_BYTES = 128 << 20
+# How fast libzmq's I/O thread encrypts with CURVE, assumed low: measured ~400 MiB/s for
+# encrypt + decrypt over loopback on these 2 shared cores (docs/security.md).
+_CURVE_BYTES_PER_S = 256 << 20
+# Socket-monitor events the engine follows on both sockets.
+_WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # How long close() waits, after sending CLOSE, for every rank it told to answer BYE (a
 # gone or stopped worker must not make close() hang). The workers' socket is read all
 # that time and closed with no linger: libzmq 4.3.5 aborts the process ("Assertion
@@ -150,6 +161,7 @@ class TaskQueue:
         if type(max_inflight) is not int or max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r}: expected an int >= 1")
         self.name, self.tp_size, self.dp_id, self.max_inflight = name, tp_size, dp_id, max_inflight
+        self._owner_pid = os.getpid()
         self.heartbeat = heartbeat or Heartbeat()
         self._max_batch_bytes = envs.max_message_bytes()
         self._mutex = threading.Lock()
@@ -178,7 +190,13 @@ class TaskQueue:
         self._delivery = [0] * (len(DELIVERY_BOUNDS_S) + 1) + [0.0]  # bucket counts, sum
         self._retirements = collections.Counter()
 
-        # libzmq aborts the process when it runs out of fds: fail here, cleanly, instead
+        # libzmq aborts the process when it runs out of fds: take what the hard limit
+        # allows (many producers may connect at once), and fail here, cleanly, if even
+        # the queue's own sockets would not fit
+        before, after = raise_fd_limit()
+        if after > before:
+            log.info("TaskQueue %s: raised the soft limit of open files from %d to the hard "
+                     "limit %d (many peers may connect at once)", name, before, after)
         ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ctx = zmq.Context(io_threads=1)
@@ -200,7 +218,8 @@ class TaskQueue:
         # The put path's encoding, and the shared memory its batches hold (node-local
         # ranks map large batches from shared memory; tcp ranks cannot).
         self._encoder = BatchEncoder(name, dp_id, tp_size, node_local=bool(self._ipc_path),
-                                     max_message_bytes=self._max_batch_bytes)
+                                     max_message_bytes=self._max_batch_bytes,
+                                     encrypted_limit=self._encrypted_limit())
         self._board = None
         try:
             if self._ipc_path:
@@ -226,9 +245,12 @@ class TaskQueue:
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # A connection of the workers' socket that drops makes the I/O thread probe the
-        # ranks at once instead of at the next tick.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # ranks at once instead of at the next tick; connections are followed for the
+        # input guard too (both sockets: see _watch_connections).
+        self._monitor = self._sock.get_monitor_socket(_WATCHED_EVENTS)
         self._guard = FloodGuard(self._sock, limit=_UNWELCOME_PER_S)
+        self._input_guard = InputGuard(anon_rss_bytes, small=_UNFINISHED_INPUT_BYTES,
+                                       large=self._max_batch_bytes + _UNFINISHED_INPUT_BYTES)
         # The producer endpoint: node-local, for engine processes other than this one
         # (TaskProducer). Its own socket, so that the workers' socket keeps its small
         # bound; same-user only, like every node-local endpoint.
@@ -238,11 +260,14 @@ class TaskQueue:
         self._put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._put_sock.setsockopt(zmq.MAXMSGSIZE, self._max_batch_bytes + 4096)
         ProducerEndpoint.configure_socket(self._put_sock)
+        self._put_monitor = self._put_sock.get_monitor_socket(_WATCHED_EVENTS)
         try:
             claim_ipc_path(self._put_path)
             self._put_sock.bind(self.producer_endpoint)
             secure_socket_file(self._put_path)
         except BaseException:
+            self._put_sock.disable_monitor()
+            self._put_monitor.close(linger=0)
             self._put_sock.close(linger=0)
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -254,9 +279,9 @@ class TaskQueue:
             self._ctx.term()
             unlink_quietly(self._ipc_path)
             raise
-        self._producers = ProducerEndpoint(self, self._put_sock)
+        self._producers = ProducerEndpoint(self, self._put_sock, self._input_guard)
         # Process exit without close(): still remove the names others would trip on.
-        self._finalizer = weakref.finalize(self, _remove_names, self._ipc_path,
+        self._finalizer = weakref.finalize(self, _remove_names, os.getpid(), self._ipc_path,
                                            self._board.name if self._board else None,
                                            self._put_path)
         # Under _sock_lock (the I/O thread's passes, put_tasks' direct send):
@@ -264,10 +289,16 @@ class TaskQueue:
         self._peer_log = RateLimitedLog(log)
         self._current = None  # the frame being handled (its peer address, for logs)
         self._status_cache = (float("-inf"), b"")  # (when, the STATUS reply's JSON)
+        self._rank_fds = set()  # descriptors of connections ranks of the group spoke on
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._io_main, name=f"fdsync-engine-{name}",
                                         daemon=True)
         self._thread.start()
+        # A process this one forks (FastDeploy forks helpers) must not keep the endpoint
+        # listening after this engine dies: see _forget_in_child.
+        self._listeners = [a for a in (listener_address(self.endpoint),
+                                       listener_address(self.producer_endpoint)) if a]
+        forget_in_child(self)
 
     # -- engine API ------------------------------------------------------------------------
 
@@ -422,11 +453,12 @@ class TaskQueue:
 
     def status(self) -> dict:
         """Everything ``fastdeploy-sync status`` shows: the queue's name, dp_id, tp_size,
-        endpoint, engine instance and ``stats()`` (per-rank state and watermarks included).
+        endpoint, engine instance (``liveness.id_tag`` of it: the STATUS reply goes to
+        anyone past authentication) and ``stats()`` (per-rank state and watermarks included).
         ``closed`` is True from the start of ``close()``. JSON-serialisable. Never blocks
         on the workers; never raises after ``close()``."""
         out = {"name": self.name, "dp_id": self.dp_id, "tp_size": self.tp_size,
-               "endpoint": self.endpoint, "engine": f"{self.instance:016x}",
+               "endpoint": self.endpoint, "engine": id_tag(self.instance),
                "max_inflight": self.max_inflight, "pid": os.getpid(), "closed": self._closed}
         out.update(self.stats())
         return out
@@ -497,6 +529,37 @@ class TaskQueue:
         unlink_quietly(self._put_path)
         self._finalizer.detach()
         return unconsumed
+
+    def _encrypted_limit(self):
+        """``(bytes, why)``: the largest batch a CURVE-encrypted endpoint sends, or None
+        (ipc, plain tcp). libzmq encrypts a message in one piece in its I/O thread, and
+        the connections to every rank may be encrypted in one pass of it: while it does,
+        no heartbeat of any connection is sent or answered. A batch whose ``tp_size``
+        copies take longer than half the heartbeat timeout to encrypt makes healthy ranks
+        look gone (a 600 MiB batch to TP=2 retired the group), so it is refused at
+        ``put_tasks()`` instead; the bound assumes ``_CURVE_BYTES_PER_S``."""
+        if self._auth is None:
+            return None
+        limit = int(_CURVE_BYTES_PER_S * self.heartbeat.timeout / (2 * self.tp_size))
+        why = (f"libzmq encrypts a message in one piece, one copy per rank ({self.tp_size}), in "
+               f"its I/O thread, which answers no heartbeat meanwhile; past half the heartbeat "
+               f"timeout ({self.heartbeat.timeout:g} s) healthy ranks would look gone")
+        return limit, why
+
+    def _check_encrypted_size(self, size):
+        """For the producer endpoint: ``ValueError`` for a batch this encrypted endpoint
+        refuses (``_encrypted_limit``)."""
+        self._encoder.check_encrypted_size(size)
+
+    def _forget_in_child(self):
+        """In a process forked from this engine's: close the inherited descriptors of the
+        endpoints' listening sockets (a child that outlives a killed engine would keep them
+        accepting, so the next engine of the name would find it in use); the queue is
+        unusable there (its I/O thread did not survive the fork)."""
+        close_listeners(self._listeners)
+        self._error = TaskSyncError(f"TaskQueue {self.name} belongs to process "
+                                    f"{self._owner_pid}; a forked child cannot use it")
+        self._closed = self._finished = True
 
     def __enter__(self):
         return self
@@ -578,6 +641,7 @@ class TaskQueue:
         poller.register(sock_fd, zmq.POLLIN)
         poller.register(self._put_sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._put_monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         interval = self.heartbeat.interval
         next_tick = time.monotonic() + interval
@@ -590,9 +654,12 @@ class TaskQueue:
                 # millisecond while a producer waits for room (the ack board notifies
                 # nobody). One pass does a bounded amount of work: receive (at most
                 # _RECEIVE_BUDGET messages per socket) -> dispatch -> tick -> send.
-                wait_ms = max(0.0, min(next_tick, probe_at) - time.monotonic()) * 1000
+                wait_ms = max(0.0, min(next_tick, probe_at, self._input_guard.next_check)
+                              - time.monotonic()) * 1000
                 if self._producers.pending:
                     wait_ms = min(wait_ms, 1.0)
+                if self._producers.refusing:
+                    wait_ms = min(wait_ms, 100.0)
                 events = dict(poller.poll(0 if waiting else wait_ms))
                 if self._wake.r in events:
                     self._wake.drain()
@@ -611,16 +678,23 @@ class TaskQueue:
                     # its own send consumed their descriptor's signal (_send_now)
                     if waiting or sock_fd in events or self._wake.r in events:
                         self._receive()
+                    if self._put_monitor in events:
+                        self._watch_connections(self._put_monitor, "producers")
                     if self._put_sock in events:
                         self._producers.receive(_RECEIVE_BUDGET)
                     if self._producers.pending:
                         self._producers.serve()
+                    if self._producers.refusing:
+                        self._producers.cut_refused(time.monotonic())
                     now = time.monotonic()
                     if now >= next_tick:
                         self._members.tick(now)
                         next_tick = now + interval
                     # sooner if a rank's state would retire its group before then
                     next_tick = min(next_tick, self._members.deadline())
+                    if now >= self._input_guard.next_check:
+                        self._counters["connections_cut"] += self._input_guard.check(
+                            now, self._held_bytes())
                     self._send_new()
                     waiting = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         except BaseException as exc:  # never silent: every caller learns it
@@ -639,7 +713,10 @@ class TaskQueue:
         thread set (a short linger for the CLOSE messages)."""
         if not self._sock.closed:
             self._sock.disable_monitor()
+        if not self._put_sock.closed:
+            self._put_sock.disable_monitor()
         self._monitor.close(linger=0)
+        self._put_monitor.close(linger=0)
         self._sock.close(linger=linger)
         self._put_sock.close(linger=linger)
 
@@ -731,24 +808,77 @@ class TaskQueue:
                 return
             self._current = msg[0]  # for _peer(): where the message came from
             try:
+                fd = msg[0].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = -1
+            self._input_guard.spoke("workers", fd, time.monotonic())
+            try:
                 welcome = self._dispatch([frame.bytes for frame in msg])
             except ProtocolError as exc:
                 self._garbage(exc)
                 welcome = False
-            if not welcome and self._guard.unwelcome(msg[0], time.monotonic()):
+            if welcome:
+                self._note_rank_connection(fd)
+            elif self._guard.unwelcome(msg[0], time.monotonic()):
                 self._counters["connections_cut"] += 1
 
+    def _note_rank_connection(self, fd):
+        """A rank of the group spoke on connection ``fd``: remember it, so that its drop
+        (and only a rank's: not a status asker's) makes the ranks be probed at once
+        (``_connection_dropped``), and the input guard never cuts it. Bounded: forgotten
+        wholesale past a few per rank (then any drop probes until they are learned
+        again)."""
+        if fd < 0:
+            return
+        self._input_guard.trust("workers", fd)
+        fds = self._rank_fds
+        if fd not in fds:
+            if len(fds) >= 4 * self.tp_size + 16:
+                fds.clear()
+            fds.add(fd)
+
     def _connection_dropped(self) -> bool:
-        """Read what the socket monitor reported (bounded); True if a connection of the
-        workers' socket went away."""
+        """Read what the socket monitor reported (bounded); True if a connection a rank of
+        the group spoke on went away (or one of unknown use, while the ranks' are not all
+        known). The connections of status askers and other peers come and go without
+        making the engine probe its ranks (a scraper asking 50 times a second would wake
+        every rank as often)."""
         dropped = False
+        fds = self._rank_fds
+        for event, fd in self._watch_connections(self._monitor, "workers"):
+            if event == zmq.EVENT_DISCONNECTED and (fd in fds or not fds):
+                fds.discard(fd)
+                dropped = True
+        return dropped
+
+    def _watch_connections(self, monitor, which):
+        """``(event, descriptor)`` of what ``monitor`` reported (bounded), each accepted or
+        dropped connection also told to the input guard."""
+        now = time.monotonic()
+        out = []
         for _ in range(_RECEIVE_BUDGET):
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
-        return dropped
+            kind, fd = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._input_guard.accepted(which, fd, now)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._input_guard.closed(which, fd)
+            if which == "producers":
+                self._producers.connection_event(kind, fd, now)
+            out.append((kind, fd))
+        return out
+
+    def _held_bytes(self) -> int:
+        """What the engine knowingly holds of batches: retained frames (the socket path;
+        shared memory is not heap; with CURVE libzmq also holds an encrypted copy per rank
+        it is sending to) and producers' PUTs waiting."""
+        with self._mutex:
+            retained = sum(len(f) for frames, _ in self._retained.values() for f in frames)
+        copies = 1 + (self.tp_size if self._auth is not None else 0)
+        return retained * copies + self._producers.pending_bytes
 
     def _status_reply(self) -> bytes:
         """``status()`` as JSON, rebuilt at most every ``_STATUS_CACHE_S`` (I/O thread)."""
@@ -916,6 +1046,15 @@ class TaskQueue:
                 link.sent = last
 
 
+# What query_status accepts: a STATUS reply is a few KiB (a TP=8 queue: ~2 KiB); a frame
+# beyond this drops the connection, and a reply that makes this process hold more than
+# _STATUS_INPUT_BOUND without completing (a peer that never sends its last frame, which
+# libzmq buffers out of our sight) is abandoned.
+_STATUS_MAX_BYTES = 4 << 20
+_STATUS_INPUT_BOUND = 64 << 20
+_STATUS_MAX_RANKS = 1 << 16
+
+
 def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
                  timeout: float = 2.0) -> dict:
     """Ask the live ``TaskQueue`` at ``endpoint`` for its ``status()``; the engine knows
@@ -925,35 +1064,94 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
 
     Blocks at most ``timeout`` seconds; raises ``TimeoutError`` naming the endpoint when no
     engine answers (none running, or the handshake failed), ``ProtocolError`` for a reply
-    that is not a status."""
+    that is not a status: another message kind, more than two frames, a frame over 4 MiB,
+    JSON that does not parse (or nests too deep), or a value that is not a status of the
+    shape ``TaskQueue.status()`` gives (the result has every field the CLI prints, of the
+    right type). A peer that streams a reply without ever finishing it makes this process
+    hold at most ~64 MiB before the call gives up (``ProtocolError``), and that memory is
+    given back."""
     from .auth import ClientAuth
-    from .transport import check_ipc_endpoint
+    from .transport import anon_rss_bytes, check_ipc_endpoint, trim_heap
 
     path = ipc_path(endpoint)
     if path is not None:
         check_ipc_endpoint(path)
     auth = ClientAuth.load(endpoint, keys_dir, insecure_tcp)
     ctx = zmq.Context(io_threads=1)
+    overrun = False
     try:
         sock = new_socket(ctx, zmq.DEALER)
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        sock.setsockopt(zmq.MAXMSGSIZE, _STATUS_MAX_BYTES)
         if auth is not None:
             auth.apply(sock)
         sock.connect(endpoint)
         sock.send(codec.pack_header(codec.STATUS))
-        if not sock.poll(timeout * 1000):
-            raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s (none "
-                               f"running there, or keys that do not match)")
-        frames = sock.recv_multipart()
+        deadline = time.monotonic() + timeout
+        held = anon_rss_bytes()
+        # in slices: what an unfinished reply makes libzmq buffer is seen only as memory
+        while not sock.poll(20):
+            if anon_rss_bytes() - held > _STATUS_INPUT_BOUND:
+                overrun = True
+                raise ProtocolError(f"{endpoint} sent more than {_STATUS_INPUT_BOUND >> 20} MiB "
+                                    f"without finishing a reply: not a fastdeploy_sync engine")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s "
+                                   f"(none running there, or keys that do not match)")
+        frames = [sock.recv()]
+        while sock.getsockopt(zmq.RCVMORE):  # one frame at a time: the count is bounded too
+            if len(frames) == 2:
+                raise ProtocolError(f"{endpoint} answered with more than 2 frames")
+            frames.append(sock.recv())
         header = codec.unpack_header(frames[0])
         if header.kind != codec.STATUS_REPLY or len(frames) != 2:
-            raise ProtocolError(f"{endpoint} answered with message kind {header.kind}")
-        return json.loads(frames[1])
+            raise ProtocolError(f"{endpoint} answered with message kind {header.kind} in "
+                                f"{len(frames)} frame(s), not a status")
+        try:
+            status = json.loads(frames[1])
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ProtocolError(f"{endpoint} answered with a status that is not JSON: "
+                                f"{type(exc).__name__}") from None
+        _check_status(status, endpoint)
+        return status
     finally:
         ctx.destroy(linger=0)
+        if overrun:
+            trim_heap()
 
 
-def _remove_names(ipc_file, board_name, put_file=None):
+# The fields of a status the CLI reads, and their types (JSON: int, float, str, None).
+_STATUS_FIELDS = {"name": str, "dp_id": int, "tp_size": int, "endpoint": str, "engine": str,
+                  "pid": int, "last_seq": int, "retained": int, "max_inflight": int,
+                  "group": (str, type(None)), "ranks": list}
+_RANK_FIELDS = {"rank": int, "state": str, "consumed": int,
+                "silent_s": (int, float, type(None)), "worker": (str, type(None)),
+                "reason": (str, type(None))}
+
+
+def _check_status(status, endpoint) -> None:
+    """``ProtocolError`` unless ``status`` has the shape ``TaskQueue.status()`` gives."""
+    def bad(what):
+        return ProtocolError(f"{endpoint} answered with a status that is not a TaskQueue's: "
+                             f"{what}")
+
+    if not isinstance(status, dict):
+        raise bad(f"a JSON {type(status).__name__}, not an object")
+    for key, kind in _STATUS_FIELDS.items():
+        if not isinstance(status.get(key), kind) or isinstance(status.get(key), bool):
+            raise bad(f"field {key!r} missing or of the wrong type")
+    if len(status["ranks"]) > _STATUS_MAX_RANKS:
+        raise bad(f"{len(status['ranks'])} ranks")
+    for rank in status["ranks"]:
+        if not isinstance(rank, dict):
+            raise bad("a rank that is not an object")
+        for key, kind in _RANK_FIELDS.items():
+            if not isinstance(rank.get(key), kind) or isinstance(rank.get(key), bool):
+                raise bad(f"a rank's field {key!r} missing or of the wrong type")
+
+
+def _remove_names(owner_pid, ipc_file, board_name, put_file=None):
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: the names are its parent's, still in use
     unlink_quietly(ipc_file)
     unlink_quietly(put_file)
     if board_name:

@@ -205,6 +205,7 @@ class Membership:
 
     def _send_pong(self, link, now):
         link.probed_at = now
+        self._counters["probes"] += 1
         self._queue._send(link, [codec.pack_header(
             codec.PONG, link.rank, engine=self.instance, group=self.group.incarnation,
             worker=link.worker)])

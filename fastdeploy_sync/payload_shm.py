@@ -61,7 +61,8 @@ worker maps only names with its own queue's prefix, owned by its own uid, whose 
 header match; pool regions are checked by arithmetic against the pool's size and must
 carry the stamp the reference names. Ranks map the data read-only; only their release
 row in the header is writable. The engine holds an exclusive ``flock`` on each pool it
-owns for the pool's life.
+owns for the pool's life; a process it forks closes its inherited copy of that descriptor at
+once (``shm.forget_in_child``), so the lock dies with the engine.
 """
 
 import collections
@@ -81,12 +82,12 @@ import xxhash
 
 from . import codec
 from .errors import GroupLostError, ProtocolError
-from .shm import create_exclusive, unlink_segment
+from .shm import create_exclusive, forget_in_child, unlink_segment
 
 __all__ = ["SharedPayload", "PayloadPool", "PoolRegion", "PayloadReader", "MappedPayload",
            "payload_prefix", "payload_name", "pool_name", "pack_ref", "unpack_ref",
-           "map_payload", "reclaim_stale", "shm_room", "pool_size", "fresh_fits",
-           "REF_MAGIC"]
+           "map_payload", "reclaim_stale", "pool_locked", "shm_room", "pool_size", "fresh_fits",
+           "REF_MAGIC", "PoolTruncated"]
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,7 @@ class PayloadPool:
         self._stamps = 0
         self.retired = False  # no more regions: its group was retired or the queue closed
         self.closed = False
+        forget_in_child(self)  # a forked child must not hold the flock, nor unlink the name
 
     @classmethod
     def create(cls, name: str, tp_size: int, data_size: int,
@@ -454,16 +456,24 @@ class PayloadPool:
         header = _header_bytes(tp_size, entries)
         total = header + data_size
         shm = create_exclusive(name, total)
-        fd = os.dup(shm.fd)
-        shm.close_fd()
+        fd = -1
         try:
+            # The ownership lock on a descriptor of its own: mmap keeps a dup of the
+            # descriptor it maps, which would share (and, in a forked child, keep) the lock.
+            fd = os.open(f"{_SHM_DIR}{name}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            a, b = os.fstat(fd), os.fstat(shm.fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise FileExistsError(f"pool {name} was replaced while it was created")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this engine lives
-            _reserve(fd, total)
-            mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE)
+            _reserve(shm.fd, total)
+            mapping = mmap.mmap(shm.fd, total, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+            shm.close_fd()
             unlink_segment(name)
             raise
+        shm.close_fd()  # the mapping keeps its own
         pool = cls(name, tp_size, entries, data_size, fd, mapping, header)
         words = pool._words
         words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = _POOL_MAGIC, _POOL_VERSION, tp_size
@@ -519,11 +529,16 @@ class PayloadPool:
             live.popleft()
 
     def write(self, region, parts) -> None:
+        """Copy ``parts`` into ``region``; ``PoolTruncated`` (nothing written) if another
+        process truncated the pool's file."""
+        _check_length(self._fd, self.name, self._words.nbytes + self.data_size)
         base = region.start
         parts.write_data(self._data[base:base + region.size])
         self._words[_H_FILLED + region.stamp % self.entries] = region.stamp
 
     def view(self, region) -> memoryview:
+        if self._fd >= 0:  # a closed pool cannot be asked (its mapping stays, unchecked)
+            _check_length(self._fd, self.name, self._words.nbytes + self.data_size)
         return self._data[region.start:region.start + region.size].toreadonly()
 
     def kept(self, region):
@@ -571,21 +586,53 @@ class PayloadPool:
             return
         self.closed = self.retired = True
         unlink_segment(self.name)
-        os.close(self._fd)
+        fd, self._fd = self._fd, -1
+        os.close(fd)
+
+    def _forget_in_child(self):
+        """In a forked child: drop the inherited descriptor (and with it the child's share
+        of the ``flock`` that says this engine owns the pool); the child never unlinks the
+        parent's pool (``close()`` does nothing)."""
+        if not self.closed:
+            self.closed = self.retired = True
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use
 
 
+class PoolTruncated(ProtocolError):
+    """A pool's file is shorter than its layout: another process of this uid truncated it.
+    Reading (rank) or writing (engine) its pages would kill the process with SIGBUS, so
+    it is checked (``fstat``) before they are touched."""
+
+
+def _check_length(fd: int, name: str, total: int) -> None:
+    """``PoolTruncated`` unless the file ``fd`` still holds the pool's ``total`` bytes."""
+    have = os.fstat(fd).st_size
+    if have < total:
+        raise PoolTruncated(f"pool {name} holds {have} bytes, its layout {total}: another "
+                            f"process of this user truncated it; its batches are gone (not "
+                            f"read: touching them would be a SIGBUS)")
+
+
 class _PoolView:
     """A rank's mapping of one pool: the data read-only (populated once), the header
-    read-write (its release row)."""
+    read-write (its release row), and a descriptor of its own to check the file's length
+    before each batch is read (``PoolTruncated``)."""
 
-    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data")
+    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_fd", "_total",
+                 "__weakref__")
 
-    def __init__(self, name, entries, data_size, rank, words, data):
+    def __init__(self, name, entries, data_size, rank, words, data, fd, total):
         self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
         self._words, self._data = words, data
+        self._fd, self._total = fd, total
+        weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "_PoolView":
@@ -609,9 +656,11 @@ class _PoolView:
             header = mmap.mmap(shm.fd, data_offset, flags=mmap.MAP_SHARED)
             data = mmap.mmap(shm.fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
                              prot=mmap.PROT_READ, offset=data_offset)
+            fd = os.dup(shm.fd)
         finally:
             shm.close_fd()
-        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)
+        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data, fd,
+                   data_offset + data_size)
 
     def region(self, start: int, size: int, stamp: int):
         """The batch ``stamp``'s bytes as a read-only numpy array of ``size`` bytes, after
@@ -621,6 +670,7 @@ class _PoolView:
         if not 0 <= start <= self.data_size - size or stamp <= 0:
             raise ProtocolError(f"pool {self.name}: region of {size} bytes at {start} "
                                 f"(stamp {stamp}) outside its {self.data_size} bytes")
+        _check_length(self._fd, self.name, self._total)  # before any page is touched
         entry = stamp % self.entries
         filled = self._words[_H_FILLED + entry]
         if filled != stamp:
@@ -696,6 +746,25 @@ class PayloadReader:
 
 
 # -- leftovers -----------------------------------------------------------------------------
+
+
+def pool_locked(path: str) -> bool:
+    """True while a live engine holds the ``flock`` of the pool file ``path`` (it takes it
+    when it creates the pool, for the pool's life): alive on this node, in any pid
+    namespace. False for a leftover, for a segment of a batch's own (no lock) and for a
+    file that is gone or not ours to open. Takes a shared lock for a moment to ask;
+    never blocks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False  # free (closing the descriptor drops our shared lock)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def reclaim_stale(name: str, dp_id: int) -> list:

@@ -14,12 +14,14 @@ room or the producer's own wait runs out.
 import collections
 import json
 import logging
+import os
+import socket
 import threading
 import time
 
 import zmq
 
-from . import codec
+from . import codec, envs
 from .errors import ClosedError, ProtocolError, TaskSyncError
 from .transport import (ENGINE_FDS, check_ipc_endpoint, default_endpoint, ensure_free_fds,
                         ipc_path, new_socket, validate_name)
@@ -40,6 +42,12 @@ _OUTBOUND_HWM = 64
 # Waiting producers are checked this often (a send that fails for one that went away):
 # the PUT of a producer that was killed is dropped instead of enqueued later.
 _PROBE_S = 0.1
+# Connections the producer endpoint serves at once (each holds a descriptor in the
+# engine). One beyond is answered E_TOO_MANY at its first message and cut
+# _REFUSED_GRACE_S later (at once if it says nothing for twice that): FastDeploy's engine
+# has one producer per DP rank.
+MAX_PRODUCERS = 256
+_REFUSED_GRACE_S = 0.5
 
 
 class ProducerEndpoint:
@@ -53,9 +61,13 @@ class ProducerEndpoint:
     does not read them (beyond, replies are dropped). A waiting PUT whose producer went
     away is dropped, never enqueued."""
 
-    def __init__(self, queue, sock):
+    def __init__(self, queue, sock, input_guard=None, max_producers=MAX_PRODUCERS):
         self._queue = queue
         self.sock = sock
+        self._input_guard = input_guard  # told of every finished message (flood_guard)
+        self.max_producers = max_producers
+        self._connections = set()  # descriptors of the producers' connections, served
+        self.refusing = {}  # descriptor of a connection beyond the bound -> when to cut it
         self._counters = queue._counters
         self.pending = collections.deque()  # (deadline, identity, header, frames, size)
         self._pending_bytes = 0
@@ -76,6 +88,15 @@ class ProducerEndpoint:
             except zmq.Again:
                 return
             queue._current = msg[0]
+            try:
+                fd = msg[0].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = -1
+            if self._input_guard is not None:
+                self._input_guard.spoke("producers", fd, time.monotonic())
+            if fd in self.refusing:
+                self._refuse(msg[0].bytes, fd)
+                continue
             try:
                 if len(msg) < 2:
                     raise ProtocolError(f"{len(msg)} frame(s) on the producer endpoint")
@@ -115,6 +136,13 @@ class ProducerEndpoint:
                                       exc)
             return self.reply(identity, h, codec.P_INVALID)
         size = sum(len(frame) for frame in payload)
+        try:
+            self._queue._check_encrypted_size(size)
+        except ValueError as exc:
+            self._counters["puts_too_large"] += 1
+            return self._send(identity, [codec.pack_header(
+                codec.PUT_REPLY, seq=h.seq, aux=codec.P_TOO_LARGE, engine=self._queue.instance),
+                str(exc).encode()])
         if self.pending and (len(self.pending) >= _MAX_PENDING_PUTS
                              or self._pending_bytes + size > _MAX_PENDING_BYTES):
             self._counters["puts_busy"] += 1
@@ -123,6 +151,46 @@ class ProducerEndpoint:
         self.pending.append((time.monotonic() + h.aux / 1000, identity, h, frames, size))
         self._pending_bytes += size
         self.serve()
+
+    def connection_event(self, kind, fd, now) -> None:
+        """A connection of the producers' socket was accepted or dropped (its monitor): one
+        beyond ``max_producers`` is refused (``refusing``)."""
+        if kind == zmq.EVENT_ACCEPTED:
+            if len(self._connections) < self.max_producers:
+                self._connections.add(fd)
+            else:
+                self.refusing[fd] = now + 2 * _REFUSED_GRACE_S
+        elif kind == zmq.EVENT_DISCONNECTED:
+            self._connections.discard(fd)
+            self.refusing.pop(fd, None)
+
+    def _refuse(self, identity, fd):
+        """Answer a connection beyond the bound, whatever it asked: ``E_TOO_MANY`` with a
+        reason, then it is cut soon (``cut_refused``)."""
+        self._counters["producers_refused"] += 1
+        self.refusing[fd] = min(self.refusing[fd], time.monotonic() + _REFUSED_GRACE_S)
+        self._send(identity, [codec.pack_header(codec.ERROR, aux=codec.E_TOO_MANY,
+                                                engine=self._queue.instance),
+                              (f"the queue serves at most {self.max_producers} producer "
+                               f"connections at once and has that many; close producers this "
+                               f"node does not need, or retry later").encode()])
+
+    def cut_refused(self, now) -> None:
+        """Cut the refused connections whose time has come (``shutdown`` of their
+        descriptor: libzmq then drops them as if the peer had closed)."""
+        for fd, when in list(self.refusing.items()):
+            if now >= when:
+                del self.refusing[fd]
+                try:
+                    with socket.socket(fileno=os.dup(fd)) as conn:
+                        conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    @property
+    def pending_bytes(self) -> int:
+        """The bytes of the PUTs waiting for room."""
+        return self._pending_bytes
 
     def serve(self):
         """Enqueue waiting producer batches, in arrival order, while there is room; answer
@@ -205,7 +273,8 @@ class TaskProducer:
 
     The constructor asks the queue once, waiting up to ``timeout`` seconds (also the
     bound on every later query's answer): ``ConnectionError`` when no queue of that name
-    and dp_id answers on this node.
+    and dp_id answers on this node, ``ConnectionRefusedError`` (one) saying why when it
+    serves as many producer connections as it may already (``MAX_PRODUCERS``).
 
     Thread-safe (one request at a time). Use as a context manager, or call ``close()``.
     """
@@ -216,6 +285,7 @@ class TaskProducer:
         self.endpoint = default_endpoint(name, dp_id, "put")
         check_ipc_endpoint(ipc_path(self.endpoint))
         self._timeout = timeout  # for a reply to a query or to a put once decided
+        self._last_reason = ""  # the reason frame of the last reply that carried one
         self._lock = threading.Lock()
         self._request = 0
         ensure_free_fds(ENGINE_FDS, f"TaskProducer {name!r} dp_id={dp_id}")
@@ -244,7 +314,14 @@ class TaskProducer:
         When the queue holds too many other producers' batches waiting for room
         (``P_BUSY``, only under a flood) it sends the batch again after a short pause
         (5 ms doubling to 200 ms) within the same ``timeout``."""
-        frames = codec.encode_payload(tasks)
+        limit = envs.max_message_bytes()  # the engine's bound for a PUT's frames
+        parts = codec.encode_parts(tasks, max_body_bytes=limit)
+        size = len(parts.body) + len(parts.offsets) + parts.data_size
+        if size > limit:  # before the copy: the engine would drop the connection
+            raise ValueError(f"TaskProducer {self.name!r}: the batch encodes to {size} bytes, "
+                             f"above the {limit}-byte limit (FD_SYNC_MAX_MESSAGE_MB, the same "
+                             f"on the engine and the workers); not sent")
+        frames = parts.frames()
         check = codec.payload_checksum(frames)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005
@@ -273,6 +350,9 @@ class TaskProducer:
                                f"rank: see fastdeploy-sync status {self.name}); not enqueued")
         if h.aux == codec.P_CLOSED:
             raise ClosedError(f"TaskProducer {self.name!r}: the queue is closed; not enqueued")
+        if h.aux == codec.P_TOO_LARGE:
+            raise ValueError(f"TaskProducer {self.name!r}: the queue refused the batch: "
+                             f"{self._last_reason}; not enqueued")
         raise ProtocolError(f"TaskProducer {self.name!r}: the queue refused the batch "
                             f"(status {h.aux}); not enqueued")
 
@@ -328,6 +408,18 @@ class TaskProducer:
                                 f"put may or may not have been enqueued")
         return self._sock.recv_multipart()
 
+    def _header(self, frames):
+        """The header of a reply; ``ConnectionRefusedError`` (saying why) if the queue
+        refused this producer (``E_TOO_MANY``: it serves as many as it may)."""
+        h = codec.unpack_header(frames[0])
+        self._last_reason = (frames[1][:1024].decode("utf-8", "replace") if len(frames) > 1
+                             else "")
+        if h.kind == codec.ERROR:
+            reason = frames[1][:1024].decode("utf-8", "replace") if len(frames) > 1 else ""
+            raise ConnectionRefusedError(f"TaskProducer {self.name!r}: the TaskQueue at "
+                                         f"{self.endpoint} refused this producer: {reason}")
+        return h
+
     def _reply(self, request, kind, timeout):
         """The reply of ``kind`` to ``request``, skipping stale replies of earlier requests
         whose caller gave up. ``timeout=None`` (a put with no bound) still notices a queue
@@ -336,14 +428,14 @@ class TaskProducer:
         if timeout is not None:
             deadline = time.monotonic() + timeout
             while True:
-                h = codec.unpack_header(self._recv(deadline)[0])
+                h = self._header(self._recv(deadline))
                 if h.kind == kind and h.seq == request:
                     return h
         heard = time.monotonic()
         asked = False
         while True:
             if self._sock.poll(self._timeout * 1000):
-                h = codec.unpack_header(self._sock.recv_multipart()[0])
+                h = self._header(self._sock.recv_multipart())
                 heard, asked = time.monotonic(), False
                 if h.kind == kind and h.seq == request:
                     return h

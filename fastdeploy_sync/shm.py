@@ -19,7 +19,8 @@ the name taken probes that lock (``owner_alive``) or tries to take it without wa
 leftover. The pid written into the segment is kept for messages only. Other bytes past
 ``OWNER_LOCK`` serve the same purpose for parts of a segment (``tp_group``: one per rank).
 Descriptors are close-on-exec, and a forked child closes its inherited copies at once
-(``os.register_at_fork``), so neither keeps a dead owner's lock alive.
+(``forget_in_child``, run by ``os.register_at_fork``), so neither keeps a dead owner's lock
+alive.
 
 Trust: names in ``/dev/shm`` are a namespace shared by every user of the node, so a
 segment is created exclusively (``O_CREAT|O_EXCL``) with mode 0600, and an existing one is
@@ -27,15 +28,22 @@ mapped (or unlinked as stale) only after ``os.fstat`` on its fd shows it is owne
 effective uid: another user could otherwise pre-create a group's segment and steer its
 ranks. Semaphores have no fd in ``posix_ipc``; their owner is read from their file
 ``/dev/shm/sem.NAME`` before opening (``open_semaphore``).
+
+Waiting on a semaphore: ``sem_wait``, the one place the package does it (see there for
+signals: posix_ipc turns EINTR into ``SignalError`` and replaces whatever a Python signal
+handler raised during the wait by it).
 """
 
+import ctypes
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import signal
 import stat
 import struct
+import threading
 import time
 import weakref
 
@@ -44,7 +52,7 @@ import posix_ipc
 __all__ = ["Segment", "SegmentInUse", "OWNER_LOCK", "create_exclusive", "create_reclaiming",
            "create_fresh_semaphore", "owner_alive", "pid_alive", "reclaim_stale",
            "segment_owner", "unlink_segment", "unlink_semaphore", "create_semaphore",
-           "open_semaphore", "check_semaphore_owner"]
+           "open_semaphore", "check_semaphore_owner", "sem_wait", "forget_in_child"]
 
 _MODE = 0o600
 _SHM_DIR = "/dev/shm"
@@ -108,21 +116,30 @@ def _same_file(path: str, fd: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _forget_inherited_fds():
-    """In a forked child: close the descriptors inherited from the parent's segments, so
-    that the child never keeps the parent's locks alive once the parent is gone (the locks
-    belong to the open file description, which the child's copies would share)."""
-    for seg in list(_WITH_FDS):
-        fd, seg._fd = seg._fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+# Objects whose ownership a forked child must not inherit (see ``forget_in_child``).
+_OWNERS = weakref.WeakSet()
+
+
+def forget_in_child(owner) -> None:
+    """Register ``owner``: in a process forked from this one, ``owner._forget_in_child()``
+    runs at once (``os.register_at_fork``), before the child's own code. An owner closes
+    there the descriptors whose locks prove its ownership (an OFD lock or ``flock``
+    belongs to the open file description, which the child's copy shares: a child that
+    outlives a killed parent would keep a dead owner's name alive for good) and stops
+    removing names (the parent's, not the child's). Weakly held; never blocks."""
+    _OWNERS.add(owner)
+
+
+def _forget_inherited():
+    for owner in list(_OWNERS):
+        try:
+            owner._forget_in_child()
+        except Exception:  # a child must start whatever one owner's state is
+            pass
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_inherited_fds)
+    os.register_at_fork(after_in_child=_forget_inherited)
 
 
 class Segment:
@@ -143,6 +160,7 @@ class Segment:
         self._created = created  # made by Segment.create: this process is its owner
         if fd >= 0:
             _WITH_FDS.add(self)
+            forget_in_child(self)
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
@@ -264,6 +282,15 @@ class Segment:
             _WITH_FDS.discard(self)
             os.close(fd)
 
+    def _forget_in_child(self):
+        """In a forked child: close the inherited descriptor (the parent keeps its locks)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def __del__(self):
         # garbage without close(): the descriptor (and its locks) must not outlive us
         fd = getattr(self, "_fd", -1)
@@ -310,14 +337,15 @@ def unlink_segment(name: str) -> bool:
     (False): whoever calls this after closing its own segment cannot remove a newer owner's
     segment that reclaimed the name in between. This process's own segments (made by
     ``Segment.create``, open or closed) and unlocked leftovers are removed, under the owner
-    lock, and only if the name still names the file that was checked."""
+    lock, and only if the name still names the file that was checked. A name that is not
+    a regular file of this uid (another user's, a symlink) is never removed (False)."""
     path = f"{_SHM_DIR}{name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
-    except OSError:  # not ours to open (another user's, or not a file): the plain call decides
-        return _unlink_name(name)
+    except OSError:  # a symlink, or a file we may not open
+        return _is_own_file(path) and _unlink_name(name)
     try:
         if _try_lock(fd, OWNER_LOCK) or _created_here(name, fd):
             return _same_file(path, fd) and _unlink_name(name)
@@ -332,6 +360,17 @@ def _unlink_name(name: str) -> bool:
         return True
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EPERM, f"may not remove shared memory {name}: {exc}") from None
+
+
+def _is_own_file(path: str) -> bool:
+    """True if ``path`` is a regular file (not a symlink) owned by this process's uid."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _created_here(name: str, fd: int) -> bool:
@@ -363,14 +402,22 @@ def check_semaphore_owner(name: str) -> bool:
     """True if semaphore ``name`` exists and is ours, False if it does not exist;
     ``PermissionError`` naming its owner uid if another user owns it. Never blocks.
 
-    Reads the owner of ``/dev/shm/sem.NAME`` (glibc's file for a named semaphore); a
-    semaphore swapped between this check and ``sem_open`` would need write access to
-    ``/dev/shm`` names we just created, which sticky ``/dev/shm`` does not give others."""
+    Reads the owner of ``/dev/shm/sem.NAME`` (glibc's file for a named semaphore) without
+    following a symlink: a symlink, or anything else that is not a regular file, is refused
+    as another user's would be (``PermissionError``). A semaphore swapped between this check
+    and ``sem_open`` would need write access to ``/dev/shm`` names we just created, which
+    sticky ``/dev/shm`` does not give others."""
+    path = _sem_file(name)
     try:
-        st = os.stat(_sem_file(name))
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
-    _check_owner(st, f"semaphore {name}", _sem_file(name))
+    _check_owner(st, f"semaphore {name}", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionError(
+            errno.EPERM, f"semaphore {name}: {path} is not a regular file (mode "
+            f"{oct(st.st_mode)}): neither used nor removed. Remove it as its owner or root, "
+            f"or use another name/dp_id")
     return True
 
 
@@ -401,12 +448,147 @@ def open_semaphore(name: str) -> "posix_ipc.Semaphore":
                               f"(rm {_sem_file(name)} as its owner or root)") from exc
 
 
+# -- waiting on a semaphore: signals ---------------------------------------------------------
+
+# The main thread waits at most this long at a time with signals blocked (sem_wait), so a
+# signal's Python handler runs at most this late.
+SIGNAL_SLICE_S = 0.1
+# Signals the kernel raises for the faulting thread itself, and those no handler can take:
+# never blocked.
+_SYNCHRONOUS = {"SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP",
+                "SIGSYS", "SIGABRT"}
+
+
+class _SignalMask:
+    """``pthread_sigmask`` through ctypes (~0.4 µs a call; ``signal.pthread_sigmask``
+    costs ~50 µs to restore a mask, which it returns as a set of ``signal.Signals``
+    members) of the signals that have a Python handler: those whose handler posix_ipc
+    would run inside its wait. Signals taken by C handlers (``faulthandler.register``,
+    a native library's) are left alone: they interrupt the wait, which is resumed, and
+    their handler runs in the waiting thread as it would without us (moved to another
+    thread, ``faulthandler`` would read this thread's frames while it runs: measured,
+    it crashed the process far more often). ``load()`` is None where libc is not
+    reachable: waits are then not masked (``SignalError`` is still retried).
+
+    Which signals have Python handlers is read again at most every ``_REREAD_S``
+    (``signal.getsignal`` of every signal costs ~20 µs).
+
+    Used as ``call(SIG_BLOCK, blocked, saved)`` ... ``call(SIG_SETMASK, saved, None)``,
+    both direct calls of the C function: CPython runs a pending Python handler only
+    between bytecodes at a function's entry, a backward jump or after a call returns,
+    never before a C function starts, so a handler that raises can end the wait only
+    after the mask was blocked and the ``finally`` that restores it is armed, or after
+    it was restored (a Python helper around the restore would let a handler raise at
+    the helper's entry and leave the signals blocked)."""
+
+    _REREAD_S = 0.5
+
+    def __init__(self, libc):
+        self._bits = ctypes.sizeof(ctypes.c_ulong) * 8
+        self.set_type = ctypes.c_ulong * (1024 // self._bits)  # glibc's sigset_t: 1024 bits
+        skip = {getattr(signal, n) for n in _SYNCHRONOUS if hasattr(signal, n)}
+        self._candidates = sorted(s for s in signal.valid_signals()
+                                  if s not in skip and 0 < s <= 1024)
+        self._read_at = float("-inf")
+        self._blocked = None
+        self.call = libc.pthread_sigmask
+        self.call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        self.call.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls):
+        try:
+            return cls(ctypes.CDLL(None, use_errno=True))
+        except (OSError, AttributeError):
+            return None
+
+    def blocked(self):
+        """A reference to the set of signals with a Python handler now (within
+        ``_REREAD_S``), or None when there are none."""
+        now = time.monotonic()
+        if now - self._read_at >= self._REREAD_S:
+            self._read_at = now
+            handled = self.set_type()
+            found = False
+            for signum in self._candidates:
+                if callable(signal.getsignal(signum)):
+                    handled[(signum - 1) // self._bits] |= 1 << ((signum - 1) % self._bits)
+                    found = True
+            self._blocked = ctypes.byref(handled) if found else None
+        return self._blocked
+
+
+_MASK = _SignalMask.load()
+_SIG_BLOCK, _SIG_SETMASK = signal.SIG_BLOCK, signal.SIG_SETMASK
+
+
+def sem_wait(sem: "posix_ipc.Semaphore", timeout) -> bool:
+    """Acquire ``sem``, waiting at most ``timeout`` seconds (None: forever; 0 or less: only
+    if it is free now). True if acquired, False if the time ran out. The GIL is released
+    while it waits. Every semaphore wait of the package goes through here.
+
+    Signals (PEP 475): a wait interrupted by a signal (EINTR, posix_ipc's ``SignalError``)
+    is resumed with the time that remains, on the monotonic clock, so a handled signal
+    neither ends nor stretches the wait. In the main thread, which runs Python signal
+    handlers, the signals that have one are blocked for the wait, in slices of at most
+    ``SIGNAL_SLICE_S`` (0.1 s), and unblocked between them: posix_ipc runs pending Python
+    handlers inside its wait and then raises its own ``SignalError`` in place of whatever
+    they raised (``SystemExit`` from ``install_signal_cleanup``, for one). Unblocked, a
+    signal that came meanwhile is delivered and its handler runs in Python, at most one
+    slice late, so what it raises propagates from here as from anywhere; the thread's
+    signal mask is always left as it was found. Signals with C handlers
+    (``faulthandler``) interrupt the wait, which resumes (see ``_SignalMask``).
+
+    Raises what a signal handler raises, and ``posix_ipc.ExistentialError`` if the
+    semaphore was removed under the wait."""
+    if timeout is not None and timeout <= 0:
+        try:
+            sem.acquire(0)  # sem_trywait: never interrupted
+            return True
+        except posix_ipc.BusyError:
+            return False
+    deadline = None if timeout is None else time.monotonic() + timeout
+    mask = _MASK if threading.current_thread() is threading.main_thread() else None
+    blocked = saved = None
+    while True:
+        wait = None
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return False
+        if mask is not None:
+            blocked = mask.blocked()
+            if blocked is not None:
+                wait = SIGNAL_SLICE_S if wait is None else min(wait, SIGNAL_SLICE_S)
+                if saved is None:
+                    saved = ctypes.byref(mask.set_type())
+        try:
+            if blocked is not None:
+                mask.call(_SIG_BLOCK, blocked, saved)  # see _SignalMask
+            sem.acquire(wait)
+            return True
+        except posix_ipc.BusyError:
+            if wait is None:
+                raise  # not reachable: a wait without timeout does not time out
+        except posix_ipc.SignalError:
+            pass  # EINTR: resume with what remains
+        finally:
+            if blocked is not None:
+                mask.call(_SIG_SETMASK, saved, None)  # pending handlers run after this call
+
+
 def unlink_semaphore(name: str) -> bool:
+    """Remove semaphore ``name``; True if removed. Only a regular file of this uid: another
+    user's, a symlink or anything else is left alone (False). Never blocks."""
+    if not _is_own_file(_sem_file(name)):
+        return False
     try:
         posix_ipc.unlink_semaphore(name)
         return True
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EPERM, f"may not remove semaphore {name}: {exc}") from None
 
 
 def pid_alive(pid: int) -> bool:

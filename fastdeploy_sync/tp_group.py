@@ -97,6 +97,12 @@ arrived (the step completes on every rank; the failure is raised by the next ste
 a rank that has not arrived published a fault (it will never arrive: nobody passes, and
 this rank raises). Only ``close()`` from another thread makes a waiter leave at once.
 
+Signals. Every semaphore wait here goes through ``shm.sem_wait``: a signal that a
+handler takes (a Python handler, ``faulthandler.register``, a profiler's) resumes the wait
+with the time that remains, and what a Python handler raises (``SystemExit`` from
+``install_signal_cleanup``, ``KeyboardInterrupt``) propagates from the wait, at most 0.1 s
+late.
+
 Closing from another thread. ``close()`` may run while another thread waits in
 ``barrier()`` or ``wait_received()``: it marks the group closed, posts the semaphores, and
 frees them only once every waiter has left (they raise ``ClosedError``); a waiter that does
@@ -116,7 +122,7 @@ import posix_ipc
 from . import envs
 from .errors import BarrierTimeoutError, ClosedError, GroupInUseError, GroupLostError
 from .shm import (OWNER_LOCK, Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
-                  open_semaphore, unlink_semaphore)
+                  open_semaphore, sem_wait, unlink_semaphore)
 
 __all__ = ["ShmTPGroup", "SoloGroup", "group_shm_name", "rank_lock", "remove_if_stale",
            "FAULT_LEFT"]
@@ -610,9 +616,7 @@ class ShmTPGroup:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                try:
-                    sem.acquire(min(remaining, wait_s))
-                except posix_ipc.BusyError:
+                if not sem_wait(sem, min(remaining, wait_s)):
                     wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)  # idle: re-check less often
                 if self._closing:
                     raise self._closed_error()
@@ -639,7 +643,8 @@ class ShmTPGroup:
         Spins as the barrier would for this loop (busy: up to the window), then blocks on
         rank 0's semaphore (GIL released), posted by the receiver that completes ``seq`` and
         by the arrival of a rank that lacks it; without a post it re-checks every 0.5 ms.
-        Never raises; returns at once when the group is closing or a peer published a
+        Raises nothing of its own (only what a signal handler raises during the wait:
+        ``shm.sem_wait``); returns at once when the group is closing or a peer published a
         fault (the barrier then says why)."""
         gen = self.gen + 1
         if self._peers_settled(seq, gen):
@@ -664,10 +669,7 @@ class ShmTPGroup:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
-                try:
-                    sem.acquire(min(remaining, _PEER_FALLBACK_WAIT_S))
-                except posix_ipc.BusyError:
-                    pass
+                sem_wait(sem, min(remaining, _PEER_FALLBACK_WAIT_S))
         finally:
             self._end_rank0_wait(sem)
         return self.min_received()
@@ -678,10 +680,7 @@ class ShmTPGroup:
         same wait: leave no stale count behind for the next wait or barrier (a stale post
         only costs a re-check)."""
         self._view[self._waiting_slot] = 0
-        try:
-            while True:
-                sem.acquire(0)
-        except posix_ipc.BusyError:
+        while sem_wait(sem, 0):
             pass
         self._leave_blocking()
 
@@ -948,14 +947,10 @@ class ShmTPGroup:
                     return self._partner_lateness(gen, arrived_at)
                 if service is not None:
                     service()
-                posted = True
-                try:
-                    sem.acquire(wait_s if deadline is None
-                                else max(0.0, min(wait_s, deadline - time.perf_counter())))
-                except posix_ipc.BusyError:
-                    posted = False
-                    if service is None:  # nothing posted: a long wait, re-check less often
-                        wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)
+                posted = sem_wait(sem, wait_s if deadline is None
+                                  else max(0.0, min(wait_s, deadline - time.perf_counter())))
+                if not posted and service is None:  # a long wait: re-check less often
+                    wait_s = min(wait_s * 2, _IDLE_FALLBACK_WAIT_S)
                 if self._closing:
                     raise self._closed_error()
                 if self._all_arrived(gen):
@@ -1057,9 +1052,12 @@ class _Resources:
     def __init__(self, seg, sems, shm_name, sem_names):
         self.seg, self.sems, self.shm_name, self.sem_names = seg, sems, shm_name, sem_names
         self.names_done = False
+        self.pid = os.getpid()
 
     def release(self, owner: bool, close_sems: bool = True, unmap: bool = True) -> None:
         seg = self.seg
+        if os.getpid() != self.pid:
+            self.names_done = True  # a forked child: the names are its parent's group's
         if not self.names_done:
             self.names_done = True
             if owner:

@@ -42,6 +42,11 @@ __all__ = [
     "secure_socket_file",
     "check_ipc_endpoint",
     "ensure_free_fds",
+    "listener_address",
+    "close_listeners",
+    "anon_rss_bytes",
+    "trim_heap",
+    "raise_fd_limit",
     "unlink_quietly",
     "new_socket",
     "WakePipe",
@@ -288,6 +293,107 @@ def ensure_free_fds(count: int, who: str) -> None:
             f"{who} needs about {count} free file descriptors, {available} are available "
             f"(ulimit -n is {soft}, hard limit {hard}): raise ulimit -n (e.g. 'ulimit -n 65536' "
             f"in the launching shell) or close files/sockets this process does not need")
+
+
+def listener_address(endpoint: str):
+    """What ``getsockname()`` of the socket that listens on a bound ``endpoint`` returns
+    (``ZMQ_LAST_ENDPOINT``: ``ipc://PATH`` or ``tcp://HOST:PORT``), for
+    ``close_listeners``; None for other transports."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        return path
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return (host.strip("[]"), int(port))
+    return None
+
+
+def close_listeners(addresses) -> int:
+    """Close every listening socket of this process bound to one of ``addresses`` (from
+    ``listener_address``); returns how many. For a forked child: libzmq's listening
+    descriptors are inherited like any other, and a child that outlives a killed engine
+    would keep its endpoint accepting connections for good (the next engine of the same
+    name would find it "in use"). Reads ``/proc/self/fd``; never blocks."""
+    wanted = set(addresses)
+    closed = 0
+    try:
+        fds = [int(entry) for entry in os.listdir("/proc/self/fd")]
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if (sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and _bound_address(sock) in wanted):
+                sock.close()
+                closed += 1
+                continue
+        except OSError:
+            pass
+        sock.detach()  # not ours to close
+    return closed
+
+
+def _bound_address(sock):
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return name.decode(errors="replace") if isinstance(name, bytes) else name
+    return (name[0], name[1])
+
+
+def anon_rss_bytes() -> int:
+    """This process's resident memory that is not file- or shared-memory-backed (resident
+    minus shared pages, ``/proc/self/statm``): what its heaps hold. 0 where it cannot be
+    read. ~5 µs."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def trim_heap() -> None:
+    """Return the heaps' free memory to the system (glibc ``malloc_trim(0)``, every arena):
+    after libzmq freed what a peer made it buffer, glibc keeps those pages otherwise (a
+    process that had buffered 1.5 GiB kept it). Takes milliseconds for a large heap; call
+    it after such an event, not routinely. Does nothing where it is missing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def raise_fd_limit() -> tuple:
+    """Raise this process's soft limit of open files to its hard limit (capped by the
+    kernel's ``fs.nr_open``); returns ``(before, after)``. libzmq aborts the whole process
+    (SIGABRT, "Too many open files") when its I/O thread cannot accept a connection, so an
+    engine takes what it may have at start instead of dying at the common default of 1024
+    when many peers connect at once. Never lowers it; never raises. Note for the rest of
+    the process: descriptors above 1023 do not fit ``select.select``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (OSError, ValueError):
+            pass
+    return soft, soft
 
 
 def unlink_quietly(path) -> None:

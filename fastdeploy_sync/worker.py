@@ -126,6 +126,8 @@ _RELOOK_NS = 200_000
 # How long close() waits for a step call in another thread to let go of a socket before it
 # keeps the sockets (leaks them until exit) rather than closing them under that thread.
 _CLOSE_WAIT_S = 2.0
+# ACKs queued towards the engine at most (tcp); beyond, the latest is kept and sent again.
+_ACK_HWM = 64
 # Socket-monitor events a worker watches: connection up and down, and handshakes.
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
@@ -259,6 +261,9 @@ class TaskClient:
         # loop, and close() takes _ack_lock before closing it.
         self._recv_lock = threading.Lock()
         self._ack_lock = threading.Lock()
+        # The cumulative ACK a send could not queue (the engine's connection down, or not
+        # reading), sent again at the next step call; 0: none. Event loop only.
+        self._unsent_ack = 0
         self._counters = collections.Counter()
         self._peer_log = RateLimitedLog(log)
 
@@ -305,7 +310,7 @@ class TaskClient:
             # by a connection of its own that carries only small messages.
             self._data, self._monitor = self._connect(monitored=True, receives_batches=True)
             self._connections = 0
-            self._ack = self._connect()
+            self._ack = self._connect(acks=True)
             # The thread in the background (prefetch, or heartbeat in sync mode) pings on,
             # and watches, this socket.
             self._hb_sock, self._hb_monitor = self._connect(monitored=True)
@@ -340,11 +345,18 @@ class TaskClient:
         if profile:
             self.profiler.attach(self)
 
-    def _connect(self, monitored: bool = False, receives_batches: bool = False):
+    def _connect(self, monitored: bool = False, receives_batches: bool = False,
+                 acks: bool = False):
         """A DEALER connected to the engine; with ``monitored``, ``(socket, monitor)``, the
         monitor attached before the connect so that no connection event is missed.
-        ``receives_batches``: see ``Heartbeat.configure_socket``."""
+        ``receives_batches``: see ``Heartbeat.configure_socket``. ``acks``: the ACK socket,
+        which queues at most ``_ACK_HWM`` ACKs and none on a connection that is not up
+        (``IMMEDIATE``): ACKs are cumulative, so one that cannot be queued is kept as the
+        latest and sent again (``_take``), never piled up on a dead connection."""
         sock = new_socket(self._ctx, zmq.DEALER)
+        if acks:
+            sock.setsockopt(zmq.SNDHWM, _ACK_HWM)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         # What the engine may make us allocate: one batch, plus room for the header.
         sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
         self.heartbeat.configure_socket(sock, receives_batches=receives_batches)
@@ -377,6 +389,8 @@ class TaskClient:
         """
         if self._error is not None:
             self._raise_error()
+        if self._unsent_ack:
+            self._resend_ack()
         if self._data_ready[3]:  # sync: always; async: a batch woke the prefetch thread
             self._receive_now() if not self.async_prefetch else self._drain()
         taken = self._taken
@@ -512,6 +526,8 @@ class TaskClient:
         """
         if self._error is not None:
             self._raise_error()
+        if self._unsent_ack:
+            self._resend_ack()
         if self.async_prefetch:
             if self._data_ready[3]:  # a batch woke the prefetch thread: take it before arriving
                 self._drain()
@@ -1145,10 +1161,29 @@ class TaskClient:
         if board is not None:
             board.publish(self.tp_rank, self._epoch_tag | to_seq)
         else:
-            with self._ack_lock:  # close() in another thread must not close it meanwhile
-                if not self._closed:
-                    self._ack.send(self._header(codec.ACK, seq=to_seq), zmq.NOBLOCK)
+            self._send_ack(to_seq)
         return [tasks for _, tasks in items]
+
+    def _send_ack(self, seq: int) -> None:
+        """Send the cumulative ACK ``seq`` without blocking and without raising: the step
+        has taken its batches, whatever becomes of the ACK. One that cannot be queued (the
+        engine's connection down or full: ``zmq.Again``; the context closing) is kept in
+        ``_unsent_ack`` and sent again by the next step call (``_resend_ack``); a newer one
+        supersedes it. A rank that reconnects says what it has taken in its HELLO anyway."""
+        with self._ack_lock:  # close() in another thread must not close it meanwhile
+            if self._closed:
+                return
+            try:
+                self._ack.send(self._header(codec.ACK, seq=seq), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._unsent_ack = seq
+                self._counters["acks_deferred"] += 1
+            else:
+                self._unsent_ack = 0
+
+    def _resend_ack(self) -> None:
+        """Step calls, when an ACK could not be queued before: try it again."""
+        self._send_ack(self._unsent_ack)
 
     def _check_error(self):
         """Before this rank arrives anywhere (``wait_for_tasks``): our own error, then a

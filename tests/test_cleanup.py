@@ -315,3 +315,123 @@ def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
                 posix_ipc.unlink_shared_memory(seg)
             except posix_ipc.ExistentialError:
                 pass
+
+
+def _unshare_pid_namespace_allowed():
+    try:
+        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
+                    reason="this machine does not allow a new pid namespace "
+                           "(unshare -p -f --mount-proc)")
+@pytest.mark.parametrize("where", ["pool", "own segment"])
+def test_clean_from_another_pid_namespace_leaves_a_live_group_alone(name, where, monkeypatch):
+    """A sidecar container sharing /dev/shm (a pid namespace of its own) runs clean: every
+    pid it reads is nobody's there. The live group's shared batch (in the pool, or in a
+    segment of its own with a 1 MiB pool) and pool must be kept, judged by the locks their
+    engine holds, not by the pid in their names. Before: removed, and both ranks lost the
+    group."""
+    if where == "own segment":
+        monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "1")  # the 2 MiB batch takes its own
+    group = Group(name, handler=True)
+    try:
+        before = _names(name)
+        shared = [n for n in before if ".dp0.b" in n]
+        assert shared and any((".dp0.bp" in n) == (where == "pool") for n in shared), before
+        out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m",
+                              "fastdeploy_sync.cli", "clean", name], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "removed 0 stale name(s)" in out.stdout, out.stdout
+        for path in shared:
+            assert f"in use   {path}" in out.stdout, out.stdout
+        assert _names(name) == before
+        assert all(p.poll() is None for p in group.procs.values())  # nobody lost the group
+    finally:
+        codes = group.signal(signal.SIGTERM)
+        group.kill()
+    assert set(codes.values()) == {128 + signal.SIGTERM}, codes
+    assert _names(name) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant names of another uid")
+def test_clean_as_root_never_removes_another_users_symlink(name, tmp_path):
+    """Names are judged with lstat: a symlink another user (nobody) planted among our names
+    is neither followed nor removed, even where the name looks stale (a semaphore whose
+    segment is gone). Before: root removed it."""
+    target = tmp_path / "ours"
+    target.write_bytes(b"x" * 32)  # a regular file of root's: what stat() would have seen
+    planted = [f"/dev/shm/sem.fdsync.{name}.dp0.w0", f"/dev/shm/fdsync.{name}.dp0.b1.99999"]
+    try:
+        for path in planted:
+            os.symlink(target, path)
+            os.lchown(path, 65534, 65534)
+        out = _clean(name)
+        assert out.returncode == 0, out.stderr
+        for path in planted:
+            assert os.path.islink(path), out.stdout
+            assert f"not ours {path} " in out.stdout, out.stdout
+        assert "removed 0 stale name(s)" in out.stdout
+    finally:
+        for path in planted:
+            if os.path.lexists(path):
+                os.unlink(path)
+
+
+# Run by the test below in a child that becomes nobody: imports first (the interpreter's
+# own files may not be readable by nobody), then plants nobody's own stale batch and runs
+# clean, whose exit status and output it passes on.
+_CLEAN_AS_NOBODY = """
+import os, sys
+import posix_ipc
+from fastdeploy_sync import cli
+cli.build_parser()  # imports what the commands need while we may still read them
+name = sys.argv[1]
+os.environ.pop("XDG_RUNTIME_DIR", None)
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.b2.99999", posix_ipc.O_CREX, mode=0o600,
+                             size=4096)
+seg.close_fd()
+sys.exit(cli.main(["clean", name]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_clean_as_an_unprivileged_user_skips_what_it_may_not_touch(name, tmp_path):
+    """As nobody, next to root's names (a segment, a semaphore, a batch, a symlink into a
+    directory nobody may not read): exit 0, no traceback, one line per name, nobody's own
+    stale batch removed, root's left alone. Before: 'Permission denied' aborted the whole
+    clean (exit 1) at the symlink it followed."""
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    roots = []
+    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0", posix_ipc.O_CREX, mode=0o644, size=4096)
+    seg.close_fd()
+    roots.append(f"/dev/shm/fdsync.{name}.dp0")
+    batch = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.b1.99998", posix_ipc.O_CREX,
+                                   mode=0o644, size=4096)
+    batch.close_fd()
+    roots.append(f"/dev/shm/fdsync.{name}.dp0.b1.99998")
+    posix_ipc.Semaphore(f"/fdsync.{name}.dp0.w0", posix_ipc.O_CREX, mode=0o644).close()
+    roots.append(f"/dev/shm/sem.fdsync.{name}.dp0.w0")
+    os.symlink(secret / "nothing", f"/dev/shm/sem.fdsync.{name}.dp0.w1")
+    roots.append(f"/dev/shm/sem.fdsync.{name}.dp0.w1")
+    mine = f"/dev/shm/fdsync.{name}.dp0.b2.99999"
+    try:
+        out = subprocess.run([sys.executable, "-c", _CLEAN_AS_NOBODY, name],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr and out.stderr == "", out.stderr
+        assert f"removed  {mine} " in out.stdout, out.stdout
+        assert not os.path.lexists(mine)
+        for path in roots:
+            assert os.path.lexists(path), path
+            assert f"not ours {path} " in out.stdout, out.stdout
+    finally:
+        for path in roots + [mine]:
+            if os.path.lexists(path):
+                os.unlink(path)

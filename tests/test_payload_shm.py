@@ -566,6 +566,43 @@ def test_a_retired_groups_shared_batches_come_back_and_its_pool_is_unlinked(
         assert len(pool_names(name)) == 1 and shm_stats(queue)["shm_pools_created"] == 2
 
 
+def _mapped_shm(name):
+    """The shared batches and pools of queue ``name`` this process has mapped (deleted or
+    not)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split(None, 5)[5].strip() for line in maps
+                       if f"/dev/shm/fdsync.{name}.dp0.b" in line})
+
+
+def test_a_held_group_lost_event_holds_its_batches_not_the_retired_pool(
+        name, procs, doomed, small_threshold, monkeypatch):
+    """Each held GroupLost event used to pin its retired group's whole pool (the decoded
+    arrays viewed the pool's mapping): 1.5 GiB after six groups of a 256 MiB pool. The
+    event's batches are now private copies: once retired, neither the pool nor a batch's
+    own segment stays mapped while the event (and its arrays) are held."""
+    from fastdeploy_sync import Heartbeat
+
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "4")
+    with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
+        worker = procs(take_then_hang, doomed, 0, name, 1, 1)
+        queue.put_tasks(make_batch(0), timeout=10)
+        collect(doomed, "took", 1, timeout=30)
+        os.kill(worker.pid, signal.SIGKILL)
+        queue.put_tasks(make_batch(2), timeout=10)  # in the pool, never taken
+        queue.put_tasks((4, {"prompt": "own segment", "arrays": [np.ones(1 << 20)]}),
+                        timeout=10)  # 8 MiB, larger than the pool: a segment of its own
+        assert any(".dp0.bp" in n for n in _mapped_shm(name)), _mapped_shm(name)
+        event = queue.group_events.get(timeout=15)
+        assert [b.seq for b in event.unfinished] == [2, 3]
+        lost = [b.tasks for b in event.unfinished]
+        assert describe(lost[0]) == expected(2)
+        assert lost[1][1]["arrays"][0].sum() == 1 << 20
+        assert not lost[0][1]["arrays"][0].flags.writeable  # still read-only, as documented
+        gc.collect()
+        assert wait_until(lambda: _mapped_shm(name) == [], 10), _mapped_shm(name)
+        assert describe(lost[0]) == expected(2)  # the event's data is intact
+
+
 @pytest.mark.parametrize("setting,hashed", [(None, False), ("1", True)],
                          ids=["default-unhashed", "FD_SYNC_SHM_CHECKSUM=1"])
 def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_threshold,
@@ -691,3 +728,49 @@ def test_the_engine_writes_into_a_new_pool_without_page_faults(name):
         for region in regions:
             pool.discarded(region)
         pool.close()
+
+
+# One process holds the engine and a sync-mode rank (it decodes when it steps): a shared
+# batch is taken (the rank maps the pool), the next one is put, another process of this
+# user truncates the pool, then the rank steps and the engine puts again. Prints what each
+# side got; a SIGBUS would end the process instead.
+_TRUNCATED_POOL = """
+import glob, os, sys
+import numpy as np
+from fastdeploy_sync import TaskClient, TaskQueue
+name = sys.argv[1]
+with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=False) as client:
+    queue.put_tasks(np.arange(1 << 15), timeout=10)          # 256 KiB: into the pool
+    got = []
+    while not got:
+        got = client.sync_step(timeout=10)
+    queue.put_tasks(np.arange(1 << 15) + 1, timeout=10)      # written into the pool
+    [pool] = glob.glob(f"/dev/shm/fdsync.{name}.dp0.bp*")
+    os.truncate(pool, 4096)                                  # what another process could do
+    try:
+        client.sync_step(timeout=10)
+        print("rank took it")
+    except Exception as exc:
+        print("rank raised", type(exc).__name__, str(exc)[:200])
+    seq = queue.put_tasks(np.arange(1 << 15) + 2, timeout=10)  # the engine writes again
+    print("engine put", seq, queue.stats().get("shm_socket_fallbacks", 0))
+    queue.close(timeout=0)
+"""
+
+
+def test_a_truncated_pool_is_an_error_not_a_sigbus(name, small_threshold, monkeypatch):
+    """A same-user process truncates the pool under a live group: the rank's next batch
+    from it raises ProtocolError (the pool's length is checked with fstat before any page
+    is read), and the engine's next put, which would write into it, goes over the socket
+    and a new pool replaces it. Before: both the rank and the engine died of SIGBUS."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("FD_SYNC_SHM_POOL_MB", "4")
+    out = subprocess.run([sys.executable, "-c", _TRUNCATED_POOL, name], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    # PoolTruncated is a ProtocolError
+    assert lines[0].startswith("rank raised PoolTruncated") and "truncated" in lines[0], lines
+    assert lines[1].startswith("engine put 3 "), lines

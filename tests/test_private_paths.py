@@ -7,6 +7,7 @@ import socket
 import stat
 import tempfile
 
+import posix_ipc
 import pytest
 
 from fastdeploy_sync import envs
@@ -286,8 +287,9 @@ def test_semaphore_of_another_user_is_refused(name):
             open_semaphore(f"/{name}.w0")
         with pytest.raises(FileExistsError):
             create_semaphore(f"/{name}.w0")
+        assert unlink_semaphore(f"/{name}.w0") is False  # another user's: never removed
     finally:
-        unlink_semaphore(f"/{name}.w0")
+        posix_ipc.unlink_semaphore(f"/{name}.w0")  # the test's own cleanup, as root
     with pytest.raises(FileNotFoundError):
         open_semaphore(f"/{name}.w0")
 

@@ -221,7 +221,8 @@ def test_running_out_of_file_descriptors_raises_and_the_process_lives_on(name):
     code = textwrap.dedent(f"""
         import errno, resource
         import fastdeploy_sync as fs
-        resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        # soft and hard: a TaskQueue raises its soft limit to the hard one at start
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
         hold = [open("/dev/null") for _ in range(20)]
         for make in (lambda: fs.TaskClient({name!r}, 1, 0), lambda: fs.TaskQueue({name!r}, 1)):
             try:

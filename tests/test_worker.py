@@ -421,3 +421,36 @@ def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_
         queue.put_tasks(make_batch(3), timeout=5)  # and it still receives what comes next
         assert wait_until(lambda: client.num_tasks() == 1, timeout=10)
         assert client.stats()["received_by_loop"] == 2
+
+
+def test_an_ack_that_cannot_be_queued_never_breaks_the_step(name):
+    """Over tcp a rank's ACK goes out on a socket of its own. When it cannot be queued
+    (zmq.Again: the engine's connection is down, or not read) the step has still taken its
+    batches: get_tasks() returns them, the ACK is kept (cumulative: the latest stands for
+    all) and sent by the next step call once the connection takes it. Before, zmq.Again
+    escaped get_tasks() and the batches it had popped were lost. The ACK socket is swapped
+    for a real one that cannot send yet (IMMEDIATE, nothing listening), then for a working
+    one."""
+    with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0") as queue:
+        client = TaskClient(name, 1, 0, endpoint=queue.endpoint, async_prefetch=False)
+        try:
+            for i in range(3):
+                queue.put_tasks(i, timeout=5)
+            assert wait_until(lambda: client.num_tasks() == 3, 10)
+            working = client._ack
+            blocked = client._ctx.socket(zmq.DEALER)
+            blocked.setsockopt(zmq.IMMEDIATE, 1)
+            blocked.setsockopt(zmq.LINGER, 0)
+            blocked.connect("tcp://127.0.0.1:1")  # nobody listens: every send is zmq.Again
+            client._ack = blocked
+            assert client.exist_tasks()
+            tasks, _ = client.get_tasks()  # before: zmq.Again, and the three batches lost
+            assert tasks == [0, 1, 2]
+            assert queue.num_tasks() == 3  # the engine has not heard yet
+            client._ack = working
+            blocked.close()
+            client.exist_tasks()  # the next step call sends the kept ACK
+            assert wait_until(lambda: queue.num_tasks() == 0, 10)
+            assert client.stats()["acks_deferred"] >= 1
+        finally:
+            client.close()

@@ -1,0 +1,246 @@
+"""STATUS: what scraping the engine's status costs a live group, and what a hostile
+endpoint can do to ``query_status``/``fastdeploy-sync status``. Real engine, ranks and
+sockets; every wait is bounded."""
+
+import time
+
+from fastdeploy_sync import TaskClient, TaskQueue
+from fastdeploy_sync.engine import query_status
+
+from conftest import SPAWN
+from workers import _report_errors, collect, wait_until
+
+
+@_report_errors
+def connected_rank(out, rank, name, tp, leave):
+    """Join the group, say so, stay until ``leave`` is set (at most 60 s), then close."""
+    with TaskClient(name, tp, rank):
+        out.put(("ready", rank, None))
+        leave.wait(60)
+
+
+def test_scraping_the_status_does_not_make_the_engine_probe_its_ranks(name, procs, results):
+    """Each scrape is a connection that comes and goes; a dropped connection used to make
+    the engine probe (PONG) every rank, up to 20 times a second, waking their receiving
+    threads. Only a rank's own connection dropping does that now: 30 scrapes in ~0.8 s
+    cost the ranks no more probes than the heartbeat tick's (one per rank per second)."""
+    leave = SPAWN.Event()
+    with TaskQueue(name, 2) as queue:
+        try:
+            for rank in range(2):
+                procs(connected_rank, results, rank, name, 2, leave)
+            collect(results, "ready", 2)
+            assert wait_until(lambda: all(r["state"] == "connected" for r in queue.ranks()), 10)
+            before = queue.stats().get("probes", 0)
+            start = time.monotonic()
+            for _ in range(30):
+                assert query_status(queue.endpoint, timeout=5)["tp_size"] == 2
+                time.sleep(0.025)
+            time.sleep(0.1)  # the last drop reported
+            elapsed = time.monotonic() - start
+            probes = queue.stats().get("probes", 0) - before
+            assert probes <= 2 * (elapsed / queue.heartbeat.interval + 2), (probes, elapsed)
+        finally:
+            leave.set()
+
+
+# -- a hostile endpoint ----------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+
+from fastdeploy_sync import codec  # noqa: E402
+from fastdeploy_sync.transport import default_endpoint, ipc_path  # noqa: E402
+
+_FULL_ID = "5eed5eed5eed5eed"
+
+
+def _status_cli(name, timeout=30):
+    """`fastdeploy-sync status NAME` in a child; returns (exit status, stdout, stderr, the
+    child's peak RSS in MiB)."""
+    p = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                          "--timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=timeout)
+    # communicate() reaped it: its peak RSS is the largest child's since, at most
+    return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def _good_status():
+    return {"name": "x\x1b[2J\x1b]0;owned\x07", "dp_id": 0, "tp_size": 1,
+            "endpoint": "ipc://here\n\rfake line", "engine": _FULL_ID, "pid": 1,
+            "last_seq": 0, "retained": 0, "max_inflight": 1, "group": None,
+            "ranks": [{"rank": 0, "state": "connected\x1b[31m", "consumed": 0,
+                       "silent_s": 0.1, "worker": None, "reason": "\x1b[1mbold\x1b[0m"}]}
+
+
+REPLIES = {
+    "list": [json.dumps([]).encode()],
+    "empty object": [json.dumps({}).encode()],
+    "deep nesting": [b"[" * 200_000 + b"]" * 200_000],
+    "wrong types": [json.dumps(dict(_good_status(), ranks="none")).encode()],
+    "not json": [b"\xff\xfe{"],
+    "many frames": [b"{}"] * 1000,
+    "escapes": [json.dumps(_good_status()).encode()],
+}
+
+
+@pytest.fixture
+def fake_engine(name):
+    """A ROUTER at NAME's endpoint that answers every STATUS with ``reply`` (set by the
+    test): the frames after the header."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = default_endpoint(name, 0)
+    sock.bind(endpoint)
+    os.chmod(ipc_path(endpoint), 0o600)
+    state = {"reply": None, "stop": False}
+
+    def serve():
+        while not state["stop"]:
+            if sock.poll(50):
+                identity, *_ = sock.recv_multipart()
+                sock.send_multipart([identity, codec.pack_header(codec.STATUS_REPLY),
+                                     *state["reply"]])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield state
+    state["stop"] = True
+    thread.join(timeout=5)
+    sock.close()
+    ctx.term()
+    os.unlink(ipc_path(endpoint))
+
+
+@pytest.mark.parametrize("kind", list(REPLIES))
+def test_status_against_a_hostile_endpoint_prints_one_safe_line(name, fake_engine, kind):
+    """`[]`, `{}`, nesting 200 000 deep, wrong types, invalid UTF-8, 1000 frames: one line
+    saying no engine answered, exit status 1, no traceback. A reply of the right shape
+    whose strings carry escape sequences is printed with them escaped, and at most 8
+    characters of the engine's instance. Before: tracebacks, raw escape sequences, the
+    full instance id."""
+    fake_engine["reply"] = REPLIES[kind]
+    code, out, err = _status_cli(name)
+    assert "Traceback" not in err, err
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    assert _FULL_ID not in out
+    if kind == "escapes":
+        assert code == 0, out + err
+        assert "instance 5eed5eed)" in out and "\\x1b[2J" in out, out
+        assert "\nfake line" not in out and "\\n\\rfake line" in out
+    else:
+        assert code == 1, out + err
+        assert out.startswith("no engine answered: "), out
+        assert "answered with" in out.splitlines()[0], out
+
+
+def _zmtp_endless_server(path, stop):
+    """A raw ZMTP 3.0 peer (NULL security, a ROUTER) on unix socket ``path``: it greets, then
+    answers the first thing it reads with an endless multipart message (4 KiB frames, each
+    flagged MORE) until the client goes away."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    os.chmod(path, 0o600)
+    srv.listen(1)
+    srv.settimeout(10)
+
+    def serve():
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(10)
+            greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+            conn.sendall(greeting)
+            name, value = b"Socket-Type", b"ROUTER"
+            body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+            conn.sendall(bytes([0x04, len(body)]) + body)
+            conn.settimeout(0.3)
+            try:  # the client's greeting, READY and STATUS, until it goes quiet
+                while conn.recv(4096):
+                    pass
+            except socket.timeout:
+                pass
+            conn.settimeout(10)
+            frame = bytes([0x03]) + struct.pack(">Q", 4096) + bytes(4096)  # MORE | LONG
+            blob = frame * 256
+            try:
+                while not stop.is_set():
+                    conn.sendall(blob)
+            except OSError:
+                pass  # the client gave up: what we want
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return srv, thread
+
+
+def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
+    """A peer that answers with a message it never finishes: libzmq buffers it out of the
+    client's sight, so the client watches its own memory. Before: 1.55 GiB within the
+    2 s timeout, then a timeout. Now: gives up past ~64 MiB, one line, exit status 1."""
+    path = ipc_path(default_endpoint(name, 0))
+    stop = threading.Event()
+    srv, thread = _zmtp_endless_server(path, stop)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                              "--timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(p.pid, 0)
+        out, err = p.stdout.read().decode(), p.stderr.read().decode()
+        p.stdout.close()
+        p.stderr.close()
+    finally:
+        stop.set()
+        thread.join(timeout=15)
+        srv.close()
+        os.unlink(path)
+    assert os.waitstatus_to_exitcode(status) == 1, out + err
+    assert "Traceback" not in err, err
+    assert "without finishing a reply" in out, out
+    # KiB: the bound is 64 MiB of growth, checked every 20 ms; a loaded machine that holds
+    # the asking thread off the CPU lets libzmq read on meanwhile (391 MiB peak seen once)
+    assert usage.ru_maxrss < 640 << 10, usage.ru_maxrss
+
+
+def _unshare_pid_namespace_allowed():
+    try:
+        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
+                    reason="this machine does not allow a new pid namespace "
+                           "(unshare -p -f --mount-proc)")
+def test_status_from_another_pid_namespace_sees_a_live_group_alive(name, procs, results):
+    """`fastdeploy-sync status` in a sidecar container (its own pid namespace, the same
+    /dev/shm) reads who is alive from the locks the owner and the ranks hold, not from
+    their pids, which are nobody's there. Before: "exited: stale" and every rank False."""
+    leave = SPAWN.Event()
+    with TaskQueue(name, 2) as queue:
+        try:
+            for rank in range(2):
+                procs(connected_rank, results, rank, name, 2, leave)
+            collect(results, "ready", 2)
+            out = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m",
+                                  "fastdeploy_sync.cli", "status", name], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert "(alive)" in out.stdout and "exited" not in out.stdout, out.stdout
+            rows = [line.split() for line in out.stdout.splitlines()
+                    if line.strip()[:1].isdigit() and line.split()[1].isdigit()]
+            assert [row[2] for row in rows] == ["True", "True"], out.stdout
+        finally:
+            leave.set()
+        queue.close(timeout=5)

@@ -14,6 +14,12 @@ Shapes (``shape=``), each as ``event_loop_normal`` runs it:
 * ``v20`` (the 2.0-era file with ``self.nnode = 1`` hard-coded): a TP barrier at the top of
   every iteration, rank 0 checks ``num_tasks() > 0``, the TP barrier, the read, then the
   model step on every iteration (no idle branch).
+* ``overlap`` (develop, 2026, the overlap scheduler, on by default on GPU): as ``develop``,
+  but the TP barrier is the queue's own ``worker_process_tp_barrier.wait()``, there is no
+  idle branch and an idle step is a no-op: each idle iteration has a single sync point
+  (check, the queue's barrier, read the signal, nothing). A busy step runs the model's
+  collective (``barrier``). Develop's ``nnode = (tp + 8) // 8``: at TP=8 on one node rank 0
+  sets ``read_finish_flag`` instead of the signal (pass ``multi_node=True``).
 
 ``nnode > 1`` (``multi_node=True``): rank 0 sets ``read_finish_flag`` instead of the
 node-local signal, as FastDeploy does when the TP group spans nodes.
@@ -59,12 +65,16 @@ def spin(ms):
 
 def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, until_stop=True,
              step_ms=0.0, gil_step=False, busy_steps=1, deadline_s=60.0, on_take=None,
-             barrier_timeout=20.0):
+             barrier_timeout=20.0, lag=None):
     """Run FastDeploy's loop of ``shape`` over the drop-in ``q`` until the STOP batch was
     taken (every rank takes it at the same step). Returns ``calls``: one
-    ``(step, call, tasks)`` per ``get_tasks()`` call, and the number of steps.
-    ``on_take(step, tasks)`` sees each call's tasks (for timing)."""
-    if shape not in ("develop", "v2x", "v20"):
+    ``(step, call, tasks)`` per ``get_tasks()`` call that returned batches (an ``overlap``
+    rank whose read came before its peers' gets ``[]`` from a call the others do not
+    make: such calls are not listed), and the number of steps.
+    ``on_take(step, tasks)`` sees each call's tasks (for timing).
+    ``lag=(rank, seconds)``: that rank sleeps this long right after the step's TP barrier,
+    before it reads the signal, every step (a rank the OS descheduled there)."""
+    if shape not in ("develop", "v2x", "v20", "overlap"):
         raise ValueError(shape)
     calls = []
     step = 0
@@ -75,7 +85,10 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
 
     def tp_barrier():
         if tp_size > 1:
-            barrier.wait(barrier_timeout)
+            if shape == "overlap":
+                q.worker_process_tp_barrier.wait(barrier_timeout)
+            else:
+                barrier.wait(barrier_timeout)
 
     while not stop:
         if time.monotonic() > deadline:
@@ -84,18 +97,24 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
         if shape == "v20":
             tp_barrier()  # "Synchronize before updating weights"
         if rank == 0:
-            found = q.exist_tasks() if shape == "develop" else q.num_tasks() > 0
+            found = q.exist_tasks() if shape in ("develop", "overlap") else q.num_tasks() > 0
             if found:
                 if multi_node:
                     q.read_finish_flag.set(1)
                 else:
                     signal.value = 1
         tp_barrier()  # "Synchronize the signal for other workers"
+        if lag is not None and lag[0] == rank:
+            time.sleep(lag[1])
         if signal.value == 1 or q.read_finish_flag.get() == 1:
             tasks, read_finish = q.get_tasks()
-            ncall += 1
+            # overlap: a read that came before the peers' (the drop-in answers [] to it)
+            # is no call of the group's; only calls that took batches are compared
+            listed = shape != "overlap" or bool(tasks)
+            if listed:
+                ncall += 1
             if read_finish:
-                if shape == "develop":
+                if shape in ("develop", "overlap"):
                     if multi_node:
                         q.read_finish_flag.set(0)
                     else:
@@ -103,19 +122,27 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
                 else:
                     signal.value = 0
                     q.read_finish_flag.set(0)
-            if on_take is not None:
-                on_take(step, tasks)
-            calls.append((step, ncall, tasks))
+            if listed:
+                if on_take is not None:
+                    on_take(step, tasks)
+                calls.append((step, ncall, tasks))
             control = [t for t in tasks if isinstance(t, tuple) and t[0]
                        and isinstance(t[0][0], ControlRequest)]
             if any(t == STOP for t in tasks):
                 stop = until_stop
             if tasks:
                 busy = busy_steps
-            if shape == "develop" and control:
+            if shape in ("develop", "overlap") and control:
                 for _ in control:  # run_control_method, then the TP barrier
                     tp_barrier()
-        if shape != "v20" and busy == 0:
+        if shape == "overlap":
+            if busy:  # the model step and its collective; an idle step does nothing
+                if step_ms:
+                    spin(step_ms) if gil_step else time.sleep(step_ms / 1000)
+                if tp_size > 1:
+                    barrier.wait(barrier_timeout)
+                busy -= 1
+        elif shape != "v20" and busy == 0:
             tp_barrier()  # idle branch
             time.sleep(0.001)
         else:
@@ -193,7 +220,7 @@ def batches(dp_id, n, *, every_control=0, array_len=64):
 
 def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
                 name=None, multi_node=False, deadline_s=60.0, step_ms=0.0, busy_steps=1,
-                queue_kw=None):
+                queue_kw=None, lag=None, barrier_timeout=20.0):
     """A worker process running ``run_loop``; reports ``("ok", dp_id, rank, {"calls":
     [(step, call, ids)], "steps": n})`` or ``("error", dp_id, rank, traceback)``."""
     import traceback
@@ -217,7 +244,7 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
 
         calls, steps = run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=multi_node,
                                 deadline_s=deadline_s, step_ms=step_ms, busy_steps=busy_steps,
-                                on_take=check)
+                                on_take=check, lag=lag, barrier_timeout=barrier_timeout)
         results.put(("ok", dp_id, rank, {"calls": [(s, c, ids_of(t)) for s, c, t in calls],
                                          "steps": steps}))
     except BaseException:

@@ -8,8 +8,8 @@ FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) 
   * test_single_node_signal_updates     -> test_exist_tasks_is_derived (intended difference:
     set_exist_tasks(True) does not create a batch)
   * test_connect_retry_failure          -> test_fail_fast_without_server
-  * to_tensor / to_numpy, cache info, RDMA connect, finished requests, disaggregation:
-    not the task path; the drop-in does not provide them (test_other_channels_say_so).
+  * to_tensor / to_numpy, cache info, RDMA connect, finished requests, disaggregation,
+    barriers, lock: tests/test_fastdeploy_channels.py.
 """
 
 import threading
@@ -303,9 +303,9 @@ def test_ports_and_server_only_port(name, loopback_tcp):
 
 
 def test_exist_tasks_is_derived(name):
-    """FastDeploy's test_single_node_signal_updates, an intended difference: the flag follows
-    the queue, so set_exist_tasks(True) creates no batch, and set_exist_tasks(False) with a
-    batch pending refuses (clear_data() drops it consistently instead)."""
+    """FastDeploy's test_single_node_signal_updates: set_exist_tasks(True) creates no batch
+    here (an intended difference: the flag follows the queue), and set_exist_tasks(False)
+    with a batch pending clears the engine's flag until the next put, as FastDeploy's."""
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
     try:
         assert not server.exist_tasks()
@@ -313,9 +313,12 @@ def test_exist_tasks_is_derived(name):
         assert not server.exist_tasks()
         server.set_exist_tasks(False)
         server.put_tasks(["x"])
+        assert server.exist_tasks() and server.exist_tasks_intra_signal.value[0] == 1
+        server.set_exist_tasks(False)
+        assert not server.exist_tasks() and server.exist_tasks_intra_signal.value[0] == 0
+        assert server.num_tasks() == 1  # the batch is still there (clear_data() drops it)
+        server.exist_tasks_intra_signal.value[0] = 1  # FastDeploy's IPCSignal spelling
         assert server.exist_tasks()
-        with pytest.raises(ValueError, match="clear_data"):
-            server.set_exist_tasks(False)
     finally:
         server.cleanup()
 
@@ -364,12 +367,3 @@ def test_engine_client_without_a_server_fails_fast(name):
         EngineWorkerQueue(address=("0.0.0.0", 1), client_id=0, name=name, role="engine",
                           connect_timeout=0.5)
     assert time.monotonic() - t0 < 10
-
-
-def test_other_channels_say_so(name):
-    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
-    try:
-        with pytest.raises(AttributeError, match="task path only"):
-            server.put_cache_info([])
-    finally:
-        server.cleanup()

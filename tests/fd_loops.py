@@ -65,7 +65,7 @@ def spin(ms):
 
 def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, until_stop=True,
              step_ms=0.0, gil_step=False, busy_steps=1, deadline_s=60.0, on_take=None,
-             barrier_timeout=20.0, lag=None):
+             barrier_timeout=20.0, lag=None, stats=None):
     """Run FastDeploy's loop of ``shape`` over the drop-in ``q`` until the STOP batch was
     taken (every rank takes it at the same step). Returns ``calls``: one
     ``(step, call, tasks)`` per ``get_tasks()`` call that returned batches (an ``overlap``
@@ -73,7 +73,8 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
     make: such calls are not listed), and the number of steps.
     ``on_take(step, tasks)`` sees each call's tasks (for timing).
     ``lag=(rank, seconds)``: that rank sleeps this long right after the step's TP barrier,
-    before it reads the signal, every step (a rank the OS descheduled there)."""
+    before it reads the signal, every step (a rank the OS descheduled there).
+    ``stats``: a dict; ``stats["early"]`` counts the overlap reads answered ``[]``."""
     if shape not in ("develop", "v2x", "v20", "overlap"):
         raise ValueError(shape)
     calls = []
@@ -113,6 +114,8 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
             listed = shape != "overlap" or bool(tasks)
             if listed:
                 ncall += 1
+            elif stats is not None:
+                stats["early"] = stats.get("early", 0) + 1
             if read_finish:
                 if shape in ("develop", "overlap"):
                     if multi_node:
@@ -235,6 +238,7 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
     except BaseException:
         results.put(("error", dp_id, rank, traceback.format_exc()))
         return
+    stats = {}
     try:
         def check(step, tasks):
             for t in tasks:
@@ -244,9 +248,10 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
 
         calls, steps = run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=multi_node,
                                 deadline_s=deadline_s, step_ms=step_ms, busy_steps=busy_steps,
-                                on_take=check, lag=lag, barrier_timeout=barrier_timeout)
+                                on_take=check, lag=lag, barrier_timeout=barrier_timeout,
+                                stats=stats)
         results.put(("ok", dp_id, rank, {"calls": [(s, c, ids_of(t)) for s, c, t in calls],
-                                         "steps": steps}))
+                                         "steps": steps, "early": stats.get("early", 0)}))
     except BaseException:
         results.put(("error", dp_id, rank, traceback.format_exc()))
     finally:

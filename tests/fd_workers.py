@@ -144,3 +144,43 @@ def fd_engine_process(address, dp_id, n, results, *, name=None, use_env=False):
         results.put(("engine", dp_id, 0, None))
     except BaseException:
         results.put(("error", dp_id, -1, traceback.format_exc()))
+
+
+def cache_messager(address, tp_size, rank, results, rounds, *, name=None, dp_id=0,
+                   wait_s=30.0):
+    """FastDeploy's cache messager of TP rank ``rank`` (``cache_manager/cache_messager.py``:
+    ``EngineWorkerQueue(address, is_server=False, num_client=tp, client_id=rank)``), side
+    channels only: for each of ``rounds`` rounds it polls ``get_cache_info()`` until the
+    engine's infos arrive, passes ``cache_info_barrier`` with its peers, and reports
+    ``put_finished_req([[request_id, "finished"]])``. Reports ``("ready", dp, rank, None)``
+    once built, then ``("messager", dp, rank, {"infos": [...], "all_put": [...]})`` or
+    ``("error", dp, rank, traceback)``. Every wait is bounded by ``wait_s``."""
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=rank, local_data_parallel_id=dp_id, name=name,
+                              connect_timeout=10)
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+        return
+    results.put(("ready", dp_id, rank, None))
+    try:
+        infos, all_put = [], []
+        for k in range(rounds):
+            deadline = time.monotonic() + wait_s
+            got = q.get_cache_info()
+            while not got:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"messager {rank}: no cache info of round {k}")
+                time.sleep(0.002)
+                got = q.get_cache_info()
+            infos.append(got)
+            q.cache_info_barrier.wait(timeout=wait_s)
+            all_put.append(q.put_finished_req([[f"req{k}", "finished"]], timeout=wait_s))
+        results.put(("messager", dp_id, rank, {"infos": infos, "all_put": all_put,
+                                               "role": q.role}))
+    except BaseException:
+        results.put(("error", dp_id, rank, traceback.format_exc()))
+    finally:
+        q.cleanup()

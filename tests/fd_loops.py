@@ -186,6 +186,52 @@ def engine_loop(client, batches, *, put_timeout=20.0, wait_exist=True, on_put=No
     client.put_tasks(STOP, timeout=put_timeout)
 
 
+def engine_loop_v0(client, batches, *, timeout=20.0, use_exist=False):
+    """FastDeploy's V0 scheduler loop (``_insert_task_to_worker``, every stored version):
+    ``if num_tasks() > 0`` (or ``exist_tasks()``): sleep 1 ms; ``if num_cache_infos() > 0``:
+    sleep 1 ms; else put the next batch; then STOP. ``TimeoutError`` once nothing could be
+    put for ``timeout`` s. Returns how many times each wait was taken."""
+    waits = {"tasks": 0, "cache_infos": 0}
+    pending = list(batches) + [STOP]
+    deadline = time.monotonic() + timeout
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"V0 engine: nothing put for {timeout} s ({waits})")
+        if (client.exist_tasks() if use_exist else client.num_tasks() > 0):
+            waits["tasks"] += 1
+            time.sleep(0.001)
+            continue
+        if client.num_cache_infos() > 0:
+            waits["cache_infos"] += 1
+            time.sleep(0.001)
+            continue
+        client.put_tasks(pending.pop(0), timeout=timeout)
+        deadline = time.monotonic() + timeout
+    return waits
+
+
+def v0_engine_process(address, tp_size, dp_id, n, results, *, name=None, use_exist=False):
+    """FastDeploy's V0 engine in a process of its own with a plain client (FastDeploy's
+    arguments: ``client_id=0``, no role): reports ``("engine", dp_id, 0, waits)`` or an
+    error."""
+    import traceback
+
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=0, local_data_parallel_id=dp_id, name=name,
+                              connect_timeout=10)
+        try:
+            waits = engine_loop_v0(q, batches(dp_id, n), use_exist=use_exist)
+            waits["role"] = q.role
+        finally:
+            q.cleanup()
+        results.put(("engine", dp_id, 0, waits))
+    except BaseException:
+        results.put(("error", dp_id, -1, traceback.format_exc()))
+
+
 def sync_env(sync):
     os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
 

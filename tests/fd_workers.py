@@ -37,12 +37,15 @@ def ids_of(tasks):
 
 def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
                    name=None, max_step_ms=2.0, seed=0, deadline_s=40.0, pause=None,
-                   check_arrays=True, extra_call=None, barrier_timeout=BARRIER_TIMEOUT_S):
+                   check_arrays=True, extra_call=None, barrier_timeout=BARRIER_TIMEOUT_S,
+                   clear_at=None):
     """FastDeploy's loop, task path only. Stops after the step that took the STOP batch
     (every rank takes it at the same step, so every rank stops at the same step).
     ``pause=(step, seconds)``: every rank sleeps that long at that step (before the
     exist check), so batches pile up in flight. ``extra_call=(rank, step)``: that rank calls
-    ``get_tasks()`` once more at that step (breaking the contract on purpose)."""
+    ``get_tasks()`` once more at that step (breaking the contract on purpose).
+    ``clear_at=step``: every rank calls ``clear_data()`` at that step, after the barrier and
+    before it reads the signal, as FastDeploy's weight-update branch does."""
     os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
     try:
         from fastdeploy_sync.fastdeploy import EngineWorkerQueue
@@ -70,6 +73,8 @@ def fd_worker_loop(address, tp_size, rank, dp_id, barrier, signal, results, *, s
                     signal.value = 1
             if tp_size > 1:
                 barrier.wait(barrier_timeout)
+            if clear_at is not None and step == clear_at:
+                q.clear_data()
             if signal.value == 1 or q.read_finish_flag.get() == 1:
                 tasks, read_finish = q.get_tasks()
                 ncall += 1

@@ -38,7 +38,7 @@ def _collect(results, n):
 
 
 def _run_group(name, procs, results, tp, dp, n, *, sync=False, max_inflight=1, clear_after=None,
-               wait_exist=True, pause=None, max_step_ms=2.0):
+               wait_exist=True, pause=None, max_step_ms=2.0, clear_at=None):
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
                                local_data_parallel_size=dp, name=name, max_inflight=max_inflight)
     try:
@@ -50,7 +50,8 @@ def _run_group(name, procs, results, tp, dp, n, *, sync=False, max_inflight=1, c
             keep.append((barrier, signal))
             for r in range(tp):
                 procs(fd_worker_loop, address, tp, r, d, barrier, signal, results, sync=sync,
-                      name=name, seed=d * 10 + r, pause=pause, max_step_ms=max_step_ms)
+                      name=name, seed=d * 10 + r, pause=pause, max_step_ms=max_step_ms,
+                      clear_at=clear_at)
         clients = [EngineWorkerQueue(address=address, is_server=False, num_client=tp,
                                      client_id=0, local_data_parallel_id=d, name=name)
                    for d in range(dp)]
@@ -128,6 +129,25 @@ def test_clear_data_with_batches_in_flight(name, procs, results):
     assert taken == [(0, 3), (0, 4), (0, 5), STOP]
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_worker_clear_data_drops_the_same_batches_on_every_rank(name, procs, results, sync):
+    """FastDeploy's weight update: every rank calls clear_data() at the same step, after the
+    barrier, while batches are pending. Every rank drops the same batches (what they held),
+    none of them is returned, and what the engine puts after is delivered. Before: a
+    worker's clear_data() dropped nothing."""
+    n = 6
+    out = _run_group(name, procs, results, 2, 1, n, sync=sync, max_inflight=4,
+                     wait_exist=False, pause=(1, 0.5), clear_at=1)
+    cleared = {out[(0, r)]["cleared"] for r in range(2)}
+    assert len(cleared) == 1 and min(cleared) >= 1, cleared
+    dropped = cleared.pop()
+    ref = out[(0, 0)]["calls"]
+    assert [(s, c, ids) for s, c, ids, _ in out[(0, 1)]["calls"]] == \
+        [(s, c, ids) for s, c, ids, _ in ref]
+    taken = [x for _, _, ids, _ in ref for x in ids]
+    assert taken == [(0, k) for k in range(dropped, n)] + [STOP], (dropped, taken)
+
+
 def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
     """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
     3. A rank raises ProtocolError within a few steps instead of the group drifting a call
@@ -194,22 +214,29 @@ def test_put_get_num_tasks_and_clear(name):
             assert all_read and fetched == [tasks]
             _until(lambda: engine.num_tasks() == 0)
             assert not engine.exist_tasks()
-            # put, clear: the worker never gets it, and the queue empties once it took the marker
+            # put, clear: FastDeploy's engine reads an empty queue at once and may put again;
+            # the worker never gets the cleared batch
             engine.put_tasks(tasks)
             engine.clear_data()
+            assert engine.num_tasks() == 0 and not engine.exist_tasks()
             engine.clear_data()  # nothing put since: adds nothing
-            _until(lambda: worker.num_tasks() == 2)  # the batch and the clear marker
+            engine.put_tasks(["task-C"], timeout=1)  # no wait for the workers
+            assert engine.num_tasks() == 1
+            _until(lambda: worker.num_tasks() == 3)  # the batch, the marker, task-C
             assert worker.exist_tasks()
             fetched, all_read = worker.get_tasks()
-            assert fetched == [] and all_read and worker.cleared == 1
+            assert fetched == [["task-C"]] and all_read and worker.cleared == 1
             _until(lambda: engine.num_tasks() == 0)
             engine.clear_data()  # nothing pending: a no-op
             assert engine.num_tasks() == 0
-            # worker-side clear_data drops nothing
+            # worker-side clear_data empties what the worker holds, as FastDeploy's
             engine.put_tasks(["task-B"])
             _until(worker.exist_tasks)
             worker.clear_data()
-            assert worker.get_tasks() == ([["task-B"]], True)
+            assert worker.get_tasks() == ([], True) and worker.cleared == 2
+            engine.put_tasks(["task-D"], timeout=5)
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["task-D"]], True)
         finally:
             worker.cleanup()
     finally:

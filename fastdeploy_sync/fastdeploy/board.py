@@ -10,9 +10,10 @@ Three kinds, one interface (``WorkerSide`` uses them):
 
 Decisions are indexed by the ``get_tasks()`` call number j (FastDeploy's own barrier orders
 rank 0's check before every rank's j-th call; see ``WorkerSide``). A ring slot per call in
-flight holds ``(j, readers so far, for_gen, drop)``: ``for_gen`` is the barrier generation of
-the queue's own ``worker_process_tp_barrier`` the call is meant for (0: the loop does not use
-that barrier), ``drop`` how many of its batches a worker's ``clear_data()`` removed.
+flight holds ``(j, readers so far, for_gen, first, last, drop)``: ``for_gen`` is the barrier
+generation of the queue's own ``worker_process_tp_barrier`` the call is meant for (0: the
+loop does not use that barrier), ``(first, last]`` the seqs rank 0 latched, ``drop`` how many
+of them a worker's ``clear_data()`` removed, fixed when the first rank reads the call.
 """
 
 import os
@@ -33,9 +34,9 @@ EARLY = None
 
 _B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = range(7)
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
-_B_SLOT = 4  # call, readers, for_gen, drop
+_B_SLOT = 6  # call, readers, for_gen, first, last, drop
 _B_RING_BASE = 8
-_B_MAGIC_VALUE = 0x46445359_4E434658  # "FDSYNCFX": this layout
+_B_MAGIC_VALUE = 0x46445359_4E434659  # "FDSYNCFY": this layout
 _B_CALLS_BASE = _B_RING_BASE + _B_SLOT * _B_RING  # then one word per rank: its calls
 _LOCK_TIMEOUT_S = 5.0
 # (the owner pid's slot, 1, is what cleanup.py reads for ".fd" segments)
@@ -52,9 +53,9 @@ class GroupBoard:
     others raise ``TimeoutError`` after 5 s instead of hanging.
 
     Lock invariant: a call's slot, ``SEALED`` and ``CLEAR`` change only under the lock; a
-    decision (TaskClient's latch and the slot's ``for_gen``/``drop``) is written only while
-    no rank has begun reading its call (``SEALED`` < j), so every reader of call j sees the
-    same one.
+    decision (TaskClient's latch and the slot's ``for_gen``, ``first``, ``last``) is written
+    only while no rank has begun reading its call (``SEALED`` < j), and its ``drop`` is
+    fixed by the read that seals it, so every reader of call j sees the same one.
 
     Rank 0 creates the segment and semaphore (reclaiming a crashed run's leftovers) and
     unlinks them at close; other ranks attach, waiting up to ``timeout`` seconds.
@@ -126,8 +127,8 @@ class GroupBoard:
 
     def latch_unless_read(self, call, for_gen, decide):
         """Rank 0: run ``decide()`` (which latches decision ``call`` in the TaskClient and
-        returns ``(count, drop)``, or None when nothing is latched) unless some rank has
-        already begun reading decision ``call``; record ``for_gen`` and ``drop`` in the
+        returns ``(count, first, last)``, or None when nothing is latched) unless some rank
+        has already begun reading decision ``call``; record ``for_gen`` and the seqs in the
         call's slot. Returns ``decide()``'s result, or False when refused.
 
         A decision, once any rank may have read it, never changes: rank 0 may check for
@@ -140,10 +141,10 @@ class GroupBoard:
             v = self._view
             if v[_B_SEALED] >= call:
                 return False
-            result = decide(v[_B_CLEAR])
+            result = decide()
             if result:
                 s = self._slot(call)
-                v[s], v[s + 1], v[s + 2], v[s + 3] = call, 0, for_gen, result[1]
+                _fill(v, s, (call, 0, for_gen, result[1], result[2], -1))
             return result
         finally:
             self._sem.release()
@@ -154,7 +155,8 @@ class GroupBoard:
         a later generation (the read came before the step it is for: the caller takes
         nothing and changes nothing), else ``(last, drop)``: count this rank's read (which
         seals the call, see ``latch_unless_read``), ``last`` True on exactly one rank per
-        call, the last to count it; ``drop`` from the call's slot. Blocks only on a peer
+        call, the last to count it; ``drop``: how many of the call's batches to drop (a
+        worker's ``clear_data()`` bound, fixed by the first read). Blocks only on a peer
         inside the same few stores.
 
         Also checks the caller's contract: when a rank makes call j, rank 0's last check
@@ -188,9 +190,11 @@ class GroupBoard:
             if v[_B_SEALED] < call:
                 v[_B_SEALED] = call
             if v[s] != call:  # nothing was latched for this call
-                v[s], v[s + 1], v[s + 2], v[s + 3] = call, 0, 0, 0
+                _fill(v, s, (call, 0, 0, 0, 0, 0))
+            elif v[s + 5] < 0:  # the first read: fix what a worker's clear_data() drops
+                v[s + 5] = max(0, min(v[_B_CLEAR], v[s + 4]) - v[s + 3])
             v[s + 1] += 1
-            return v[s + 1] == self.tp_size, int(v[s + 3])
+            return v[s + 1] == self.tp_size, int(v[s + 5])
         finally:
             self._sem.release()
 
@@ -220,6 +224,11 @@ class GroupBoard:
         self._finalizer()
 
 
+def _fill(view, start, values):
+    for i, value in enumerate(values):
+        view[start + i] = value
+
+
 def _release_board(seg, sem, owner, shm_name, sem_name):
     try:
         sem.close()
@@ -247,7 +256,7 @@ class PaddleBoard:
         return self._last, 0
 
     def latch_unless_read(self, call, for_gen, decide):
-        return decide(0)  # the next collective decides: no reader can see a change
+        return decide()  # the next collective decides: no reader can see a change
 
     def request_clear(self, upto):
         return False
@@ -268,16 +277,17 @@ class SoloBoard:
     def __init__(self):
         self._flag = 0
         self._clear = 0
-        self._drop = (0, 0)  # (call, drop) of the last latch
+        self._latched = (0, 0, 0)  # (call, first, last) of the last latch
 
     def last_reader(self, call, barriers):
-        drop = self._drop[1] if self._drop[0] == call else 0
+        latched_call, first, last = self._latched
+        drop = max(0, min(self._clear, last) - first) if latched_call == call else 0
         return True, drop
 
     def latch_unless_read(self, call, for_gen, decide):
-        result = decide(self._clear)
+        result = decide()
         if result:
-            self._drop = (call, result[1])
+            self._latched = (call, result[1], result[2])
         return result
 
     def request_clear(self, upto):

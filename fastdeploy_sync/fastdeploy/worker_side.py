@@ -80,6 +80,7 @@ class WorkerSide:
                 self._board.close()
             raise
         self.calls = 0  # get_tasks() calls that read a decision
+        self._taken = self.client.stats()["taken"]  # the seq this rank took up to
         self.barriers = 0  # passes of the queue's worker_process_tp_barrier
         self.cleared = 0  # batches dropped by clear_data() (the engine's or a worker's)
         # rank 0: its pass count at its last latching check, None once it read since
@@ -175,17 +176,15 @@ class WorkerSide:
             return None
         return latched[0] if latched else 0
 
-    def _decide(self, clear_upto):
-        """Under the board lock: latch in the TaskClient; ``(count, drop)`` or None."""
+    def _decide(self):
+        """Under the board lock: latch in the TaskClient; ``(count, first, last)`` (the
+        seqs ``(first, last]``, at most: a peer may have received more meanwhile, which the
+        latch does not take) or None."""
         client = self.client
         if not client.exist_tasks():
             return None
         ready = client.ready_count()
-        drop = 0
-        if clear_upto:
-            taken = client.stats()["taken"]
-            drop = max(0, min(clear_upto, taken + ready) - taken)
-        return ready, drop
+        return ready, self._taken, self._taken + ready
 
     def get_tasks(self):
         """``(tasks, all_client_read)``; see ``EngineWorkerQueue.get_tasks``."""
@@ -197,6 +196,7 @@ class WorkerSide:
         last, drop = answer
         tasks, _ = self.client.get_tasks()
         self.calls = call
+        self._taken += len(tasks)
         self._checked_at = None
         if drop and tasks:
             dropped = tasks[:drop]
@@ -237,8 +237,9 @@ class WorkerSide:
 
     def clear_data(self) -> int:
         """Every batch this rank holds now is dropped, by every rank alike, when the group
-        takes it (the board's clear bound, applied in the decisions rank 0 latches from
-        now on). Returns the seq bound; never blocks beyond the board lock."""
+        takes it: the board's clear bound, fixed into each call's decision by the first
+        rank that reads it (a call some rank already read is not changed). Returns the
+        seq bound; never blocks beyond the board lock."""
         upto = self.client.stats()["received"]
         if self._board.request_clear(upto) is False:
             log.warning("EngineWorkerQueue rank %d (DP group %d): clear_data() on a worker "

@@ -9,6 +9,7 @@ text)`` on ``results``; ``calls`` is one ``(step, call, payload_ids, all_client_
 """
 
 import os
+import pickle
 import random
 import time
 import traceback
@@ -189,3 +190,80 @@ def cache_messager(address, tp_size, rank, results, rounds, *, name=None, dp_id=
         results.put(("error", dp_id, rank, traceback.format_exc()))
     finally:
         q.cleanup()
+
+
+def ep_dp_engine_process(n, results, done, *, name=None, tp_size=1, dp_size=2, wait_s=60.0):
+    """FastDeploy's engine process under EP + DP on one node: it builds the server for every
+    DP group, then forks the DP-1 engine (``start_data_parallel_service``) after the server
+    was built; the child builds FastDeploy's plain client (``client_id=0``,
+    ``local_data_parallel_id=1``) and runs the engine loop of group 1, the parent runs
+    group 0's through its own client. Reports ``("port", -1, -1, port)`` once the server is
+    up, ``("engine", dp, pid, None)`` per group (or ``("error", dp, -1, traceback)``), and
+    keeps the server until ``done`` is set (at most ``wait_s``)."""
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp_size,
+                                   local_data_parallel_size=dp_size, name=name)
+    except BaseException:
+        results.put(("error", -1, -1, traceback.format_exc()))
+        return
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        results.put(("port", -1, -1, address[1]))
+        # as multiprocessing's fork start method does, after the server was built; the child
+        # reports through a pipe (a multiprocessing queue the parent used is not fork-safe)
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                os.close(read_end)
+                report = _forked_dp_engine(address, tp_size, 1, n, name)
+                os.write(write_end, pickle.dumps(report))
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        try:
+            client = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                                       client_id=0, local_data_parallel_id=0, name=name)
+            fd_engine_loop(client, 0, n, put_timeout=wait_s / 2)
+            results.put(("engine", 0, os.getpid(), None))
+        except BaseException:
+            results.put(("error", 0, -1, traceback.format_exc()))
+        _reap(child, wait_s)
+        with os.fdopen(read_end, "rb") as pipe:
+            data = pipe.read()
+        results.put(pickle.loads(data) if data else ("error", 1, -1, "the forked engine died"))
+        done.wait(wait_s)
+    finally:
+        server.cleanup()
+
+
+def _reap(pid, wait_s):
+    """Wait for child ``pid`` at most ``wait_s`` seconds, then kill it."""
+    import signal
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _forked_dp_engine(address, tp_size, dp_id, n, name):
+    """The forked DP engine's loop; its report."""
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        client = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                                   client_id=0, local_data_parallel_id=dp_id, name=name,
+                                   connect_timeout=10)
+        try:
+            fd_engine_loop(client, dp_id, n, put_timeout=20.0)
+            return ("engine", dp_id, os.getpid(), client.role)
+        finally:
+            client.cleanup()
+    except BaseException:
+        return ("error", dp_id, -1, traceback.format_exc())

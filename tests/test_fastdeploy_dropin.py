@@ -23,7 +23,8 @@ from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_workers import STOP, batch, fd_engine_loop, fd_engine_process, fd_worker_loop
+from fd_workers import (STOP, batch, ep_dp_engine_process, fd_engine_loop, fd_engine_process,
+                        fd_worker_loop)
 
 RESULT_TIMEOUT_S = 60
 
@@ -385,6 +386,37 @@ def test_engine_clients_in_other_processes(name, procs, results):
         assert server._queues[0].stats().get("puts_remote") == n + 1
     finally:
         server.cleanup()
+    _check_consistent(out, tp, dp, n)
+
+
+def test_ep_dp_with_a_forked_dp_engine(name, procs, results):
+    """EP + DP=2 on one node as FastDeploy runs it: the engine process builds the server of
+    both DP groups, then forks the DP-1 engine, whose plain client_id=0 client must put
+    through the parent's server (not act on the copy it inherited). Every batch of both
+    groups is delivered. Before: the child's first put_tasks() never returned and DP group
+    1 took 0 batches."""
+    tp, dp, n = 1, 2, 15
+    engine_results, done = SPAWN.Queue(), SPAWN.Event()
+    procs(ep_dp_engine_process, n, engine_results, done, name=name, tp_size=tp, dp_size=dp)
+    kind, _, _, port = engine_results.get(timeout=RESULT_TIMEOUT_S)
+    assert kind == "port", port
+    address = ("0.0.0.0", port)
+    keep = []
+    for d in range(dp):
+        barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+        keep.append((barrier, signal))
+        procs(fd_worker_loop, address, tp, 0, d, barrier, signal, results, name=name,
+              seed=d)
+    try:
+        engines = {}
+        for _ in range(dp):
+            kind, d, pid, payload = engine_results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "engine", f"engine of DP group {d}:\n{payload}"
+            engines[d] = (pid, payload)
+        assert engines[1][0] != engines[0][0] and engines[1][1] == "engine"  # the forked child
+        out = _collect(results, tp * dp)
+    finally:
+        done.set()
     _check_consistent(out, tp, dp, n)
 
 

@@ -153,3 +153,30 @@ def test_threads_putting_together_keep_the_bound(name):
     finally:
         sys.setswitchinterval(interval)
         server.cleanup()
+
+
+def test_a_wall_clock_step_is_not_a_lost_group(name, procs, results, monkeypatch):
+    """Issue 30 item 11: the engine side judges how long a rank has been disconnected by a
+    monotonic clock. A rank's connection drops (its process is killed), well within the
+    heartbeat timeout, and the wall clock steps an hour forward (NTP): exist_tasks() must
+    not raise GroupLostError. Before: it judged by time.time() and raised."""
+    monkeypatch.setenv("FD_SYNC_HEARTBEAT_TIMEOUT", "60")
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1,
+                               name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        keep, pids = _start_group(procs, results, address, name, 1)
+        _wait_connected(server, 1)
+        os.kill(pids[0], signals.SIGKILL)
+        deadline = time.monotonic() + 30
+        while server.task_queues[0].ranks()[0]["state"] != "disconnected":
+            assert time.monotonic() < deadline, "the engine never saw the rank go"
+            time.sleep(0.01)
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600.0)
+        time.sleep(0.15)  # past the watch's 100 ms period: the next call looks
+        assert server.exist_tasks() is False
+        assert server.num_tasks() == 0
+    finally:
+        monkeypatch.undo()
+        server.cleanup()

@@ -25,10 +25,11 @@ class GroupWatch:
     per call otherwise), on every call while it is lost. The group counts as lost when the
     engine retired it (``groups_retired`` grew: a rank's connection gone and not back
     within the heartbeat timeout, a rank's BYE, or ``FD_SYNC_STALL_TIMEOUT`` of silence;
-    see ``liveness``), or when a rank has been disconnected for longer than the heartbeat
-    timeout whatever the engine decided. It stays lost until a new group has every rank
-    connected: batches put meanwhile wait for that group (``put_tasks()`` raises instead
-    of waiting). With a ``TaskQueue`` the retirement's ``GroupLost`` event (its
+    see ``liveness``), or when a rank is disconnected and the engine has heard nothing from
+    it for longer than the heartbeat timeout (by the engine's monotonic clock: a wall-clock
+    step is not a lost group), whatever the engine decided. It stays lost until a new group
+    has every rank connected: batches put meanwhile wait for that group (``put_tasks()``
+    raises instead of waiting). With a ``TaskQueue`` the retirement's ``GroupLost`` event (its
     ``unfinished`` batches) is taken from ``group_events`` and attached to the error."""
 
     def __init__(self, queue, where, timeout):
@@ -57,8 +58,10 @@ class GroupWatch:
                 self._retired = retired
                 self._lost = self._error(self._retire_reason(ranks), ranks, self._event())
             elif self._lost is None:
-                gone = [r for r in ranks if r["state"] == DISCONNECTED and r["since"]
-                        and time.time() - r["since"] > self._timeout]
+                # silent_s is the engine's monotonic count since it last heard the rank:
+                # a wall-clock step (NTP) moves "since", never this
+                gone = [r for r in ranks if r["state"] == DISCONNECTED
+                        and (r.get("silent_s") or 0) > self._timeout]
                 if gone:
                     self._lost = self._error(
                         f"rank(s) {[r['rank'] for r in gone]} disconnected for more than the "

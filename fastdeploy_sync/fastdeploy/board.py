@@ -58,7 +58,8 @@ class GroupBoard:
     fixed by the read that seals it, so every reader of call j sees the same one.
 
     Rank 0 creates the segment and semaphore (reclaiming a crashed run's leftovers) and
-    unlinks them at close; other ranks attach, waiting up to ``timeout`` seconds.
+    unlinks them at close; other ranks attach to the one a live rank 0 holds (its owner
+    lock, not a pid, says so), waiting up to ``timeout`` seconds.
     """
 
     def __init__(self, name, dp_id, tp_size, tp_rank, timeout):
@@ -97,8 +98,10 @@ class GroupBoard:
             except FileNotFoundError:
                 seg = None
             if seg is not None:
+                # a board whose rank 0 is gone (killed with its group) is a leftover that
+                # the new rank 0 is about to replace: wait for that one
                 if (seg.size == self._size and seg.view[_B_READY] == 1
-                        and seg.view[_B_MAGIC] == _B_MAGIC_VALUE):
+                        and seg.view[_B_MAGIC] == _B_MAGIC_VALUE and seg.owner_alive()):
                     return seg
                 seg.close()
             if time.monotonic() >= deadline:

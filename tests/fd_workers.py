@@ -267,3 +267,20 @@ def _forked_dp_engine(address, tp_size, dp_id, n, name):
             client.cleanup()
     except BaseException:
         return ("error", dp_id, -1, traceback.format_exc())
+
+
+def side_channel_probe(address, keys_dir, item, results, *, connect_timeout=5.0):
+    """A client in a process of its own puts ``item`` on the disaggregated-task channel;
+    reports ``("ok", 0, 0, None)`` or ``("error", 0, 0, "<type>: <message>")``."""
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, num_client=1, client_id=0, keys_dir=keys_dir,
+                              connect_timeout=connect_timeout)
+        try:
+            q.put_disaggregated_tasks(item)
+        finally:
+            q.cleanup()
+        results.put(("ok", 0, 0, None))
+    except BaseException as exc:
+        results.put(("error", 0, 0, f"{type(exc).__name__}: {exc}"))

@@ -5,17 +5,19 @@ a cache messager per TP rank (``client_id=rank``) started before the workers, as
 does in splitwise mode, never takes a rank and does not disturb the group."""
 
 import inspect
+import struct
 import threading
 import time
 
 import numpy as np
 import pytest
+import zmq
 
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
 from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
-from fd_workers import cache_messager
+from fd_workers import cache_messager, side_channel_probe
 
 RESULT_TIMEOUT_S = 60
 
@@ -249,3 +251,59 @@ def test_cache_messagers_beside_a_tp2_group(name, procs, results):
     # exactly one messager completes each round's report
     assert [messagers[0]["all_put"][k] + messagers[1]["all_put"][k] for k in range(rounds)] \
         == [1] * rounds
+
+
+def test_side_channels_over_tcp_need_the_keys(tmp_path, procs, results):
+    """Across nodes the side channels are authenticated like the task path: CURVE with the
+    library's keys (the server at port + 4096). A client (a process of its own) with the
+    keys is answered; one with another key pair never is, and fails naming the endpoint."""
+    from fastdeploy_sync.auth import create_keys
+
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    create_keys(keys)
+    create_keys(other)
+    server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=1,
+                               keys_dir=str(keys))
+    try:
+        address = ("127.0.0.1", server.get_server_port())
+        procs(side_channel_probe, address, str(keys), {"x": 1}, results)
+        assert results.get(timeout=RESULT_TIMEOUT_S)[0] == "ok"
+        assert server.get_disaggregated_tasks() == [{"x": 1}]
+        procs(side_channel_probe, address, str(other), {"x": 2}, results, connect_timeout=1.0)
+        kind, _, _, text = results.get(timeout=RESULT_TIMEOUT_S)
+        assert kind == "error" and text.startswith("ConnectionError"), text
+        assert f"tcp://127.0.0.1:{address[1] + 4096}" in text, text
+        assert server.get_disaggregated_tasks() is None
+    finally:
+        server.cleanup()
+
+
+def test_side_channels_survive_garbage(name):
+    """A peer's bytes (same user: the private ipc directory) that are not a request, of
+    another version, or that do not decode never stop the service: it answers the next
+    request."""
+    from fastdeploy_sync.transport import default_endpoint
+
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    try:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(default_endpoint(name, 0, "side"))
+        header = struct.pack("<4sHhiQQ", b"FDS1", 3, 0, 0, 7, 12345)  # a wrong checksum
+        for frames in ([b""], [b"x" * 100], [b"FDS9" + b"\0" * 28, b"y"], [header, b"\x80\x05."],
+                       [struct.pack("<4sHhiQQ", b"FDS1", 999, 0, 0, 8, 0), b"z"]):
+            sock.send_multipart(frames)
+        replies = []
+        while sock.poll(500):
+            replies.append(sock.recv_multipart())
+        assert len(replies) == 1  # the wrong checksum is answered (an error), the rest dropped
+        ctx.destroy(linger=0)
+        address = ("0.0.0.0", server.get_server_port())
+        client = EngineWorkerQueue(address=address, num_client=1, client_id=0, name=name,
+                                   role=None, connect_timeout=5)
+        assert server.num_cache_infos() == 0
+        client.put_disaggregated_tasks("still served")
+        assert server.get_disaggregated_tasks() == ["still served"]
+    finally:
+        server.cleanup()

@@ -307,3 +307,97 @@ def test_side_channels_survive_garbage(name):
         assert server.get_disaggregated_tasks() == ["still served"]
     finally:
         server.cleanup()
+
+
+def test_prefill_decode_layout_on_one_node(name, procs, results):
+    """FastDeploy's splitwise layout on one node: a prefill instance (TP=2) and a decode
+    instance (TP=1), each with its server, its workers and a cache messager per rank built
+    with the workers' arguments. Per request: the prefill engine puts the prefill batch,
+    puts the cache info its messagers read (cache_info_barrier among them), collects their
+    finished report, then hands the request to the decode instance
+    (put_disaggregated_tasks); the decode engine drains them and puts the decode batch.
+    Every batch of both instances is delivered consistently, every side-channel round is
+    exact, no messager takes a rank."""
+    n = 4
+    names = {"prefill": name, "decode": name + "-dec"}  # the fixture checks both for leftovers
+    tps = {"prefill": 2, "decode": 1}
+    servers, addresses, engines, puts = {}, {}, {}, {}
+    side = SPAWN.Queue()
+    worker_results = {"prefill": results, "decode": SPAWN.Queue()}
+    keep = []
+    try:
+        for inst in ("prefill", "decode"):
+            servers[inst] = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True,
+                                              num_client=tps[inst], name=names[inst])
+            addresses[inst] = ("0.0.0.0", servers[inst].get_server_port())
+            for r in range(tps[inst]):
+                procs(cache_messager, addresses[inst], tps[inst], r, side, n,
+                      name=names[inst], dp_id=0)
+        for _ in range(3):
+            assert side.get(timeout=RESULT_TIMEOUT_S)[0] == "ready"
+        for inst in ("prefill", "decode"):
+            barrier, signal = SPAWN.Barrier(tps[inst]), SPAWN.Value("i", 0)
+            keep.append((barrier, signal))
+            for r in range(tps[inst]):
+                procs(loop_worker, addresses[inst], "develop", tps[inst], r, 0, barrier,
+                      signal, worker_results[inst], name=names[inst])
+            engines[inst] = EngineWorkerQueue(address=addresses[inst], num_client=tps[inst],
+                                              client_id=0, name=names[inst])
+            puts[inst] = batches(0, n)
+        handed, errors = [], []
+
+        def decode_engine():  # drains the handed-off requests, puts their decode batches
+            try:
+                got = 0
+                deadline = time.monotonic() + 60
+                while got < n:
+                    assert time.monotonic() < deadline, "decode: requests never arrived"
+                    items = engines["decode"].get_disaggregated_tasks() or []
+                    for item in items:
+                        handed.append(item)
+                        engines["decode"].put_tasks(puts["decode"][got], timeout=30)
+                        got += 1
+                        engines["decode"].put_cache_info([{"decode": item}], timeout=30)
+                        while not engines["decode"].get_finished_req(timeout=30):
+                            time.sleep(0.002)
+                    time.sleep(0.002)
+                engines["decode"].put_tasks("stop", timeout=30)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        decode = threading.Thread(target=decode_engine)
+        decode.start()
+        prefill = engines["prefill"]
+        for k in range(n):  # the prefill engine and its connector
+            prefill.put_tasks(puts["prefill"][k], timeout=30)
+            prefill.put_cache_info([{"prefill": k}], timeout=30)
+            deadline = time.monotonic() + 30
+            report = prefill.get_finished_req(timeout=30)
+            while not report:
+                assert time.monotonic() < deadline, f"request {k}: no finished report"
+                time.sleep(0.002)
+                report = prefill.get_finished_req(timeout=30)
+            assert report == [[f"req{k}", "finished"]]
+            engines["decode"].put_disaggregated_tasks(("req", k))  # the connector's hand-off
+        prefill.put_tasks("stop", timeout=30)
+        decode.join(timeout=90)
+        assert not errors, errors
+        reports = {"prefill": {}, "decode": {}}
+        for inst, ranks in reports.items():
+            for _ in range(tps[inst]):
+                kind, _, r, payload = worker_results[inst].get(timeout=RESULT_TIMEOUT_S)
+                assert kind == "ok", f"{inst} rank {r}:\n{payload}"
+                ranks[r] = payload
+        messagers = []
+        for _ in range(3):
+            kind, _, r, payload = side.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "messager", payload
+            messagers.append(payload)
+    finally:
+        for server in servers.values():
+            server.cleanup()
+    for inst in ("prefill", "decode"):
+        check_group(reports[inst], tps[inst], 0, ids_of(puts[inst]))
+    assert handed == [("req", k) for k in range(n)]
+    assert all(m["role"] is None for m in messagers)
+    assert sorted(len(m["infos"]) for m in messagers) == [n, n, n]

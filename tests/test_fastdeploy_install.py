@@ -90,9 +90,9 @@ def test_processes_started_afterwards_get_it(fake_fastdeploy):
         child = subprocess.run([sys.executable, "-c", {CHECK!r}], capture_output=True,
                                text=True, timeout=60)
         print(child.stdout.strip() or child.stderr)
-        idle = subprocess.run([sys.executable, "-c",
-                               "import sys; print(any(m.startswith('fastdeploy') for m in sys.modules))"],
-                              capture_output=True, text=True, timeout=60)
+        probe = "import sys; print(any(m.startswith('fastdeploy') for m in sys.modules))"
+        idle = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=60)
         print(idle.stdout.strip())
     """)
     lines = _python(code, fake_fastdeploy)

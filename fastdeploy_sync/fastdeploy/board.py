@@ -125,9 +125,6 @@ class GroupBoard:
                                    f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
                                    f"restart the worker group") from exc
 
-    def _slot(self, call):
-        return _B_RING_BASE + _B_SLOT * (call % _B_RING)
-
     def latch_unless_read(self, call, for_gen, decide):
         """Rank 0: run ``decide()`` (which latches decision ``call`` in the TaskClient and
         returns ``(count, first, last)``, or None when nothing is latched) unless some rank
@@ -146,8 +143,13 @@ class GroupBoard:
                 return False
             result = decide()
             if result:
-                s = self._slot(call)
-                _fill(v, s, (call, 0, for_gen, result[1], result[2], -1))
+                s = _B_RING_BASE + _B_SLOT * (call % _B_RING)
+                v[s] = call
+                v[s + 1] = 0
+                v[s + 2] = for_gen
+                v[s + 3] = result[1]
+                v[s + 4] = result[2]
+                v[s + 5] = -1 if v[_B_CLEAR] else 0  # -1: the first read fixes it
             return result
         finally:
             self._sem.release()
@@ -168,14 +170,14 @@ class GroupBoard:
         of the group drifting a call apart (and later hanging in the caller's barrier). A
         rank that calls less often is caught only when the call counts show it (a peer
         raises)."""
-        s = self._slot(call)
+        s = _B_RING_BASE + _B_SLOT * (call % _B_RING)
         self._lock()
         try:
             v = self._view
             if barriers and v[s] == call and v[s + 2] > barriers:
                 return EARLY
             v[_B_CALLS_BASE + self.tp_rank] = call
-            calls = [int(v[_B_CALLS_BASE + r]) for r in range(self.tp_size)]
+            calls = v[_B_CALLS_BASE:_B_CALLS_BASE + self.tp_size].tolist()
             if call > v[_B_NEXT_CALL]:
                 raise ProtocolError(
                     f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call}, but "
@@ -193,21 +195,28 @@ class GroupBoard:
             if v[_B_SEALED] < call:
                 v[_B_SEALED] = call
             if v[s] != call:  # nothing was latched for this call
-                _fill(v, s, (call, 0, 0, 0, 0, 0))
+                v[s] = call
+                v[s + 1] = v[s + 2] = v[s + 5] = 0
             elif v[s + 5] < 0:  # the first read: fix what a worker's clear_data() drops
                 v[s + 5] = max(0, min(v[_B_CLEAR], v[s + 4]) - v[s + 3])
-            v[s + 1] += 1
-            return v[s + 1] == self.tp_size, int(v[s + 5])
+            readers = v[s + 1] + 1
+            v[s + 1] = readers
+            return readers == self.tp_size, v[s + 5]
         finally:
             self._sem.release()
 
     def request_clear(self, upto):
-        """A worker's ``clear_data()``: from the next decision on, batches with seq <=
-        ``upto`` are dropped by every rank (``CLEAR`` only grows)."""
+        """A worker's ``clear_data()``: from the next call nobody has read on, batches with
+        seq <= ``upto`` are dropped by every rank (``CLEAR`` only grows)."""
         self._lock()
         try:
-            if self._view[_B_CLEAR] < upto:
-                self._view[_B_CLEAR] = upto
+            v = self._view
+            if v[_B_CLEAR] < upto:
+                v[_B_CLEAR] = upto
+            unread = v[_B_SEALED] + 1  # the one call rank 0 may have latched and nobody read
+            s = _B_RING_BASE + _B_SLOT * (unread % _B_RING)
+            if v[s] == unread:
+                v[s + 5] = -1
         finally:
             self._sem.release()
 
@@ -225,11 +234,6 @@ class GroupBoard:
     def close(self):
         self._view = None
         self._finalizer()
-
-
-def _fill(view, start, values):
-    for i, value in enumerate(values):
-        view[start + i] = value
 
 
 def _release_board(seg, sem, owner, shm_name, sem_name):

@@ -29,9 +29,15 @@ def _deadline(timeout):
 
 
 class ChannelMethods:
-    """Mixed into ``EngineWorkerQueue``: FastDeploy's side-channel methods. The class
-    provides ``_side()`` -> ``(link, dp_id, client_id)``. Each method is one request (a
-    round trip to the server, ~0.1 ms on one node), or several while it waits."""
+    """Mixed into ``EngineWorkerQueue``: FastDeploy's side-channel methods. Each method is
+    one request (a round trip to the server, ~0.1 ms on one node), or several while it
+    waits. The class implements ``_side()``."""
+
+    def _side(self):
+        """``(link, dp_id, client_id)``: the link to the server's side channels (a
+        ``links.LocalLink`` or ``RemoteLink``), this client's DP group and TP rank (-1 on the
+        server). ``ClosedError`` after ``cleanup()``. The attribute objects below call it."""
+        raise NotImplementedError
 
     def num_cache_infos(self) -> int:
         """Cache infos put and not yet read by every client of this DP group."""

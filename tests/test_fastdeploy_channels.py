@@ -45,8 +45,9 @@ def _positional(fn):
 def test_signatures():
     for method, params in FASTDEPLOY_METHODS.items():
         assert _positional(getattr(EngineWorkerQueue, method)) == params, method
-    assert isinstance(inspect.getattr_static(EngineWorkerQueue, "to_tensor"), staticmethod)
-    assert isinstance(inspect.getattr_static(EngineWorkerQueue, "to_numpy"), staticmethod)
+    for method in ("to_tensor", "to_numpy"):  # class methods, as FastDeploy's
+        assert isinstance(inspect.getattr_static(EngineWorkerQueue, method), classmethod)
+        assert _positional(getattr(EngineWorkerQueue, method)) == ["tasks"]
 
 
 def _in_thread(fn, *args):

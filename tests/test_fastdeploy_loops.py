@@ -80,7 +80,7 @@ def test_loop_shape_tp8(name, procs, results, shape, sync):
 
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_sync_fallback_idle_loop_tp2_dp2(name, procs, results, sync):
-    """The operator's first switch (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1) under FastDeploy's
+    """This library's sync fallback (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1) under FastDeploy's
     idle loop (the idle branch's barrier and 1 ms sleep, no collective), one batch at a
     time, 50 batches per DP group; the same run in async mode."""
     run_shape(name, procs, results, "develop", 2, 2, 50, sync=sync)

@@ -98,8 +98,17 @@ class EngineWorkerQueue(ChannelMethods):
     thread-safe; a worker is used from its event loop thread.
     """
 
-    to_tensor = staticmethod(tensors.to_tensor)
-    to_numpy = staticmethod(tensors.to_numpy)
+    @classmethod
+    def to_tensor(cls, tasks) -> None:
+        """FastDeploy's class method: multimodal numpy inputs of ``tasks`` to paddle tensors,
+        in place, when FastDeploy's switches say so (``tensors.to_tensor``)."""
+        tensors.to_tensor(tasks)
+
+    @classmethod
+    def to_numpy(cls, tasks) -> None:
+        """FastDeploy's class method: the reverse, for a list of batches
+        (``tensors.to_numpy``)."""
+        tensors.to_numpy(tasks)
 
     def __init__(self, address=("0.0.0.0", 5000), authkey: bytes = b"secret_key",
                  is_server: bool = False, num_client: int = 1, client_id: int = -1,

@@ -147,10 +147,10 @@ def connect_timeout_s() -> float:
 
 
 def queue_role() -> str:
-    """``FD_SYNC_QUEUE_ROLE`` (``worker`` by default, or ``engine``): what a FastDeploy
-    drop-in client (``is_server=False``) is when no server for its address lives in this
-    process. FastDeploy builds its per-DP-rank engine processes' clients with the same
-    arguments as a TP rank 0's, so set ``engine`` in those processes."""
+    """``FD_SYNC_QUEUE_ROLE`` (``engine`` or ``worker``; ``worker`` when read unset): what a
+    FastDeploy drop-in client (``is_server=False``) is when no server for its address lives
+    in this process. The drop-in reads it only when it is set; unset, the client's first
+    call decides (``fastdeploy.queue``)."""
     value = os.environ.get("FD_SYNC_QUEUE_ROLE", "worker").strip().lower()
     if value not in ("engine", "worker"):
         raise ValueError(f"FD_SYNC_QUEUE_ROLE={value!r}: expected engine or worker")

@@ -76,7 +76,10 @@ def _open_worker_queue(mode, address, tp, rank):
     os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if mode == "dropin-sync" else "0"
     from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
-    return EngineWorkerQueue(address=address, is_server=False, num_client=tp, client_id=rank)
+    # role="worker": joins at construction (else at its first read), so that no step of the
+    # measured loop includes joining the TP group
+    return EngineWorkerQueue(address=address, is_server=False, num_client=tp, client_id=rank,
+                             role="worker")
 
 
 def _model_step(step_ms, gil, a):

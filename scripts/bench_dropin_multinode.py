@@ -52,7 +52,8 @@ def worker(address, tp, rank, endpoints, sync, out):
     dist.init_parallel_env()
     from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
-    q = EngineWorkerQueue(address=address, num_client=tp, client_id=rank, connect_timeout=60)
+    q = EngineWorkerQueue(address=address, num_client=tp, client_id=rank, connect_timeout=60,
+                          role="worker")  # joins now (else at its first read)
     assert q.coordinator == "paddle", q.coordinator
     one = paddle.to_tensor([1], dtype="int64")
     clock = time.perf_counter_ns

@@ -14,6 +14,12 @@ Shapes (``shape=``), each as ``event_loop_normal`` runs it:
 * ``v20`` (the 2.0-era file with ``self.nnode = 1`` hard-coded): a TP barrier at the top of
   every iteration, rank 0 checks ``num_tasks() > 0``, the TP barrier, the read, then the
   model step on every iteration (no idle branch).
+* ``overlap`` (develop, 2026, the overlap scheduler, on by default on GPU): as ``develop``,
+  but the TP barrier is the queue's own ``worker_process_tp_barrier.wait()``, there is no
+  idle branch and an idle step is a no-op: each idle iteration has a single sync point
+  (check, the queue's barrier, read the signal, nothing). A busy step runs the model's
+  collective (``barrier``). Develop's ``nnode = (tp + 8) // 8``: at TP=8 on one node rank 0
+  sets ``read_finish_flag`` instead of the signal (pass ``multi_node=True``).
 
 ``nnode > 1`` (``multi_node=True``): rank 0 sets ``read_finish_flag`` instead of the
 node-local signal, as FastDeploy does when the TP group spans nodes.
@@ -59,12 +65,17 @@ def spin(ms):
 
 def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, until_stop=True,
              step_ms=0.0, gil_step=False, busy_steps=1, deadline_s=60.0, on_take=None,
-             barrier_timeout=20.0):
+             barrier_timeout=20.0, lag=None, stats=None):
     """Run FastDeploy's loop of ``shape`` over the drop-in ``q`` until the STOP batch was
     taken (every rank takes it at the same step). Returns ``calls``: one
-    ``(step, call, tasks)`` per ``get_tasks()`` call, and the number of steps.
-    ``on_take(step, tasks)`` sees each call's tasks (for timing)."""
-    if shape not in ("develop", "v2x", "v20"):
+    ``(step, call, tasks)`` per ``get_tasks()`` call that returned batches (an ``overlap``
+    rank whose read came before its peers' gets ``[]`` from a call the others do not
+    make: such calls are not listed), and the number of steps.
+    ``on_take(step, tasks)`` sees each call's tasks (for timing).
+    ``lag=(rank, seconds)``: that rank sleeps this long right after the step's TP barrier,
+    before it reads the signal, every step (a rank the OS descheduled there).
+    ``stats``: a dict; ``stats["early"]`` counts the overlap reads answered ``[]``."""
+    if shape not in ("develop", "v2x", "v20", "overlap"):
         raise ValueError(shape)
     calls = []
     step = 0
@@ -75,7 +86,10 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
 
     def tp_barrier():
         if tp_size > 1:
-            barrier.wait(barrier_timeout)
+            if shape == "overlap":
+                q.worker_process_tp_barrier.wait(barrier_timeout)
+            else:
+                barrier.wait(barrier_timeout)
 
     while not stop:
         if time.monotonic() > deadline:
@@ -84,18 +98,26 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
         if shape == "v20":
             tp_barrier()  # "Synchronize before updating weights"
         if rank == 0:
-            found = q.exist_tasks() if shape == "develop" else q.num_tasks() > 0
+            found = q.exist_tasks() if shape in ("develop", "overlap") else q.num_tasks() > 0
             if found:
                 if multi_node:
                     q.read_finish_flag.set(1)
                 else:
                     signal.value = 1
         tp_barrier()  # "Synchronize the signal for other workers"
+        if lag is not None and lag[0] == rank:
+            time.sleep(lag[1])
         if signal.value == 1 or q.read_finish_flag.get() == 1:
             tasks, read_finish = q.get_tasks()
-            ncall += 1
+            # overlap: a read that came before the peers' (the drop-in answers [] to it)
+            # is no call of the group's; only calls that took batches are compared
+            listed = shape != "overlap" or bool(tasks)
+            if listed:
+                ncall += 1
+            elif stats is not None:
+                stats["early"] = stats.get("early", 0) + 1
             if read_finish:
-                if shape == "develop":
+                if shape in ("develop", "overlap"):
                     if multi_node:
                         q.read_finish_flag.set(0)
                     else:
@@ -103,19 +125,27 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
                 else:
                     signal.value = 0
                     q.read_finish_flag.set(0)
-            if on_take is not None:
-                on_take(step, tasks)
-            calls.append((step, ncall, tasks))
+            if listed:
+                if on_take is not None:
+                    on_take(step, tasks)
+                calls.append((step, ncall, tasks))
             control = [t for t in tasks if isinstance(t, tuple) and t[0]
                        and isinstance(t[0][0], ControlRequest)]
             if any(t == STOP for t in tasks):
                 stop = until_stop
             if tasks:
                 busy = busy_steps
-            if shape == "develop" and control:
+            if shape in ("develop", "overlap") and control:
                 for _ in control:  # run_control_method, then the TP barrier
                     tp_barrier()
-        if shape != "v20" and busy == 0:
+        if shape == "overlap":
+            if busy:  # the model step and its collective; an idle step does nothing
+                if step_ms:
+                    spin(step_ms) if gil_step else time.sleep(step_ms / 1000)
+                if tp_size > 1:
+                    barrier.wait(barrier_timeout)
+                busy -= 1
+        elif shape != "v20" and busy == 0:
             tp_barrier()  # idle branch
             time.sleep(0.001)
         else:
@@ -156,6 +186,52 @@ def engine_loop(client, batches, *, put_timeout=20.0, wait_exist=True, on_put=No
     client.put_tasks(STOP, timeout=put_timeout)
 
 
+def engine_loop_v0(client, batches, *, timeout=20.0, use_exist=False):
+    """FastDeploy's V0 scheduler loop (``_insert_task_to_worker``, every stored version):
+    ``if num_tasks() > 0`` (or ``exist_tasks()``): sleep 1 ms; ``if num_cache_infos() > 0``:
+    sleep 1 ms; else put the next batch; then STOP. ``TimeoutError`` once nothing could be
+    put for ``timeout`` s. Returns how many times each wait was taken."""
+    waits = {"tasks": 0, "cache_infos": 0}
+    pending = list(batches) + [STOP]
+    deadline = time.monotonic() + timeout
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"V0 engine: nothing put for {timeout} s ({waits})")
+        if (client.exist_tasks() if use_exist else client.num_tasks() > 0):
+            waits["tasks"] += 1
+            time.sleep(0.001)
+            continue
+        if client.num_cache_infos() > 0:
+            waits["cache_infos"] += 1
+            time.sleep(0.001)
+            continue
+        client.put_tasks(pending.pop(0), timeout=timeout)
+        deadline = time.monotonic() + timeout
+    return waits
+
+
+def v0_engine_process(address, tp_size, dp_id, n, results, *, name=None, use_exist=False):
+    """FastDeploy's V0 engine in a process of its own with a plain client (FastDeploy's
+    arguments: ``client_id=0``, no role): reports ``("engine", dp_id, 0, waits)`` or an
+    error."""
+    import traceback
+
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=0, local_data_parallel_id=dp_id, name=name,
+                              connect_timeout=10)
+        try:
+            waits = engine_loop_v0(q, batches(dp_id, n), use_exist=use_exist)
+            waits["role"] = q.role
+        finally:
+            q.cleanup()
+        results.put(("engine", dp_id, 0, waits))
+    except BaseException:
+        results.put(("error", dp_id, -1, traceback.format_exc()))
+
+
 def sync_env(sync):
     os.environ["DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"] = "1" if sync else "0"
 
@@ -193,7 +269,7 @@ def batches(dp_id, n, *, every_control=0, array_len=64):
 
 def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
                 name=None, multi_node=False, deadline_s=60.0, step_ms=0.0, busy_steps=1,
-                queue_kw=None):
+                queue_kw=None, lag=None, barrier_timeout=20.0):
     """A worker process running ``run_loop``; reports ``("ok", dp_id, rank, {"calls":
     [(step, call, ids)], "steps": n})`` or ``("error", dp_id, rank, traceback)``."""
     import traceback
@@ -208,6 +284,7 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
     except BaseException:
         results.put(("error", dp_id, rank, traceback.format_exc()))
         return
+    stats = {}
     try:
         def check(step, tasks):
             for t in tasks:
@@ -217,9 +294,10 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
 
         calls, steps = run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=multi_node,
                                 deadline_s=deadline_s, step_ms=step_ms, busy_steps=busy_steps,
-                                on_take=check)
+                                on_take=check, lag=lag, barrier_timeout=barrier_timeout,
+                                stats=stats)
         results.put(("ok", dp_id, rank, {"calls": [(s, c, ids_of(t)) for s, c, t in calls],
-                                         "steps": steps}))
+                                         "steps": steps, "early": stats.get("early", 0)}))
     except BaseException:
         results.put(("error", dp_id, rank, traceback.format_exc()))
     finally:

@@ -61,10 +61,10 @@ def main():
 
         q = EngineWorkerQueue(address=tuple(a["address"]), num_client=tp, client_id=rank,
                               local_data_parallel_id=dp, name=a["name"], connect_timeout=60)
-        out["coordinator"] = q.coordinator
         calls, steps = run_loop(q, a["shape"], tp, rank, barrier, LocalFlag(),
                                 multi_node=True, deadline_s=a.get("deadline_s", 120),
                                 step_ms=a.get("step_ms", 0.0))
+        out["coordinator"] = q.coordinator  # known once the rank joined (its first read)
         out.update(ok=True, calls=[[s, c, ids_of(t)] for s, c, t in calls], steps=steps)
     except BaseException:
         out["error"] = traceback.format_exc()

@@ -8,8 +8,8 @@ FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) 
   * test_single_node_signal_updates     -> test_exist_tasks_is_derived (intended difference:
     set_exist_tasks(True) does not create a batch)
   * test_connect_retry_failure          -> test_fail_fast_without_server
-  * to_tensor / to_numpy, cache info, RDMA connect, finished requests, disaggregation:
-    not the task path; the drop-in does not provide them (test_other_channels_say_so).
+  * to_tensor / to_numpy, cache info, RDMA connect, finished requests, disaggregation,
+    barriers, lock: tests/test_fastdeploy_channels.py.
 """
 
 import threading
@@ -23,7 +23,8 @@ from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_workers import STOP, batch, fd_engine_loop, fd_engine_process, fd_worker_loop
+from fd_workers import (STOP, batch, ep_dp_engine_process, fd_engine_loop, fd_engine_process,
+                        fd_worker_loop)
 
 RESULT_TIMEOUT_S = 60
 
@@ -38,7 +39,7 @@ def _collect(results, n):
 
 
 def _run_group(name, procs, results, tp, dp, n, *, sync=False, max_inflight=1, clear_after=None,
-               wait_exist=True, pause=None, max_step_ms=2.0):
+               wait_exist=True, pause=None, max_step_ms=2.0, clear_at=None):
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
                                local_data_parallel_size=dp, name=name, max_inflight=max_inflight)
     try:
@@ -50,7 +51,8 @@ def _run_group(name, procs, results, tp, dp, n, *, sync=False, max_inflight=1, c
             keep.append((barrier, signal))
             for r in range(tp):
                 procs(fd_worker_loop, address, tp, r, d, barrier, signal, results, sync=sync,
-                      name=name, seed=d * 10 + r, pause=pause, max_step_ms=max_step_ms)
+                      name=name, seed=d * 10 + r, pause=pause, max_step_ms=max_step_ms,
+                      clear_at=clear_at)
         clients = [EngineWorkerQueue(address=address, is_server=False, num_client=tp,
                                      client_id=0, local_data_parallel_id=d, name=name)
                    for d in range(dp)]
@@ -128,6 +130,25 @@ def test_clear_data_with_batches_in_flight(name, procs, results):
     assert taken == [(0, 3), (0, 4), (0, 5), STOP]
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_worker_clear_data_drops_the_same_batches_on_every_rank(name, procs, results, sync):
+    """FastDeploy's weight update: every rank calls clear_data() at the same step, after the
+    barrier, while batches are pending. Every rank drops the same batches (what they held),
+    none of them is returned, and what the engine puts after is delivered. Before: a
+    worker's clear_data() dropped nothing."""
+    n = 6
+    out = _run_group(name, procs, results, 2, 1, n, sync=sync, max_inflight=4,
+                     wait_exist=False, pause=(1, 0.5), clear_at=1)
+    cleared = {out[(0, r)]["cleared"] for r in range(2)}
+    assert len(cleared) == 1 and min(cleared) >= 1, cleared
+    dropped = cleared.pop()
+    ref = out[(0, 0)]["calls"]
+    assert [(s, c, ids) for s, c, ids, _ in out[(0, 1)]["calls"]] == \
+        [(s, c, ids) for s, c, ids, _ in ref]
+    taken = [x for _, _, ids, _ in ref for x in ids]
+    assert taken == [(0, k) for k in range(dropped, n)] + [STOP], (dropped, taken)
+
+
 def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
     """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
     3. A rank raises ProtocolError within a few steps instead of the group drifting a call
@@ -194,22 +215,29 @@ def test_put_get_num_tasks_and_clear(name):
             assert all_read and fetched == [tasks]
             _until(lambda: engine.num_tasks() == 0)
             assert not engine.exist_tasks()
-            # put, clear: the worker never gets it, and the queue empties once it took the marker
+            # put, clear: FastDeploy's engine reads an empty queue at once and may put again;
+            # the worker never gets the cleared batch
             engine.put_tasks(tasks)
             engine.clear_data()
+            assert engine.num_tasks() == 0 and not engine.exist_tasks()
             engine.clear_data()  # nothing put since: adds nothing
-            _until(lambda: worker.num_tasks() == 2)  # the batch and the clear marker
+            engine.put_tasks(["task-C"], timeout=1)  # no wait for the workers
+            assert engine.num_tasks() == 1
+            _until(lambda: worker.num_tasks() == 3)  # the batch, the marker, task-C
             assert worker.exist_tasks()
             fetched, all_read = worker.get_tasks()
-            assert fetched == [] and all_read and worker.cleared == 1
+            assert fetched == [["task-C"]] and all_read and worker.cleared == 1
             _until(lambda: engine.num_tasks() == 0)
             engine.clear_data()  # nothing pending: a no-op
             assert engine.num_tasks() == 0
-            # worker-side clear_data drops nothing
+            # worker-side clear_data empties what the worker holds, as FastDeploy's
             engine.put_tasks(["task-B"])
             _until(worker.exist_tasks)
             worker.clear_data()
-            assert worker.get_tasks() == ([["task-B"]], True)
+            assert worker.get_tasks() == ([], True) and worker.cleared == 2
+            engine.put_tasks(["task-D"], timeout=5)
+            _until(worker.exist_tasks)
+            assert worker.get_tasks() == ([["task-D"]], True)
         finally:
             worker.cleanup()
     finally:
@@ -303,9 +331,9 @@ def test_ports_and_server_only_port(name, loopback_tcp):
 
 
 def test_exist_tasks_is_derived(name):
-    """FastDeploy's test_single_node_signal_updates, an intended difference: the flag follows
-    the queue, so set_exist_tasks(True) creates no batch, and set_exist_tasks(False) with a
-    batch pending refuses (clear_data() drops it consistently instead)."""
+    """FastDeploy's test_single_node_signal_updates: set_exist_tasks(True) creates no batch
+    here (an intended difference: the flag follows the queue), and set_exist_tasks(False)
+    with a batch pending clears the engine's flag until the next put, as FastDeploy's."""
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
     try:
         assert not server.exist_tasks()
@@ -313,9 +341,12 @@ def test_exist_tasks_is_derived(name):
         assert not server.exist_tasks()
         server.set_exist_tasks(False)
         server.put_tasks(["x"])
+        assert server.exist_tasks() and server.exist_tasks_intra_signal.value[0] == 1
+        server.set_exist_tasks(False)
+        assert not server.exist_tasks() and server.exist_tasks_intra_signal.value[0] == 0
+        assert server.num_tasks() == 1  # the batch is still there (clear_data() drops it)
+        server.exist_tasks_intra_signal.value[0] = 1  # FastDeploy's IPCSignal spelling
         assert server.exist_tasks()
-        with pytest.raises(ValueError, match="clear_data"):
-            server.set_exist_tasks(False)
     finally:
         server.cleanup()
 
@@ -358,18 +389,40 @@ def test_engine_clients_in_other_processes(name, procs, results):
     _check_consistent(out, tp, dp, n)
 
 
+def test_ep_dp_with_a_forked_dp_engine(name, procs, results):
+    """EP + DP=2 on one node as FastDeploy runs it: the engine process builds the server of
+    both DP groups, then forks the DP-1 engine, whose plain client_id=0 client must put
+    through the parent's server (not act on the copy it inherited). Every batch of both
+    groups is delivered. Before: the child's first put_tasks() never returned and DP group
+    1 took 0 batches."""
+    tp, dp, n = 1, 2, 15
+    engine_results, done = SPAWN.Queue(), SPAWN.Event()
+    procs(ep_dp_engine_process, n, engine_results, done, name=name, tp_size=tp, dp_size=dp)
+    kind, _, _, port = engine_results.get(timeout=RESULT_TIMEOUT_S)
+    assert kind == "port", port
+    address = ("0.0.0.0", port)
+    keep = []
+    for d in range(dp):
+        barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+        keep.append((barrier, signal))
+        procs(fd_worker_loop, address, tp, 0, d, barrier, signal, results, name=name,
+              seed=d)
+    try:
+        engines = {}
+        for _ in range(dp):
+            kind, d, pid, payload = engine_results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "engine", f"engine of DP group {d}:\n{payload}"
+            engines[d] = (pid, payload)
+        assert engines[1][0] != engines[0][0] and engines[1][1] == "engine"  # the forked child
+        out = _collect(results, tp * dp)
+    finally:
+        done.set()
+    _check_consistent(out, tp, dp, n)
+
+
 def test_engine_client_without_a_server_fails_fast(name):
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match="no TaskQueue"):
         EngineWorkerQueue(address=("0.0.0.0", 1), client_id=0, name=name, role="engine",
                           connect_timeout=0.5)
     assert time.monotonic() - t0 < 10
-
-
-def test_other_channels_say_so(name):
-    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
-    try:
-        with pytest.raises(AttributeError, match="task path only"):
-            server.put_cache_info([])
-    finally:
-        server.cleanup()

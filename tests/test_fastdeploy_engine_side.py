@@ -112,3 +112,71 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
         assert [x for ids in got[0] for x in ids] == [(0, 0), (0, 1), STOP]
     finally:
         server.cleanup()
+
+
+def test_threads_putting_together_keep_the_bound(name):
+    """Issue 30 item 9: engine threads putting through one queue with max_inflight=1 (no
+    worker takes anything) must leave exactly 1 batch in flight, and clear_data() must then
+    return at once. Before: the check and the enqueue were apart, 2 batches got in, and
+    clear_data() waited 5 s for room and raised TimeoutError."""
+    import sys
+    import threading
+
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1,
+                               name=name, max_inflight=1)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave between the check and the enqueue
+    try:
+        for round_ in range(2):  # then the cleared backlog (bounded) leaves no room
+            start = threading.Barrier(8)
+            accepted = []
+
+            def put(k):
+                start.wait(10)
+                try:
+                    server.put_tasks([round_, k], timeout=0.3)
+                    accepted.append(k)
+                except TimeoutError:
+                    pass
+
+            threads = [threading.Thread(target=put, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert len(accepted) == 1, f"round {round_}: {len(accepted)} batches in flight"
+            # underneath: this batch, and each earlier round's batch and clear marker
+            assert server.task_queues[0].num_tasks() == 2 * round_ + 1
+            t0 = time.monotonic()
+            server.clear_data()
+            assert time.monotonic() - t0 < 1.0 and server.num_tasks() == 0
+    finally:
+        sys.setswitchinterval(interval)
+        server.cleanup()
+
+
+def test_a_wall_clock_step_is_not_a_lost_group(name, procs, results, monkeypatch):
+    """Issue 30 item 11: the engine side judges how long a rank has been disconnected by a
+    monotonic clock. A rank's connection drops (its process is killed), well within the
+    heartbeat timeout, and the wall clock steps an hour forward (NTP): exist_tasks() must
+    not raise GroupLostError. Before: it judged by time.time() and raised."""
+    monkeypatch.setenv("FD_SYNC_HEARTBEAT_TIMEOUT", "60")
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1,
+                               name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        keep, pids = _start_group(procs, results, address, name, 1)
+        _wait_connected(server, 1)
+        os.kill(pids[0], signals.SIGKILL)
+        deadline = time.monotonic() + 30
+        while server.task_queues[0].ranks()[0]["state"] != "disconnected":
+            assert time.monotonic() < deadline, "the engine never saw the rank go"
+            time.sleep(0.01)
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600.0)
+        time.sleep(0.15)  # past the watch's 100 ms period: the next call looks
+        assert server.exist_tasks() is False
+        assert server.num_tasks() == 0
+    finally:
+        monkeypatch.undo()
+        server.cleanup()

@@ -11,7 +11,8 @@ import pytest
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 from conftest import SPAWN
-from fd_loops import ControlRequest, batches, check_group, engine_loop, ids_of, loop_worker
+from fd_loops import (ControlRequest, batches, check_group, engine_loop, ids_of, loop_worker,
+                      v0_engine_process)
 
 RESULT_TIMEOUT_S = 90
 
@@ -79,7 +80,7 @@ def test_loop_shape_tp8(name, procs, results, shape, sync):
 
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_sync_fallback_idle_loop_tp2_dp2(name, procs, results, sync):
-    """The operator's first switch (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1) under FastDeploy's
+    """This library's sync fallback (DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM=1) under FastDeploy's
     idle loop (the idle branch's barrier and 1 ms sleep, no collective), one batch at a
     time, 50 batches per DP group; the same run in async mode."""
     run_shape(name, procs, results, "develop", 2, 2, 50, sync=sync)
@@ -94,3 +95,35 @@ def test_control_requests_travel_like_batches(name, procs, results, shape):
     assert [x for x in ids if x[0] == "control"] == [("control", 2), ("control", 5),
                                                      ("control", 8), ("control", 11)]
     assert ControlRequest(1, "x").method == "x"
+
+
+@pytest.mark.parametrize("use_exist", [False, True], ids=["num_tasks", "exist_tasks"])
+def test_v0_scheduler_engine_loop(name, procs, results, use_exist):
+    """FastDeploy's V0 scheduler (forced on every platform but CUDA/XPU/MACA and whenever
+    ENABLE_V1_KVCACHE_SCHEDULER=0) asks num_cache_infos() before every put. Its engine, in
+    a process of its own with FastDeploy's plain client_id=0 client, puts and the TP=2
+    group takes every batch. Before: num_cache_infos() raised AttributeError and nothing
+    was put."""
+    tp, n = 2, 15
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,
+                               name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        barrier, signal = SPAWN.Barrier(tp), SPAWN.Value("i", 0)
+        for r in range(tp):
+            procs(loop_worker, address, "develop", tp, r, 0, barrier, signal, results,
+                  name=name)
+        engine_results = SPAWN.Queue()
+        procs(v0_engine_process, address, tp, 0, n, engine_results, name=name,
+              use_exist=use_exist)
+        kind, _, _, waits = engine_results.get(timeout=RESULT_TIMEOUT_S)
+        assert kind == "engine", waits
+        assert waits["role"] == "engine" and waits["tasks"] > 0, waits
+        reports = {}
+        for _ in range(tp):
+            kind, _, r, payload = results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "ok", f"rank {r}:\n{payload}"
+            reports[r] = payload
+    finally:
+        server.cleanup()
+    check_group(reports, tp, 0, ids_of(batches(0, n)))

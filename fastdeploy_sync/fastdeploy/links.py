@@ -1,0 +1,285 @@
+"""How a client reaches the side channels (``channels.ChannelState``): ``LocalLink`` in the
+server's process, ``RemoteLink`` elsewhere, to the ``SideService`` the server runs.
+
+The service is a ZeroMQ ROUTER in a thread of the server's process, on the private ipc
+directory (one node) or on tcp with the library's CURVE keys (``auth``), like the task
+endpoints: peers are authenticated by the transport before anything they send is decoded,
+and every message is checked (structure, size, checksum; ``codec``) before it is unpickled.
+It is off the step's critical path: nothing on the task path touches it.
+
+Each request is one message and one reply. An operation FastDeploy would wait in answers
+``NotReady``; ``call_until`` asks again (0.5 ms doubling to 5 ms) until the caller's
+deadline. Every wait is bounded: a reply within ``timeout`` or ``ConnectionError``
+naming the endpoint.
+"""
+
+import logging
+import os
+import struct
+import threading
+import time
+
+import zmq
+
+from .. import codec, envs
+from ..auth import ClientAuth, ServerAuth
+from ..errors import ProtocolError
+from ..logs import RateLimitedLog
+from ..transport import (CLIENT_FDS, ENGINE_FDS, WakePipe, check_ipc_endpoint, claim_ipc_path,
+                         ensure_free_fds, ipc_path, new_socket, secure_socket_file,
+                         unlink_quietly)
+from .channels import OPERATIONS as OPS
+from .channels import BarrierBroken, NotReady
+
+__all__ = ["LocalLink", "RemoteLink", "SideService", "call_until", "REPLY_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"FDS1"
+_REQUEST = struct.Struct("<4sHhiQQ")  # magic, op, dp_id, client_id, request id, checksum
+_REPLY = struct.Struct("<4sBQQ")  # magic, status, request id, checksum
+_OK, _NOT_READY, _ERROR, _BROKEN = range(4)
+_OP_INDEX = {op: i for i, op in enumerate(OPS)}
+# A reply to one request (the service answers at once; this bounds a dead or stuck server)
+REPLY_TIMEOUT_S = 10.0
+_POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.005
+_MESSAGES_PER_TICK = 256
+# Errors a peer may be told about by class name; anything else becomes a RuntimeError.
+_ERRORS = {cls.__name__: cls for cls in (ValueError, OverflowError, TypeError, RuntimeError)}
+
+
+def _encode(obj):
+    frames = codec.encode_payload(obj)
+    return frames, codec.payload_checksum(frames)
+
+
+def _decode(frames, checksum, where):
+    try:
+        return codec.decode_payload(frames, checksum or None)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{where}: a side-channel message does not decode: {exc}") from None
+
+
+class LocalLink:
+    """In the server's process: calls the state directly. Arguments and results are
+    copied through the codec, as they would be through the socket (a caller mutating what
+    it put changes nothing in the channel)."""
+
+    def __init__(self, state, where="the server's side channels"):
+        self._state, self.endpoint = state, where
+
+    def call(self, op, dp_id, client_id, arg=None):
+        frames, check = _encode(arg)
+        result = self._state.call(op, dp_id, client_id, _decode(frames, check, self.endpoint))
+        frames, check = _encode(result)
+        return _decode(frames, check, self.endpoint)
+
+    def close(self):
+        pass
+
+
+class RemoteLink:
+    """A DEALER to a ``SideService``: one request at a time (thread-safe). The constructor
+    connects and returns at once; ``call`` raises ``ConnectionError`` when no reply comes
+    within ``timeout`` (``REPLY_TIMEOUT_S`` by default)."""
+
+    def __init__(self, endpoint, *, keys_dir=None, timeout=REPLY_TIMEOUT_S):
+        self.endpoint = endpoint
+        self._timeout = timeout
+        path = ipc_path(endpoint)
+        if path:
+            check_ipc_endpoint(path)
+        auth = None if path else ClientAuth.load(endpoint, keys_dir)
+        ensure_free_fds(CLIENT_FDS, f"EngineWorkerQueue side channels at {endpoint}")
+        self._lock = threading.Lock()
+        self._request = 0
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = new_socket(self._ctx, zmq.DEALER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
+        if auth is not None:
+            auth.apply(self._sock)
+        self._sock.connect(endpoint)
+        self._pid = os.getpid()
+        self._closed = False
+
+    def call(self, op, dp_id, client_id, arg=None, timeout=None):
+        """One request; the operation's result, or its error raised here (``NotReady``,
+        ``BarrierBroken``, ``ValueError``...). ``ConnectionError`` without a reply."""
+        frames, check = _encode(arg)
+        timeout = self._timeout if timeout is None else timeout
+        with self._lock:
+            if self._closed:
+                raise ConnectionError(f"the side-channel link to {self.endpoint} is closed")
+            if os.getpid() != self._pid:
+                raise RuntimeError(f"a side-channel link to {self.endpoint} was inherited "
+                                   f"across fork: build the EngineWorkerQueue in this process")
+            self._request += 1
+            request = self._request
+            self._sock.send_multipart([_REQUEST.pack(_MAGIC, _OP_INDEX[op], dp_id, client_id,
+                                                     request, check), *frames], copy=False)
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                    raise ConnectionError(
+                        f"no answer from the EngineWorkerQueue server's side channels at "
+                        f"{self.endpoint} within {timeout:g} s ({op}): is the server "
+                        f"(is_server=True) running with this address?")
+                reply = self._sock.recv_multipart(copy=False)
+                header = reply[0].bytes
+                if len(header) != _REPLY.size:
+                    continue
+                magic, status, seq, check = _REPLY.unpack(header)
+                if magic == _MAGIC and seq == request:
+                    break  # anything else: a stale reply of a request whose caller gave up
+        value = _decode(reply[1:], check, self.endpoint)
+        if status == _OK:
+            return value
+        if status == _NOT_READY:
+            raise NotReady
+        if status == _BROKEN:
+            raise BarrierBroken
+        kind, message = value
+        raise _ERRORS.get(kind, RuntimeError)(f"{message} (server at {self.endpoint})")
+
+    def close(self):
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if os.getpid() == self._pid:
+                    self._ctx.destroy(linger=0)
+
+
+def call_until(link, op, dp_id, client_id, arg, deadline, what):
+    """``link.call(...)`` again while it answers ``NotReady``, until ``deadline``
+    (``time.monotonic()``; None: ``TimeoutError`` never); ``TimeoutError`` naming ``what``
+    and the endpoint once it passed."""
+    pause = _POLL_MIN_S
+    while True:
+        try:
+            return link.call(op, dp_id, client_id, arg)
+        except NotReady:
+            pass
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"{what}: still waiting at {link.endpoint} when the wait ended; "
+                               f"see the call's timeout")
+        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+class SideService:
+    """The server's side channels on ``endpoint`` (``ipc://`` in the private directory, or
+    ``tcp://`` with CURVE keys from ``keys_dir``/``FD_SYNC_KEYS_DIR``), served by one thread.
+
+    The constructor binds (``EndpointInUseError`` when a live server holds the ipc path,
+    ``AuthenticationError`` without keys for tcp) and starts the thread. ``close()`` stops
+    it (within about 0.1 s) and removes the ipc file. Per tick the thread handles at most
+    256 messages; a message that does not decode, or names an unknown operation, is
+    answered with an error (or dropped when it is not even a request) and logged at most
+    every 10 s."""
+
+    def __init__(self, state, endpoint, *, keys_dir=None):
+        self._state = state
+        ensure_free_fds(ENGINE_FDS, f"EngineWorkerQueue side channels at {endpoint}")
+        self._ctx = zmq.Context(io_threads=1)
+        self._auth = None
+        self._path = ipc_path(endpoint)
+        try:
+            if not self._path:
+                self._auth = ServerAuth.start(self._ctx, endpoint, keys_dir)
+            sock = new_socket(self._ctx, zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
+            sock.setsockopt(zmq.RCVHWM, 1000)
+            if self._auth is not None:
+                self._auth.apply(sock)
+            self._sock = sock
+            if self._path:
+                claim_ipc_path(self._path)
+            sock.bind(endpoint)
+            if self._path:
+                secure_socket_file(self._path)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            if self._auth is not None:
+                self._auth.close()
+            raise
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bad = RateLimitedLog(log)
+        self._stop = False
+        self._wake = WakePipe()
+        self._thread = threading.Thread(target=self._main, daemon=True,
+                                        name=f"fdsync-side-{endpoint}")
+        self._thread.start()
+
+    def _main(self):
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake.r, zmq.POLLIN)
+        while not self._stop:
+            try:
+                poller.poll(100)
+            except zmq.ZMQError:
+                break
+            self._wake.drain()
+            for _ in range(_MESSAGES_PER_TICK):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    return
+                self._handle(frames)
+
+    def _handle(self, frames):
+        identity = frames[0]
+        header = frames[1].bytes if len(frames) > 1 else b""
+        if len(header) != _REQUEST.size or len(frames) not in (3, 5):
+            self._bad.log("shape", logging.WARNING, "side channels: dropped a message that is "
+                          "not a request (%d frames)", len(frames))
+            return
+        magic, op, dp_id, client_id, request, check = _REQUEST.unpack(header)
+        if magic != _MAGIC or op >= len(OPS):
+            self._bad.log("magic", logging.WARNING, "side channels: dropped a request of "
+                          "another version or kind")
+            return
+        status = _OK
+        try:
+            arg = _decode(frames[2:], check, self.endpoint)
+            result = self._state.call(OPS[op], dp_id, client_id, arg)
+        except NotReady:
+            status, result = _NOT_READY, None
+        except BarrierBroken:
+            status, result = _BROKEN, None
+        except Exception as exc:  # the caller's error: answered, never raised here
+            status, result = _ERROR, (type(exc).__name__, str(exc))
+            if isinstance(exc, ProtocolError):
+                self._bad.log("decode", logging.WARNING, "side channels: %s", exc)
+        try:
+            body, reply_check = _encode(result)
+        except (TypeError, ValueError) as exc:
+            status, (body, reply_check) = _ERROR, _encode(("TypeError", str(exc)))
+        try:
+            self._sock.send_multipart([identity, _REPLY.pack(_MAGIC, status, request,
+                                                             reply_check), *body], copy=False)
+        except zmq.ZMQError:  # the peer left (ROUTER_MANDATORY: EHOSTUNREACH)
+            pass
+
+    def close(self):
+        """Stop the thread, close the socket, remove the ipc file. Idempotent."""
+        if self._stop:
+            return
+        self._stop = True
+        self._wake.wake()
+        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():
+            log.error("side channels at %s: the service thread did not stop; its socket is "
+                      "kept until exit", self.endpoint)
+            return
+        self._wake.close()
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.close()
+        self._ctx.term()
+        unlink_quietly(self._path)

@@ -1,0 +1,2 @@
+"""The directory ``fastdeploy_sync.fastdeploy.install()`` puts on ``PYTHONPATH``: its
+``sitecustomize`` makes every Python process started afterwards install the drop-in too."""

@@ -11,7 +11,8 @@ process killed by SIGKILL, or by SIGTERM's default action, runs none of that and
   ``/dev/shm/fdsync.NAME.dpN.b<K>.<pid>`` a large batch the engine ``pid`` shared
   ``/dev/shm/fdsync.NAME.dpN.bp<K>.<pid>`` the pool the engine ``pid`` writes them into
   ``IPC_DIR/fdsync-NAME-dpN.ipc``         the engine's socket file (``.put.ipc``: its
-                                          producer endpoint)
+                                          producer endpoint; ``.side.ipc``: the drop-in
+                                          server's side channels)
 
 The next run of the same name reclaims them; ``scan()`` and ``remove()`` (behind
 ``fastdeploy-sync clean``) do it on request. Both only ever touch names owned by this
@@ -69,10 +70,11 @@ CREATING_GRACE_S = 60.0
 _SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
                          r"(?P<kind>|\.acks|\.fd|\.bp?\d+\.(?P<pid>\d+))\Z")
 _SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)(?P<kind>\.w\d+|\.fd\.lock)\Z")
-_SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put)\.ipc\Z")
+_SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put|\.side)\.ipc\Z")
 
 _KINDS = {"": "TP group segment", ".acks": "engine ack board", ".fd": "drop-in group board",
           ".put": "engine producer socket", "socket": "engine socket",
+          ".side": "drop-in side channels socket",
           "payload": "shared batch", "semaphore": "barrier semaphore",
           ".fd.lock": "drop-in board lock"}
 # int64 slot of the owner pid in each segment kind (payload segments carry it in the name)
@@ -177,7 +179,7 @@ def _judged(judge, entry, m, *args) -> Leftover:
         return judge(entry, m, *args)
     except OSError as exc:
         if os.path.isabs(entry):  # a socket file
-            path, kind = entry, ".put" if m["kind"] else "socket"
+            path, kind = entry, m["kind"] or "socket"
         else:
             path = f"{_SHM_DIR}/{entry}"
             kind = ("semaphore" if entry.startswith("sem.") else
@@ -320,7 +322,7 @@ def _sockets(name, dp_id) -> list:
 
 
 def _socket(path, m) -> Leftover:
-    kind = ".put" if m["kind"] else "socket"
+    kind = m["kind"] or "socket"
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
     if not _ours(item, stat.S_ISSOCK):
         return item

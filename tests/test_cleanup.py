@@ -435,3 +435,37 @@ def test_clean_as_an_unprivileged_user_skips_what_it_may_not_touch(name, tmp_pat
         for path in roots + [mine]:
             if os.path.lexists(path):
                 os.unlink(path)
+
+
+_DROPIN_SERVER = """
+import sys, time
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_clean_removes_a_killed_dropin_servers_side_channel_socket(name):
+    """The drop-in's server binds a socket of its own for the side channels
+    (``.side.ipc``): after a SIGKILL, clean lists it as stale and removes it like the
+    engine's sockets (it was left behind before: clean did not know the name)."""
+    proc = subprocess.Popen([sys.executable, "-c", _DROPIN_SERVER, name], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        side = os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp0.side.ipc")
+        assert os.path.exists(side)
+        live = _clean(name, "--dry-run")
+        assert f"in use   {side}" in live.stdout, live.stdout
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    dry = _clean(name, "--dry-run")
+    assert f"stale    {side}" in dry.stdout and "side channels" in dry.stdout, dry.stdout
+    out = _clean(name)
+    assert out.returncode == 0, out.stderr
+    assert not os.path.exists(side)
+    left = _names(name)
+    assert left == [] or all(os.path.exists(p) is False for p in left), left
+    assert _clean(name).stdout.startswith("removed 0"), "clean left something it listed"

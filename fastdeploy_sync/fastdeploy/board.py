@@ -20,10 +20,9 @@ import os
 import time
 import weakref
 
-import posix_ipc
 
 from ..errors import ProtocolError, TaskSyncError
-from ..shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming,
+from ..shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming, sem_wait,
                    open_semaphore, unlink_segment, unlink_semaphore)
 from ..tp_group import group_shm_name
 
@@ -111,19 +110,12 @@ class GroupBoard:
             time.sleep(0.01)
 
     def _lock(self):
-        """Take the board's semaphore, waiting at most 5 s in all (a handled signal
-        interrupts the wait: it resumes with the time left)."""
-        deadline = time.monotonic() + _LOCK_TIMEOUT_S
-        while True:
-            try:
-                self._sem.acquire(max(0.0, deadline - time.monotonic()))
-                return
-            except posix_ipc.SignalError:
-                continue
-            except posix_ipc.BusyError as exc:
-                raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
-                                   f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
-                                   f"restart the worker group") from exc
+        """Take the board's semaphore, waiting at most 5 s in all (``shm.sem_wait``: a
+        handled signal neither ends nor stretches the wait)."""
+        if not sem_wait(self._sem, _LOCK_TIMEOUT_S):
+            raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "
+                               f"{_LOCK_TIMEOUT_S:g} s: a rank died inside get_tasks(); "
+                               f"restart the worker group")
 
     def latch_unless_read(self, call, for_gen, decide):
         """Rank 0: run ``decide()`` (which latches decision ``call`` in the TaskClient and

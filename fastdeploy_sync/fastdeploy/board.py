@@ -20,7 +20,6 @@ import os
 import time
 import weakref
 
-
 from ..errors import ProtocolError, TaskSyncError
 from ..shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming, sem_wait,
                    open_semaphore, unlink_segment, unlink_semaphore)

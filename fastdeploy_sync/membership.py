@@ -377,7 +377,6 @@ class Membership:
         a rank closed on purpose (logged at INFO when nothing was left unfinished)."""
         lost = self._queue._retire_batches(group, reason)
         self._retired.append(group.incarnation)
-        self._counters["groups_retired"] += 1
         now = time.monotonic()
         for link in group.links:
             if link.identity is not None:
@@ -387,6 +386,9 @@ class Membership:
                     f"the engine retired this worker group: {reason}; restart the whole "
                     f"group".encode()])
                 link.disconnect("group retired", now)
+        # counted once its ranks read disconnected: stats() never shows a retired group
+        # with a rank still connected
+        self._counters["groups_retired"] += 1
         event = GroupLost(group.incarnation, reason, time.time(),
                           [link.snapshot(now) for link in group.links],
                           [LostBatch(seq, tasks, taken_by) for seq, tasks, taken_by in lost])

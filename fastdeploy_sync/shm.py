@@ -52,7 +52,8 @@ import posix_ipc
 __all__ = ["Segment", "SegmentInUse", "OWNER_LOCK", "create_exclusive", "create_reclaiming",
            "create_fresh_semaphore", "owner_alive", "pid_alive", "reclaim_stale",
            "segment_owner", "unlink_segment", "unlink_semaphore", "create_semaphore",
-           "open_semaphore", "check_semaphore_owner", "sem_wait", "forget_in_child"]
+           "open_semaphore", "check_semaphore_owner", "sem_wait", "forget_in_child",
+           "owner_lock_held"]
 
 _MODE = 0o600
 _SHM_DIR = "/dev/shm"
@@ -62,6 +63,8 @@ _SHM_DIR = "/dev/shm"
 OWNER_LOCK = 1 << 40
 # struct flock on Linux (x86-64 and aarch64): l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK = struct.Struct("hhxxxxqqixxxx")
+# madvise(2) advice values (Linux 5.14+; not in Python 3.11's mmap module)
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 # A creator waits this long at most for a reclaimer that is probing its brand-new name.
 _CREATE_LOCK_WAIT_S = 1.0
 
@@ -92,6 +95,12 @@ def _lock_held(fd: int, offset: int) -> bool:
     """True if another open file description holds a lock on byte ``offset`` (our own
     locks do not count). Takes nothing. Never blocks."""
     return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, offset) != fcntl.F_UNLCK
+
+
+def owner_lock_held(fd: int) -> bool:
+    """True if another open file description holds the owner lock (``OWNER_LOCK``) of the
+    segment open as ``fd``: its creator (``Segment.create``) is alive. Never blocks."""
+    return _lock_held(fd, OWNER_LOCK)
 
 
 def _open_lock_fd(name: str, shm_fd: int) -> int:
@@ -273,6 +282,25 @@ class Segment:
         if self._fd < 0 or not _same_file(f"{_SHM_DIR}{self.name}", self._fd):
             return False
         return _unlink_name(self.name)
+
+    def reserve(self) -> None:
+        """Allocate every page of the segment's file now (``posix_fallocate``; tmpfs
+        supports it): a full ``/dev/shm`` is an ``OSError(ENOSPC)`` here, never a SIGBUS
+        when the memory is first touched. Creators call it before publishing the segment."""
+        if self._fd < 0:
+            raise ValueError(f"shared memory {self.name}: no descriptor to reserve with")
+        os.posix_fallocate(self._fd, 0, self.size)
+
+    def populate(self, write: bool) -> None:
+        """Map every page in now (``MADV_POPULATE_WRITE`` or ``_READ``, Linux 5.14+), so
+        that no later write (or read) of the segment takes a page fault: for segments
+        whose pages are touched on a latency-sensitive path. Best effort: a kernel without
+        it leaves the pages to fault in on first use."""
+        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+        try:
+            self._mmap.madvise(advice)
+        except (OSError, ValueError):
+            pass
 
     def release_locks(self) -> None:
         """Close the descriptor, which drops every lock this Segment holds; the mapping

@@ -75,6 +75,11 @@ class AckBoard:
     def name(self) -> str:
         return self._seg.name
 
+    @property
+    def owner_pid(self) -> int:
+        """The engine's pid as it recorded it (in its own pid namespace): names its rings."""
+        return self._view[B_OWNER_PID]
+
     def publish(self, rank: int, tagged_seq: int) -> None:
         """Worker: this rank has consumed every batch up to the seq in ``tagged_seq``
         (``epoch << EPOCH_SHIFT | seq``; the caller precomputes the tag)."""

@@ -31,10 +31,10 @@ import weakref
 
 import numpy as np
 
-from . import codec, envs, payload_shm
+from . import batch_ring, codec, envs, payload_shm
 from .errors import EndpointInUseError
 from .logs import RateLimitedLog
-from .shm import unlink_segment
+from .shm import unlink_segment, unlink_semaphore
 
 __all__ = ["BatchEncoder", "EncodedBatch"]
 
@@ -43,18 +43,46 @@ log = logging.getLogger(__name__)
 # After a pool could not be created (no room, or an error), batches take the other paths
 # for this long before the encoder tries again.
 _POOL_RETRY_S = 60.0
+# The ring's slots take at most this much of /dev/shm per worker group.
+_RING_MAX_BYTES = 64 << 20
 
 
 class EncodedBatch:
-    """One encoded batch: ``frames`` (what follows the DATA header), ``checksum`` (the
-    header's check) and ``shared`` (the ``payload_shm.PoolRegion`` or
-    ``payload_shm.SharedPayload`` holding its arrays, or None when they travel in
-    ``frames``)."""
+    """One encoded batch: ``frames`` (what follows the DATA header; None for a batch only
+    the ring holds), ``checksum`` (the header's check), ``shared`` (the
+    ``payload_shm.PoolRegion`` or ``payload_shm.SharedPayload`` holding its arrays, or
+    None when they travel in ``frames`` or the ring) and ``ring`` (its ``RingPlace``, or
+    None when it travels over the socket)."""
 
-    __slots__ = ("frames", "checksum", "shared")
+    __slots__ = ("frames", "checksum", "shared", "ring")
 
-    def __init__(self, frames, checksum, shared):
-        self.frames, self.checksum, self.shared = frames, checksum, shared
+    def __init__(self, frames, checksum, shared, ring=None):
+        self.frames, self.checksum, self.shared, self.ring = frames, checksum, shared, ring
+
+
+class RingPlace:
+    """Where a batch sits in a worker group's ring: the ring, the slot, and what its
+    descriptor will say (kind, lengths, check, the arrays' hash)."""
+
+    __slots__ = ("ring", "slot", "kind", "lengths", "check", "data_hash")
+
+    def __init__(self, ring, slot, kind, lengths, check, data_hash):
+        self.ring, self.slot, self.kind, self.lengths = ring, slot, kind, lengths
+        self.check, self.data_hash = check, data_hash
+
+    def frames(self) -> list:
+        """Copies of the frames the slot holds (the ring need not stay mapped for them)."""
+        return self.ring.frames(self.slot, self.kind, self.lengths)
+
+
+class Dropped:
+    """What a retired group's batch held: its ``shared`` memory (or None) and, for a batch
+    the ring held, copies of its ``frames``."""
+
+    __slots__ = ("shared", "frames")
+
+    def __init__(self, shared, frames):
+        self.shared, self.frames = shared, frames
 
 
 class BatchEncoder:
@@ -66,7 +94,8 @@ class BatchEncoder:
     through shared memory), ``FD_SYNC_SHM_POOL_MB`` (the pool's size),
     ``FD_SYNC_SHM_CHECKSUM`` (whether the shared bytes are hashed and verified by every
     rank; off by default, see ``payload_shm``).
-    ``max_message_bytes``: the largest message the workers accept.
+    ``max_message_bytes``: the largest message the workers accept. ``window``: the
+    queue's ``max_inflight`` (sizes the ring).
 
     ``counters`` (for ``TaskQueue.stats()``): ``shm_pool_batches``,
     ``shm_segment_batches``, ``shm_socket_fallbacks`` (batches above the threshold that
@@ -74,11 +103,19 @@ class BatchEncoder:
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, *, node_local: bool,
-                 max_message_bytes: int, encrypted_limit=None):
+                 max_message_bytes: int, encrypted_limit=None, window: int = 8):
         self.name, self.dp_id, self.tp_size = name, dp_id, tp_size
         self._max_message_bytes = max_message_bytes
         # (bytes, why) for a CURVE-encrypted endpoint: see TaskQueue; None otherwise
         self._encrypted_limit = encrypted_limit
+        # The ring (one per worker group, see batch_ring): its geometry, None for no ring
+        slot_bytes = envs.shm_ring_slot_bytes() if node_local else 0
+        self._ring_geometry = None
+        if slot_bytes:
+            slots = max(4, min(2 * window + 2, _RING_MAX_BYTES // slot_bytes))
+            self._ring_geometry = (slots, slot_bytes, window + 2)
+        self._ring = None  # the current group's ring (batch_ring.RingWriter)
+        self._kept_ring = {}  # seq -> RingPlace of a batch the engine retains
         # None: never through shared memory
         self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
         self._pool_bytes = envs.shm_pool_bytes() if node_local else 0
@@ -93,9 +130,57 @@ class BatchEncoder:
         self._closed = False
         self._log = RateLimitedLog(log, interval=60.0)
         self.counters = collections.Counter()
-        # every shared name not yet unlinked; the finalizer must not reference self
+        # every shared name (and ring semaphore) not yet unlinked; the finalizer must not
+        # reference self
         self.names = set()
-        self._finalizer = weakref.finalize(self, _unlink_all, self.names, os.getpid())
+        self._sem_names = set()
+        self._finalizer = weakref.finalize(self, _unlink_all, self.names, self._sem_names,
+                                           os.getpid())
+
+    def open_ring(self, epoch: int) -> None:
+        """Create the ring of worker-group epoch ``epoch`` (``batch_ring``): the batches put
+        from now on until the next ``drop_all`` are that group's. Nothing when the queue
+        has no ring; when ``/dev/shm`` has no room for one (logged), that group's batches
+        travel over the socket. Call it with the engine's mutex held, before any batch of
+        the group is published."""
+        if self._ring_geometry is None or self._closed:
+            return
+        slots, slot_bytes, descs = self._ring_geometry
+        size = batch_ring.ring_geometry(self.tp_size, slots, slot_bytes, descs)[0]
+        no_room = payload_shm.fresh_fits(size)
+        ring = None
+        if no_room is None:
+            try:
+                ring = batch_ring.RingWriter.create(self.name, self.dp_id, self.tp_size, epoch,
+                                                    slots=slots, slot_bytes=slot_bytes,
+                                                    descs=descs)
+            except FileExistsError:
+                raise EndpointInUseError(
+                    f"TaskQueue {self.name} dp_id={self.dp_id}: ring {epoch} exists: another "
+                    f"TaskQueue of this name lives in this process; close it first") from None
+            except OSError as exc:
+                no_room = f"creating it failed: {exc}"
+        if ring is None:
+            self._note("ring-none", logging.WARNING, "no shared-memory ring for worker group "
+                       "%d (%s): its batches travel over the socket", epoch, no_room)
+        with self._lock:
+            self._ring = ring
+            if ring is not None:
+                self.names.add(ring.name)
+                self._sem_names.update(ring.sem_names)
+
+    def _close_ring(self, ring):
+        ring.close()
+        with self._lock:
+            self.names.discard(ring.name)
+            self._sem_names.difference_update(ring.sem_names)
+
+    def wake(self) -> None:
+        """Wake the ranks' prefetch threads after a publication (``TaskQueue.put_tasks``,
+        outside the engine's mutex). Never blocks."""
+        ring = self._ring
+        if ring is not None:
+            ring.wake()
 
     def reclaim_stale(self) -> list:
         """Remove the shared batches and pools a killed engine of this queue left. Call it
@@ -121,16 +206,61 @@ class BatchEncoder:
         """
         parts = codec.encode_parts(tasks, max_body_bytes=self._max_message_bytes)
         threshold = self._shm_min_bytes
-        if threshold is not None and parts.buffers and parts.data_size >= threshold:
-            batch = self._encode_shared(parts)
+        ring = self._ring
+        large = threshold is not None and parts.buffers and parts.data_size >= threshold
+        size = len(parts.body) + len(parts.offsets) + parts.data_size
+        if ring is not None and not large and ring.fits_inline(parts):
+            self._check_size(size)  # the same limit whichever path the batch takes
+            batch = self._encode_ring(ring, parts)
             if batch is not None:
                 return batch
+        if large:
+            batch = self._encode_shared(parts)
+            if batch is not None:
+                if ring is not None:
+                    self._place_message(ring, batch)
+                return batch
         # before the copy into one data frame: refuse what no rank would accept
-        size = len(parts.body) + len(parts.offsets) + parts.data_size
         self._check_size(size)
         self.check_encrypted_size(size)
         frames = parts.frames()
         return EncodedBatch(frames, codec.payload_checksum(frames), None)
+
+    def _encode_ring(self, ring, parts):
+        """``EncodedBatch`` written whole into a slot of ``ring``, or None (no free slot).
+        The check covers the body and offsets; the arrays are hashed only with
+        ``FD_SYNC_SHM_CHECKSUM=1``, as the pool's."""
+        with self._lock:
+            slot = ring.allocate()
+        if slot is None:
+            self._note("ring-full", logging.INFO, "every slot of the ring holds a batch not "
+                       "yet consumed and freed by every rank: a batch travels over the socket")
+            return None
+        try:
+            kind, lengths = ring.write_inline(slot, parts)
+            frames = [parts.body, parts.offsets] if parts.buffers else [parts.body]
+            check = codec.payload_checksum(frames)
+            data_hash = parts.data_hash() if self._hash_shared else 0
+        except BaseException:
+            with self._lock:
+                ring.discard(slot)
+            raise
+        with self._lock:
+            self.counters["shm_ring_batches"] += 1
+        return EncodedBatch(None, check, None, RingPlace(ring, slot, kind, lengths, check,
+                                                         data_hash))
+
+    def _place_message(self, ring, batch):
+        """A shared batch's ``[body, reference]`` into a slot of ``ring`` when one is free
+        and large enough; else it travels over the socket as it is."""
+        if sum(len(f) for f in batch.frames) > ring.slot_bytes:
+            return
+        with self._lock:
+            slot = ring.allocate()
+        if slot is None:
+            return
+        kind, lengths = ring.write_frames(slot, batch.frames)
+        batch.ring = RingPlace(ring, slot, kind, lengths, batch.checksum, 0)
 
     def _encode_shared(self, parts):
         """``EncodedBatch`` with the arrays in shared memory, or None (no room: socket).
@@ -302,21 +432,51 @@ class BatchEncoder:
 
     # -- what becomes of a batch -----------------------------------------------------------
 
-    def keep(self, seq: int, batch: EncodedBatch) -> None:
-        """The engine enqueued ``batch`` as ``seq``."""
-        shared = batch.shared
-        if shared is None:
-            return
+    def enqueue(self, seq: int, rel_seq: int, batch: EncodedBatch):
+        """The engine enqueued ``batch`` as ``seq`` (``rel_seq`` in its worker group);
+        called under the engine's mutex, in seq order. Publishes it in the group's ring
+        (a batch that travels over the socket is published as such, so that the ranks
+        know). Returns ``(frames, checksum)`` to retain: frames None for a batch the ranks
+        read from the ring, else the socket message's payload."""
         with self._lock:
-            self._kept[seq] = shared
-            if isinstance(shared, payload_shm.PoolRegion):
-                shared.pool.kept(shared)
+            ring, place = self._ring, batch.ring
+            if place is not None and place.ring is not ring:
+                # the group it was written for was retired meanwhile: over the socket
+                if batch.frames is None:
+                    batch.frames = place.frames()
+                    batch.checksum = codec.payload_checksum(batch.frames)
+                place.ring.discard(place.slot)
+                batch.ring = place = None
+            shared = batch.shared
+            if shared is not None:
+                self._kept[seq] = shared
+                if isinstance(shared, payload_shm.PoolRegion):
+                    shared.pool.kept(shared)
+            if place is not None:
+                ring.kept(place.slot)
+                self._kept_ring[seq] = place
+                ring.publish(rel_seq, place.kind, place.slot, place.check, place.data_hash,
+                             place.lengths)
+                return None, batch.checksum
+            if ring is not None:
+                ring.publish(rel_seq, batch_ring.SOCKET)
+        return batch.frames, batch.checksum
+
+    def enqueue_socket(self, rel_seq: int) -> None:
+        """A batch that only travels over the socket (a producer's) was enqueued as
+        ``rel_seq``: publish it as such. Under the engine's mutex, in seq order."""
+        with self._lock:
+            if self._ring is not None:
+                self._ring.publish(rel_seq, batch_ring.SOCKET)
 
     def discard(self, batch: EncodedBatch) -> None:
         """``batch`` was never enqueued (put timed out, queue closed): no rank will ever map
         its shared memory. Any thread."""
         if batch.shared is not None:
             self._discard(batch.shared)
+        if batch.ring is not None:
+            with self._lock:
+                batch.ring.ring.discard(batch.ring.slot)
 
     def _discard(self, shared):
         with self._lock:
@@ -331,6 +491,9 @@ class BatchEncoder:
         view its arrays keep valid memory); a pool region is reused once every rank's
         arrays of it are freed too."""
         with self._lock:
+            place = self._kept_ring.pop(seq, None)
+            if place is not None:
+                place.ring.consumed(place.slot)
             shared = self._kept.pop(seq, None)
             if shared is None:
                 return
@@ -341,18 +504,27 @@ class BatchEncoder:
             else:
                 self._unlink(shared)
 
-    def drop_all(self) -> dict:
-        """The worker group was retired: every kept batch is handed back, ``{seq: shared}``,
-        for ``decode_retained`` and then ``forget``. The group's pool is retired with it:
-        ranks of the old group may still view its regions, so none is reused; the next
-        group's first shared batch creates a new pool."""
+    def drop_all(self, next_epoch: int) -> dict:
+        """The worker group was retired: every kept batch is handed back, ``{seq:
+        Dropped}``, for ``decode_retained`` and then ``forget``. The group's pool and ring
+        are retired with it: ranks of the old group may still view them, so nothing of
+        them is reused; the next group's first shared batch creates a new pool, and its
+        ring (epoch ``next_epoch``) is created here, before any of its batches is put."""
         with self._lock:
-            dropped, self._kept = self._kept, {}
+            kept, self._kept = self._kept, {}
+            places, self._kept_ring = self._kept_ring, {}
+            ring, self._ring = self._ring, None
             if self._pool is not None:
                 self._pool.abandon_kept()
                 self._retired.append(self._pool)
                 self._pool = None
                 self._pool_retry_at = 0.0
+        dropped = {seq: Dropped(shared, None) for seq, shared in kept.items()}
+        for seq, place in places.items():
+            dropped.setdefault(seq, Dropped(None, None)).frames = place.frames()
+        if ring is not None:
+            self._close_ring(ring)
+        self.open_ring(next_epoch)
         return dropped
 
     def forget(self, dropped: dict) -> None:
@@ -360,18 +532,23 @@ class BatchEncoder:
         pages; the retired group's ranks that had not mapped a batch are told it is
         lost)."""
         with self._lock:
-            for shared in dropped.values():
-                if not isinstance(shared, payload_shm.PoolRegion):
+            for entry in dropped.values():
+                shared = entry.shared
+                if shared is not None and not isinstance(shared, payload_shm.PoolRegion):
                     self._unlink(shared)
             self._close_idle_pools()
 
     @staticmethod
-    def decode_retained(frames, shared):
-        """A retained batch decoded again (for ``LostBatch``); its arrays are read-only.
-        A shared batch's bytes are copied out of shared memory first (numpy's copy, GIL
-        released): views of the mapping would keep the retired group's whole pool (or the
-        batch's segment, in ``/dev/shm``) alive for as long as the caller holds the event,
-        where the copy holds the batch's own bytes only."""
+    def decode_retained(frames, dropped):
+        """A retained batch decoded again (for ``LostBatch``) from its retained ``frames``
+        or, for a batch the ring held, the copies in ``dropped`` (a ``Dropped``, or None);
+        its arrays are read-only. A shared batch's bytes are copied out of shared memory
+        first (numpy's copy, GIL released): views of the mapping would keep the retired
+        group's whole pool (or the batch's segment, in ``/dev/shm``) alive for as long as
+        the caller holds the event, where the copy holds the batch's own bytes only."""
+        if dropped is not None and dropped.frames is not None:
+            frames = dropped.frames
+        shared = dropped.shared if dropped is not None else None
         if shared is None:
             return codec.decode_payload(frames)
         ref = payload_shm.unpack_ref(frames[1])
@@ -394,6 +571,10 @@ class BatchEncoder:
             self._pool, self._retired = None, []
             for pool in pools:
                 self._close_pool(pool)
+            ring, self._ring = self._ring, None
+            self._kept_ring.clear()
+        if ring is not None:
+            self._close_ring(ring)
 
     def stats(self) -> dict:
         """``counters`` plus the current pool's ``shm_pool_bytes`` and
@@ -403,6 +584,8 @@ class BatchEncoder:
             if self._pool is not None:
                 held = self._pool.stats()
                 out.update(shm_pool_bytes=held["data_size"], shm_pool_held_bytes=held["bytes_held"])
+            if self._ring is not None:
+                out["shm_ring_slots_held"] = self._ring.held()
         return out
 
     # -- under _lock -----------------------------------------------------------------------
@@ -424,8 +607,10 @@ class BatchEncoder:
         shared.release()
 
 
-def _unlink_all(names, owner_pid):
+def _unlink_all(names, sem_names, owner_pid):
     if os.getpid() != owner_pid:
         return  # a forked child exiting: these are its parent's, still in use
-    for name in list(names):  # shared batches and pools left when the process exits
+    for name in list(names):  # shared batches, pools and rings left when the process exits
         unlink_segment(name)
+    for name in list(sem_names):
+        unlink_semaphore(name)

@@ -10,6 +10,8 @@ process killed by SIGKILL, or by SIGTERM's default action, runs none of that and
   ``/dev/shm/fdsync.NAME.dpN.fd``         the drop-in's group board (+ ``sem.….fd.lock``)
   ``/dev/shm/fdsync.NAME.dpN.b<K>.<pid>`` a large batch the engine ``pid`` shared
   ``/dev/shm/fdsync.NAME.dpN.bp<K>.<pid>`` the pool the engine ``pid`` writes them into
+  ``/dev/shm/fdsync.NAME.dpN.br<E>.<pid>`` worker group ``E``'s ring of the engine ``pid``
+                                          (+ ``sem.….br<E>.<pid>.w<R>``: its wake-ups)
   ``IPC_DIR/fdsync-NAME-dpN.ipc``         the engine's socket file (``.put.ipc``: its
                                           producer endpoint; ``.side.ipc``: the drop-in
                                           server's side channels)
@@ -68,15 +70,17 @@ CREATING_GRACE_S = 60.0
 # fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>|.bp<K>.<pid>]; NAME may contain dots: the greedy
 # NAME takes the last ".dpN" that a known suffix follows.
 _SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
-                         r"(?P<kind>|\.acks|\.fd|\.bp?\d+\.(?P<pid>\d+))\Z")
-_SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)(?P<kind>\.w\d+|\.fd\.lock)\Z")
+                         r"(?P<kind>|\.acks|\.fd|\.b(?P<ring>r)?p?\d+\.(?P<pid>\d+))\Z")
+_SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
+                           r"(?P<kind>\.w\d+|\.fd\.lock|(?P<ring>\.br\d+\.\d+)\.w\d+)\Z")
 _SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put|\.side)\.ipc\Z")
 
 _KINDS = {"": "TP group segment", ".acks": "engine ack board", ".fd": "drop-in group board",
           ".put": "engine producer socket", "socket": "engine socket",
           ".side": "drop-in side channels socket",
           "payload": "shared batch", "semaphore": "barrier semaphore",
-          ".fd.lock": "drop-in board lock"}
+          ".fd.lock": "drop-in board lock", "ring": "worker group's batch ring",
+          "ring semaphore": "ring wake-up semaphore"}
 # int64 slot of the owner pid in each segment kind (payload segments carry it in the name)
 # (the drop-in board's slot 1 is fastdeploy.py's _B_OWNER_PID: that module sits above this one)
 _OWNER_SLOT = {"": H_OWNER_PID, ".acks": B_OWNER_PID, ".fd": 1}
@@ -110,7 +114,7 @@ def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
     semaphores. A segment with an owner lock (``locked``: TP group, ack board, drop-in
     board) is alive while some process holds that lock. Nobody holding it and ``pid`` 0
     (not written yet): alive while the file changed within ``CREATING_GRACE_S`` (being
-    created), stale after. A shared batch or pool (``locked=False``: ``path`` is
+    created), stale after. A shared batch, pool or ring (``locked=False``: ``path`` is
     ``.../fdsync.NAME.dpN.b...``): alive while the engine of queue NAME/dpN holds its ack
     board's owner lock (an engine reclaims its dead predecessors' batches when it starts),
     or the pool's own ``flock`` (``payload_shm.pool_locked``)."""
@@ -200,7 +204,7 @@ def remove(items) -> list:
             again = _recheck(item)
             if again is None or not again.stale:
                 continue
-            if item.kind == "semaphore" or item.kind == ".fd.lock":
+            if item.kind in ("semaphore", ".fd.lock", "ring semaphore"):
                 gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
             elif item.path.startswith(_SHM_DIR + "/"):
                 gone = unlink_segment("/" + os.path.basename(item.path))
@@ -252,7 +256,7 @@ def _ours(item: Leftover, is_type) -> bool:
 
 def _segment(entry, m) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
-    kind = "payload" if m["pid"] else m["kind"]
+    kind = "ring" if m["ring"] else "payload" if m["pid"] else m["kind"]
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
     if not _ours(item, stat.S_ISREG):
         return item
@@ -286,8 +290,10 @@ def _segment(entry, m) -> Leftover:
 
 def _semaphore(entry, m, segments) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
-    kind = ".fd.lock" if m["kind"] == ".fd.lock" else "semaphore"
-    segment = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if kind == ".fd.lock" else "")
+    kind = (".fd.lock" if m["kind"] == ".fd.lock" else "ring semaphore" if m["ring"] else
+            "semaphore")
+    segment = (f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if kind == ".fd.lock" else "")
+               + (m["ring"] or ""))
     item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
     if not _ours(item, stat.S_ISREG):  # lstat: a symlink planted here is never followed
         return item
@@ -336,9 +342,10 @@ def _socket(path, m) -> Leftover:
 def _recheck(item):
     """``item`` scanned again (None if it is gone)."""
     base = os.path.basename(item.path)
-    if item.kind in ("semaphore", ".fd.lock"):
+    if item.kind in ("semaphore", ".fd.lock", "ring semaphore"):
         m = _SEMAPHORE_RE.match(base)
-        seg_entry = f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if item.kind == ".fd.lock" else "")
+        seg_entry = (f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if item.kind == ".fd.lock" else "")
+                     + (m["ring"] or ""))
         segments = {}
         if os.path.lexists(f"{_SHM_DIR}/{seg_entry}"):
             segments[seg_entry] = _segment(seg_entry, _SEGMENT_RE.match(seg_entry))

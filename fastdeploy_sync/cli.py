@@ -173,6 +173,11 @@ def _group_status(args, engine_seen: bool) -> bool:
                   f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
     finally:
         seg.close()
+    from .batch_ring import published_rings
+
+    for ring, epoch, published in published_rings(args.name, args.dp_id):
+        print(f"{ring}: worker group {epoch}'s ring, published up to seq {published} (every "
+              f"rank of the node can take those; 'received' counts what came over the socket)")
     return True
 
 

@@ -219,7 +219,8 @@ class TaskQueue:
         # ranks map large batches from shared memory; tcp ranks cannot).
         self._encoder = BatchEncoder(name, dp_id, tp_size, node_local=bool(self._ipc_path),
                                      max_message_bytes=self._max_batch_bytes,
-                                     encrypted_limit=self._encrypted_limit())
+                                     encrypted_limit=self._encrypted_limit(),
+                                     window=max_inflight)
         self._board = None
         try:
             if self._ipc_path:
@@ -232,10 +233,13 @@ class TaskQueue:
                 # no live engine holds the name (the board says so): what shared batches
                 # are left of this name were a killed engine's
                 self._encoder.reclaim_stale()
+                # the first worker group's ring (epoch 1: membership numbers groups from 1)
+                self._encoder.open_ring(1)
             self._sock.bind(endpoint)
             if self._ipc_path:
                 secure_socket_file(self._ipc_path)
         except BaseException:
+            self._encoder.close()
             if self._board is not None:
                 self._board.close()
             self._sock.close(linger=0)
@@ -272,6 +276,7 @@ class TaskQueue:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
+            self._encoder.close()
             if self._board is not None:
                 self._board.close()
             if self._auth is not None:
@@ -350,13 +355,16 @@ class TaskQueue:
                     self._not_full.wait(remaining)
                 seq = self._next_seq
                 self._next_seq += 1
-                self._retained[seq] = (batch.frames, batch.checksum)
+                # published in the group's ring (node-local) before anyone can see the seq
+                retained = self._retained[seq] = self._encoder.enqueue(seq, seq - self._base,
+                                                                       batch)
                 self._put_times[seq] = time.monotonic()
-                self._encoder.keep(seq, batch)
         except BaseException:
             self._encoder.discard(batch)  # not enqueued: nobody will ever map it
             raise
-        self._send_now()
+        self._encoder.wake()
+        if retained[0] is not None:  # it travels over the socket
+            self._send_now()
         return seq
 
     def _send_now(self):
@@ -975,7 +983,8 @@ class TaskQueue:
             self._put_times.clear()  # never delivered to every rank: not a delivery
             self._retirements[next((k for w, k in RETIREMENT_KINDS if w in reason), "other")] += 1
             # taken out now: batches put after this lock is released belong to the next group
-            dropped = self._encoder.drop_all()
+            # (whose ring, epoch group.epoch + 1, exists before any of them is published)
+            dropped = self._encoder.drop_all(group.epoch + 1)
             self._base = self._next_seq - 1
             self._consumed = [self._base] * self.tp_size
             self._group, self._previous = None, group
@@ -1013,6 +1022,7 @@ class TaskQueue:
                 seq = self._next_seq
                 self._next_seq += 1
                 self._retained[seq] = (frames, check)
+                self._encoder.enqueue_socket(seq - self._base)
                 self._put_times[seq] = time.monotonic()
                 return codec.P_ACCEPTED, seq
             if expired:
@@ -1029,7 +1039,9 @@ class TaskQueue:
             last = self._next_seq - 1
             base = self._base
             retained = self._retained
-            todo = [(link, [(s, retained[s]) for s in range(link.sent + 1, last + 1) if s in retained])
+            # batches the ranks read from the ring (frames None) are not sent
+            todo = [(link, [(s, retained[s]) for s in range(link.sent + 1, last + 1)
+                            if s in retained and retained[s][0] is not None])
                     for link in group.links if link.identity is not None and link.sent < last]
         for link, batches in todo:
             for seq, (frames, check) in batches:

@@ -27,6 +27,7 @@ __all__ = [
     "shm_payload_min_bytes",
     "shm_pool_bytes",
     "shm_checksum",
+    "shm_ring_slot_bytes",
 ]
 
 
@@ -219,6 +220,23 @@ def shm_pool_bytes() -> int:
     segment of their own, or over the socket. Returns bytes (0: no pool)."""
     value = _size_or_off("FD_SYNC_SHM_POOL_MB", "256", "MiB")
     return 0 if value is None else int(value * (1 << 20))
+
+
+def shm_ring_slot_bytes():
+    """``FD_SYNC_SHM_RING_KB`` (KiB, default 1024; ``0`` or ``off`` disables the ring): a
+    node-local engine (``ipc://`` endpoint) writes every batch once into a shared-memory
+    ring of fixed slots of this size, one ring per worker group, which every local rank
+    reads (see ``batch_ring``): rank 0's check reads one word and no rank waits for a
+    thread to receive. A batch larger than a slot puts its arrays into the large-batch
+    pool (``FD_SYNC_SHM_PAYLOAD_MIN_KB``) and its pickle body into a slot; one that fits
+    nowhere travels over the socket. The ring has ``2 * max_inflight + 2`` slots, at most
+    64 MiB of them (at least 4). Read by ``TaskQueue`` at construction; ``tcp://``
+    endpoints ignore it. Returns bytes (a multiple of 4 KiB, at least 4 KiB), or 0 for
+    no ring."""
+    value = _size_or_off("FD_SYNC_SHM_RING_KB", "1024", "KiB")
+    if not value:
+        return 0
+    return max(4096, int(value * 1024) // 4096 * 4096)
 
 
 def _size_or_off(name: str, default: str, unit: str):

@@ -233,6 +233,9 @@ class PaddleTPGroup:
     def min_received(self):
         return self._received  # only this rank's: the others' are known at the barrier
 
+    def all_welcomed(self, engine):
+        return True  # every rank offers what it can take: the all-reduce decides
+
     def latch(self, gen, from_seq, to_seq):
         self._offer = (gen, to_seq)
 

@@ -74,6 +74,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import weakref
 
 import numpy as np
@@ -82,7 +83,7 @@ import xxhash
 
 from . import codec
 from .errors import GroupLostError, ProtocolError
-from .shm import create_exclusive, forget_in_child, unlink_segment
+from .shm import create_exclusive, forget_in_child, owner_lock_held, unlink_segment
 
 __all__ = ["SharedPayload", "PayloadPool", "PoolRegion", "PayloadReader", "MappedPayload",
            "payload_prefix", "payload_name", "pool_name", "pack_ref", "unpack_ref",
@@ -113,7 +114,14 @@ def pool_name(name: str, dp_id: int, number: int, pid: int = None) -> str:
 
 
 def _name_re(name: str, dp_id: int):
-    return re.compile(re.escape(payload_prefix(name, dp_id).lstrip("/")) + r"p?\d+\.\d+")
+    # b<K>.<pid>: a batch's own segment; bp<K>.<pid>: a pool; br<epoch>.<pid>: a worker
+    # group's ring (batch_ring), whose semaphores are sem.<ring>.w<rank>
+    return re.compile(re.escape(payload_prefix(name, dp_id).lstrip("/")) + r"[pr]?\d+\.\d+")
+
+
+def _sem_re(name: str, dp_id: int):
+    return re.compile("sem." + re.escape(payload_prefix(name, dp_id).lstrip("/"))
+                      + r"r\d+\.\d+\.w\d+")
 
 
 # -- room in /dev/shm ----------------------------------------------------------------------
@@ -626,13 +634,17 @@ class _PoolView:
     before each batch is read (``PoolTruncated``)."""
 
     __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_fd", "_total",
-                 "__weakref__")
+                 "_holders", "_holders_lock", "__weakref__")
 
     def __init__(self, name, entries, data_size, rank, words, data, fd, total):
         self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
         self._words, self._data = words, data
         self._fd, self._total = fd, total
         weakref.finalize(self, os.close, fd)
+        # entry -> (stamp, weakref to the region's array): two decodes of one batch (the
+        # prefetch thread's and the event loop's) share it, so the release waits for both
+        self._holders = {}
+        self._holders_lock = threading.Lock()
 
     @classmethod
     def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "_PoolView":
@@ -676,9 +688,14 @@ class _PoolView:
         if filled != stamp:
             raise ProtocolError(f"pool {self.name}: the region of batch stamp {stamp} holds "
                                 f"stamp {filled}: reused before this rank read it")
-        region = np.frombuffer(self._data, dtype=np.uint8, count=size, offset=start)
-        weakref.finalize(region, _publish_release, self._words,
-                         _released_index(self.entries, self.rank, entry), stamp)
+        with self._holders_lock:
+            held = self._holders.get(entry)
+            region = held[1]() if held is not None and held[0] == stamp else None
+            if region is None:
+                region = np.frombuffer(self._data, dtype=np.uint8, count=size, offset=start)
+                weakref.finalize(region, _publish_release, self._words,
+                                 _released_index(self.entries, self.rank, entry), stamp)
+                self._holders[entry] = (stamp, weakref.ref(region))
         return region
 
 
@@ -691,7 +708,9 @@ class PayloadReader:
     """A rank's decoder of shared batches of queue ``name``/``dp_id``: maps each pool once
     (the two most recent stay mapped) and each batch's own segment per batch.
 
-    ``decode`` is called by the thread that owns the data socket (one at a time)."""
+    ``decode`` may run in several threads at once (the socket's receiver, the ring's
+    prefetch thread, the event loop), also for one batch: its decodes share the region's
+    release (``_PoolView.region``)."""
 
     _KEEP_POOLS = 2
 
@@ -699,6 +718,7 @@ class PayloadReader:
         self.prefix = payload_prefix(name, dp_id)
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self._pools = collections.OrderedDict()  # name -> _PoolView
+        self._pools_lock = threading.Lock()
 
     def decode(self, body, ref, check: int):
         """The batch a DATA message ``[body, ref]`` with checksum ``check`` refers to.
@@ -736,13 +756,16 @@ class PayloadReader:
         return codec.decode_payload([body, r.offsets, data], None)
 
     def _pool(self, name):
-        pool = self._pools.get(name)
-        if pool is None:
-            pool = _PoolView.open(name, self.prefix, self.tp_size, self.tp_rank)
-            self._pools[name] = pool
-            while len(self._pools) > self._KEEP_POOLS:  # views keep an evicted one mapped
-                self._pools.popitem(last=False)
-        return pool
+        # under a lock: the socket's receiver, the ring's prefetch thread and the event loop
+        # may decode at once, and each pool must be mapped once (its release bookkeeping)
+        with self._pools_lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = _PoolView.open(name, self.prefix, self.tp_size, self.tp_rank)
+                self._pools[name] = pool
+                while len(self._pools) > self._KEEP_POOLS:  # views keep an evicted one mapped
+                    self._pools.popitem(last=False)
+            return pool
 
 
 # -- leftovers -----------------------------------------------------------------------------
@@ -767,6 +790,28 @@ def pool_locked(path: str) -> bool:
         os.close(fd)
 
 
+def _owned_by_the_dead(path: str) -> bool:
+    """True if shared-memory file ``path`` is this uid's and no live process holds its
+    ownership lock: the pool's ``flock``, or the owner lock of a ``shm.Segment`` (a ring).
+    Never blocks; False for anything it cannot open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, or not ours to open
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return False  # not ours to judge, nor to remove
+        if owner_lock_held(fd):
+            return False  # a live engine's ring
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live engine's pool
+        return True
+    finally:
+        os.close(fd)
+
+
 def reclaim_stale(name: str, dp_id: int) -> list:
     """Unlink the shared batches and pools of queue ``name``/``dp_id`` left by engines that
     are gone. Call it only while holding the queue's node-local endpoint exclusively
@@ -774,31 +819,29 @@ def reclaim_stale(name: str, dp_id: int) -> list:
     queue lives, and any such name is a killed engine's, whatever pid it carries (pids
     are reused, and differ between pid namespaces). A pool whose ownership lock is held
     anyway is left alone, as are names of other uids. Returns the names removed."""
-    pattern = _name_re(name, dp_id)
+    pattern, sems = _name_re(name, dp_id), _sem_re(name, dp_id)
     removed = []
     try:
         entries = os.listdir(_SHM_DIR)
     except OSError:
         return removed
     for entry in entries:
-        if pattern.fullmatch(entry) is None:
+        if pattern.fullmatch(entry) is not None:
+            if _owned_by_the_dead(f"{_SHM_DIR}/{entry}") and unlink_segment("/" + entry):
+                removed.append("/" + entry)
+    for entry in entries:  # a ring's semaphores, once its segment is known gone or stale
+        if sems.fullmatch(entry) is None:
             continue
-        path = f"{_SHM_DIR}/{entry}"
+        ring = entry[len("sem."):].rsplit(".w", 1)[0]
+        if os.path.exists(f"{_SHM_DIR}/{ring}") and not _owned_by_the_dead(f"{_SHM_DIR}/{ring}"):
+            continue  # its ring lives
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue  # gone, or not ours to open
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
+            if os.lstat(f"{_SHM_DIR}/{entry}").st_uid != os.geteuid():
                 continue  # not ours to judge, nor to remove
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live engine holds it
-        finally:
-            os.close(fd)
-        if unlink_segment("/" + entry):
-            removed.append("/" + entry)
+            posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
+            removed.append(entry)
+        except (OSError, posix_ipc.ExistentialError):
+            pass
     if removed:
         log.warning("reclaimed %d shared batch(es) and pool(s) of %s dp_id=%d left by exited "
                     "engine(s): %s", len(removed), name, dp_id, ", ".join(removed[:8]))

@@ -319,6 +319,9 @@ class SoloGroup:
     def publish_engine(self, engine):
         pass
 
+    def all_welcomed(self, engine):
+        return True
+
     def engine_split(self, engine):
         return None
 
@@ -750,6 +753,13 @@ class ShmTPGroup:
         v = self._view
         split = [(r, v[s]) for r, s in enumerate(self._engine_slots) if v[s] and v[s] != engine]
         return split or None
+
+    def all_welcomed(self, engine: int) -> bool:
+        """True once every rank was welcomed by engine instance ``engine`` (a rank
+        publishes its engine after it attached the worker group's ring: rank 0 latches a
+        batch it read from the ring only then). Reads ``tp_size`` slots."""
+        v = self._view
+        return all(v[s] == engine for s in self._engine_slots)
 
     def latch(self, gen: int, from_seq: int, to_seq: int) -> None:
         """Rank 0: the barrier of generation ``gen`` releases a step that takes (from, to]."""

@@ -64,7 +64,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import codec, envs, payload_shm
+from . import batch_ring, codec, envs, payload_shm
 from .ack_board import EPOCH_SHIFT, AckBoard
 from .auth import HANDSHAKE_FAILED_EVENTS, ClientAuth, handshake_failure_message
 from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EngineClosedError,
@@ -128,6 +128,15 @@ _RELOOK_NS = 200_000
 _CLOSE_WAIT_S = 2.0
 # ACKs queued towards the engine at most (tcp); beyond, the latest is kept and sent again.
 _ACK_HWM = 64
+# The ring's prefetch thread re-checks the ring this often without a post, and an async
+# wait_for_tasks() re-checks this often without a wake-up (both: a safety net; errors and
+# close() wake them at once).
+_RING_WAIT_S = 1.0
+_RING_IDLE_CHECK_S = 0.1
+# Sync mode's wait_for_tasks() with a ring: how often it also receives from the socket
+# (CLOSE, errors, batches that did not fit the ring) while it waits on the ring.
+_SYNC_RING_CHECK_S = 0.05
+_RING_KINDS = (batch_ring.INLINE, batch_ring.SHARED)
 # Socket-monitor events a worker watches: connection up and down, and handshakes.
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
@@ -230,11 +239,23 @@ class TaskClient:
         self.worker_id = secrets.randbits(63) | 1
         profile = envs.profile_enabled() if profile is None else bool(profile)
         self.profiler = StepProfiler() if profile else None
-        # Lock invariant: _slot holds (seq, tasks) for seqs (_taken, _received], in order;
-        # _received only grows and is written, with _slot, under _lock by the receiver.
+        # Lock invariant: _held maps seq -> decoded tasks for seqs above _taking that a
+        # background thread decoded ahead of the event loop (socket batches, ring batches
+        # the prefetch thread pre-decoded); _taking (event loop) only grows, and nothing at
+        # or below it is added. _received (the highest seq received over the socket, every
+        # earlier one that travelled over the socket received too) only grows and is
+        # written, with _held, under _lock by the socket's receiver.
         self._lock = threading.Lock()
-        self._slot = collections.deque()
+        self._held = {}
+        self._taking = 0
         self._received = 0
+        # The worker group's ring (batch_ring.RingReader), attached at the engine's WELCOME
+        # when the engine is node-local and made one; its prefetch thread (async mode), and
+        # the event the thread sets after each wake-up (wait_for_tasks in async mode).
+        self._ring = None
+        self._peers_welcomed = False  # event loop: every rank attached (all_welcomed)
+        self._ring_thread = None
+        self._ring_woke = threading.Event()
         self._taken = 0  # event loop only
         # external_barrier: the caller orders the ranks with its own barrier, so decisions
         # are indexed by this rank's get_tasks() call count instead of our barrier's
@@ -394,14 +415,26 @@ class TaskClient:
         if self._data_ready[3]:  # sync: always; async: a batch woke the prefetch thread
             self._receive_now() if not self.async_prefetch else self._drain()
         taken = self._taken
-        if self._received <= taken:  # this rank holds nothing new: no shared memory read
-            return False
-        upto = self._group.min_received()
-        if upto < self._received and self._waits_for_peers:
-            # a peer is still receiving what this rank holds: take it this step (tp_group)
-            upto = self._group.wait_peers(self._received, _PEER_WAIT_S)
-        if upto <= taken:
-            return False
+        ring = self._ring
+        if ring is not None:
+            # the ring says what every rank of the node can take: no rank's thread needs to
+            # have run (batches that travelled over the socket: once every rank received them)
+            if not self._peers_welcomed:
+                if not self._group.all_welcomed(self._engine_instance):
+                    return False  # a peer has not attached the ring yet
+                self._peers_welcomed = True  # for good: the engine is this client's for life
+            upto = ring.ready_upto(taken, self._group.min_received)
+            if upto <= taken:
+                return False
+        else:
+            if self._received <= taken:  # this rank holds nothing new: no shared memory read
+                return False
+            upto = self._group.min_received()
+            if upto < self._received and self._waits_for_peers:
+                # a peer is still receiving what this rank holds: take it this step (tp_group)
+                upto = self._group.wait_peers(self._received, _PEER_WAIT_S)
+            if upto <= taken:
+                return False
         if self.tp_rank == 0:
             if self._engine_split is not None and self._engine_split(self._engine_instance):
                 self._split_group()  # raises
@@ -458,6 +491,8 @@ class TaskClient:
         deadline = time.monotonic() + timeout
         if self.exist_tasks():
             return True
+        if self._ring is not None:
+            return self._wait_ring(deadline)
         need = self._taken + 1
         if not self.async_prefetch:
             # this rank's own batch first: only this thread reads the socket. An OS-level
@@ -493,6 +528,26 @@ class TaskClient:
                     return self.exist_tasks()  # timed out
                 return self._after_peer_fault(deadline)
             if self.exist_tasks():
+                return True
+
+    def _wait_ring(self, deadline) -> bool:
+        """``wait_for_tasks`` with a ring: async mode waits for the prefetch thread's
+        wake-up (set after every post, error and close), sync mode on this rank's
+        semaphore itself, receiving from the socket between waits."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self.exist_tasks()
+            if self._group.peer_fault() is not None:
+                return self._after_peer_fault(deadline)
+            if self.async_prefetch:
+                self._ring_woke.clear()
+                if self.exist_tasks():  # published between the last check and the clear
+                    return True
+                self._ring_woke.wait(min(remaining, _RING_IDLE_CHECK_S))
+            else:
+                self._ring.wait(min(remaining, _SYNC_RING_CHECK_S))
+            if self.exist_tasks():  # receives (sync), raises what the receivers learned
                 return True
 
     def _after_peer_fault(self, deadline) -> bool:
@@ -533,6 +588,9 @@ class TaskClient:
                 self._drain()
         else:
             self._receive_now()
+        if self._ring is not None and not self._local_group:
+            # across nodes every rank offers what it can take: the ring's part is a read
+            self._group.publish_received(self._ring.ready_upto(self._taken, self._own_received))
         # async: on_wait drains in a node-local wait (across nodes, paddle's collective has
         # no waiting path of ours); sync: the wait keeps receiving from the engine
         self._group_barrier(timeout, self._service_in_wait, self._check_in_wait,
@@ -566,18 +624,26 @@ class TaskClient:
         return tasks, self._group.all_consumed(self._taken)
 
     def num_tasks(self) -> int:
-        """Batches this rank holds and has not taken. Never blocks."""
+        """Batches this rank holds (or can read from the ring) and has not taken. Never
+        blocks."""
         if self._error is not None:
             self._raise_error()
         if not self.async_prefetch:
             self._receive_now()
+        if self._ring is not None:
+            return self._ring.ready_upto(self._taken, self._own_received) - self._taken
         return self._received - self._taken
+
+    def _own_received(self) -> int:
+        return self._received
 
     def ready_count(self) -> int:
         """Batches every rank of the group holds that this rank has not taken: what a step
         latched now would take (rank 0's view; with ``coordinator="paddle"`` this rank's
         own count, as ``exist_tasks()``). Shared-memory reads: never blocks, receives
         nothing, latches nothing, raises nothing."""
+        if self._ring is not None:
+            return self._ring.ready_upto(self._taken, self._group.min_received) - self._taken
         return max(0, min(self._received, self._group.min_received()) - self._taken)
 
     def step_size(self) -> int:
@@ -603,22 +669,28 @@ class TaskClient:
         and the ids this rank is bound to, for logs and tests."""
         with self._lock:
             out = dict(self._counters)
-            out.update(received=self._received, taken=self._taken, held=len(self._slot))
+            out.update(received=self._received, taken=self._taken, held=len(self._held),
+                       ring=self._ring.name if self._ring is not None else None)
         out.update(worker=f"{self.worker_id:016x}", group=f"{self.incarnation:016x}",
                    engine=f"{self._engine_instance:016x}" if self._engine_instance else None,
                    engine_silent_s=round(time.monotonic() - self._last_heard, 3))
         return out
 
     def prefetch_cpu_seconds(self) -> float:
-        """CPU time the prefetch thread has used so far (user + system), from its own
-        thread clock; None in sync mode or where the platform has no per-thread clock.
-        A thread blocked in poll, as it should be while idle, adds nothing here."""
+        """CPU time the background threads of async mode (the socket's receiver and the
+        ring's prefetch thread) have used so far (user + system), from their own thread
+        clocks; None in sync mode or where the platform has no per-thread clock. A thread
+        blocked in poll or on its semaphore, as it should be while idle, adds nothing."""
         if not self.async_prefetch or not hasattr(time, "pthread_getcpuclockid"):
             return None
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
-        except (OSError, TypeError):  # the thread has exited (or never started)
-            return None
+        total = None
+        for thread in (self._thread, self._ring_thread):
+            try:
+                used = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError, AttributeError):  # exited, never started, none
+                continue
+            total = used + (total or 0.0)
+        return total
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -650,8 +722,15 @@ class TaskClient:
         if profile_dir:
             self._dump_profile(profile_dir)
         self._wake.wake()
+        ring = self._ring
+        self._ring_woke.set()
+        if ring is not None:
+            ring.post()  # the prefetch thread, or a sync-mode wait_for_tasks() of another thread
         self._thread.join(timeout=5.0)
-        thread_stopped = not self._thread.is_alive()
+        if self._ring_thread is not None:
+            self._ring_thread.join(timeout=5.0)
+        thread_stopped = not self._thread.is_alive() and not (
+            self._ring_thread is not None and self._ring_thread.is_alive())
         if not thread_stopped:
             log.error("TaskClient %s rank %d: background thread did not stop within 5 s; its "
                       "sockets are kept open until exit", self.name, self.tp_rank)
@@ -680,8 +759,10 @@ class TaskClient:
             if got_recv:
                 self._recv_lock.release()
         # The ack board: a take in another thread may be writing it; it is unmapped when
-        # it is garbage (the engine owns its name).
+        # it is garbage (the engine owns its name). The ring likewise: arrays may view it.
         self._board = None
+        if ring is not None and thread_stopped:
+            ring.close()
 
     def _say_bye(self, prior) -> None:
         """BYE to the engine, if it welcomed us and is not known to be gone or closed: it
@@ -870,6 +951,7 @@ class TaskClient:
         log.debug("TaskClient %s rank %d: %s; the next step call raises it", self.name,
                   self.tp_rank, exc, exc_info=True)
         self._group.wake()  # a barrier wait in progress sees it now
+        self._ring_woke.set()  # and so does wait_for_tasks()
 
     def _liveness_deadline(self) -> float:
         """When the watching thread must wake to judge the engine (see _check_engine)."""
@@ -1028,7 +1110,9 @@ class TaskClient:
         # implicit acknowledgement, in case an ACK was lost with a broken connection);
         # engine: the instance it is bound to (0: none yet), so a restarted engine knows
         # this worker holds another engine's batches.
-        self._data.send_multipart([self._header(codec.HELLO, seq=self._received + 1,
+        # (with a ring, batches up to _taken may never have crossed the socket)
+        self._data.send_multipart([self._header(codec.HELLO, seq=max(self._received,
+                                                                     self._taken) + 1,
                                                 aux=self._taken), self.name.encode()])
 
     def _send_ping(self, sock):
@@ -1062,12 +1146,16 @@ class TaskClient:
         elif kind == codec.PONG:
             self._counters["pongs"] += 1
         elif kind == codec.WELCOME:
-            if self._publish_engine is not None and not self._bound:
-                self._publish_engine(header.engine)  # before any batch is published
             self._epoch_tag = header.aux << EPOCH_SHIFT
             if self._board_wanted:
                 self._board_wanted = False
                 self._board = AckBoard.attach(self.name, self.dp_id, self.tp_size)
+                if self._board is not None:
+                    self._attach_ring(header.aux)
+            if self._publish_engine is not None and not self._bound:
+                # after the ring, before any batch is published: rank 0 latches nothing
+                # until every rank's engine is written (tp_group.all_welcomed)
+                self._publish_engine(header.engine)
             self._bound = True
         elif kind == codec.CLOSE:
             if self._close_seq is None:
@@ -1091,10 +1179,10 @@ class TaskClient:
             self._garbage(ProtocolError("a batch before the engine's WELCOME"))
             return
         seq = header.seq
-        if seq <= self._received:
+        if seq <= self._received or seq <= self._taken:
             self._counters["duplicates"] += 1  # replayed after a reconnect
             return
-        if seq != self._received + 1:
+        if seq != self._received + 1 and not self._ring_covers(self._received + 1, seq):
             raise ProtocolError(f"rank {self.tp_rank} received seq {seq} after "
                                 f"{self._received}: a batch was lost in transport")
         if len(frames) == 3:  # header, body, shared-memory reference (payload_shm)
@@ -1102,9 +1190,84 @@ class TaskClient:
         else:
             tasks = codec.decode_payload(frames[1:], header.check)
         with self._lock:
-            self._slot.append((seq, tasks))
+            if seq > self._taking:
+                self._held[seq] = tasks
             self._received = seq
-        self._group.publish_received(seq)  # after the slot: whoever sees it can take it
+        self._group.publish_received(seq)  # after _held: whoever sees it can take it
+
+    def _ring_covers(self, first: int, end: int) -> bool:
+        """True if every seq in [first, end) was taken already or is in the ring: only the
+        batches that did not fit the ring travel over the socket, so a gap is no loss."""
+        ring, taken = self._ring, self._taken
+        return ring is not None and all(s <= taken or ring.kind(s) in _RING_KINDS
+                                        for s in range(first, end))
+
+    def _attach_ring(self, epoch):
+        """At the first WELCOME (receiver): attach the worker group's ring (``batch_ring``)
+        and, in async mode, start the prefetch thread that pre-decodes from it. No ring
+        (the engine had no room for one in ``/dev/shm``): every batch comes over the
+        socket, as for a ``tcp://`` engine."""
+        if self._payload_reader is None:
+            self._payload_reader = payload_shm.PayloadReader(self.name, self.dp_id,
+                                                             self.tp_size, self.tp_rank)
+        try:
+            ring = batch_ring.RingReader.attach(self.name, self.dp_id, self.tp_size,
+                                                self.tp_rank, epoch, self._board.owner_pid,
+                                                self._payload_reader)
+        except FileNotFoundError:
+            self._counters["no_ring"] += 1
+            return
+        self._ring = ring  # last: from here on the event loop reads it
+        if self.async_prefetch and not self._closed:
+            self._ring_thread = threading.Thread(
+                target=self._ring_main, daemon=True,
+                name=f"fdsync-prefetch-{self.name}-r{self.tp_rank}")
+            self._ring_thread.start()
+
+    def _ring_main(self):
+        """Async mode, with a ring: the prefetch thread. Blocks on this rank's semaphore with
+        the GIL released; after each post it decodes what was published ahead of the event
+        loop, one batch per hold of the GIL, and wakes ``wait_for_tasks`` after each (the
+        loop, woken first, would only contend for the GIL to decode the same batch).
+        Nothing waits for it: a batch it has not decoded when the step takes it is decoded
+        by the event loop (``_take``), and what it decodes later is dropped. A batch that
+        does not decode stops it, as a receiver's failure does: the next step call raises
+        it."""
+        ring = self._ring
+        next_seq = 1
+        try:
+            while not self._closed:
+                ring.wait(_RING_WAIT_S)
+                if self._closed:
+                    return
+                next_seq = self._predecode(ring, next_seq)
+                self._ring_woke.set()  # also for what it does not decode (socket batches)
+        except BaseException as exc:  # never silent: raised on the event loop
+            self._fail(exc)
+
+    def _predecode(self, ring, next_seq) -> int:
+        """Decode every published ring batch from ``next_seq`` on that the event loop has
+        not taken yet into ``_held``; returns the next seq to look at. Raises what a
+        decode raises."""
+        while not self._closed:
+            seq = max(next_seq, self._taking + 1)
+            if seq > ring.published():
+                return seq
+            kind = ring.kind(seq)
+            if kind == 0:
+                return seq  # its descriptor is being reused: taken meanwhile
+            next_seq = seq + 1
+            if kind not in _RING_KINDS:
+                continue  # travels over the socket: the receiver's
+            tasks = ring.decode(seq)
+            with self._lock:
+                if seq > self._taking:
+                    self._held[seq] = tasks
+                    self._counters["predecoded"] += 1
+            del tasks
+            self._ring_woke.set()
+            time.sleep(0)  # the GIL goes back to the step between two batches
+        return next_seq
 
     def _decode_shared(self, body, ref, check):
         """Decode a batch whose arrays the engine wrote into node-local shared memory
@@ -1146,15 +1309,34 @@ class TaskClient:
                 f"rank {self.tp_rank} has taken up to seq {self._taken} but the group's step "
                 f"takes ({from_seq}, {to_seq}]: get_tasks() must be called on every rank of a "
                 f"step or on none")
-        count = to_seq - from_seq
+        seqs = range(from_seq + 1, to_seq + 1)
         with self._lock:
-            if len(self._slot) < count:
-                raise ProtocolError(f"rank {self.tp_rank} holds {len(self._slot)} batch(es) "
-                                    f"but the step takes {count}")
-            items = [self._slot.popleft() for _ in range(count)]
-        if items[0][0] != from_seq + 1 or items[-1][0] != to_seq:
-            raise ProtocolError(f"rank {self.tp_rank} slot holds seqs {items[0][0]}..{items[-1][0]}, "
-                                f"the step takes ({from_seq}, {to_seq}]")
+            # from now on no background thread adds these: they are this thread's to decode
+            self._taking = to_seq
+            held = self._held
+            items = {s: held.pop(s) for s in seqs if s in held}
+        if len(items) < len(seqs):
+            ring = self._ring
+            for s in seqs:
+                if s in items:
+                    continue
+                if ring is None or ring.kind(s) not in _RING_KINDS:
+                    raise ProtocolError(f"rank {self.tp_rank} holds {len(items)} of the "
+                                        f"{len(seqs)} batch(es) the step takes ({from_seq}, "
+                                        f"{to_seq}]: seq {s} is missing")
+                # not decoded ahead (the prefetch thread had not got the GIL, or sync mode)
+                try:
+                    items[s] = ring.decode(s)
+                except Exception as exc:
+                    # as a receiver's failure: latched, so every later step call raises it
+                    if self._error is None or isinstance(self._error, EngineClosedError):
+                        self._error = exc
+                    self._raise_error()
+                    raise  # _raise_error returns only for an engine CLOSE: not this error
+                self._counters["decoded_by_loop"] += 1
+        if self._ring is not None:  # large batches read through the pool, for stats()
+            self._counters["shared_batches"] += sum(self._ring.kind(s) == batch_ring.SHARED
+                                                    for s in seqs)
         self._taken = to_seq
         self._group.publish_consumed(to_seq)
         board = self._board
@@ -1162,7 +1344,7 @@ class TaskClient:
             board.publish(self.tp_rank, self._epoch_tag | to_seq)
         else:
             self._send_ack(to_seq)
-        return [tasks for _, tasks in items]
+        return [items[s] for s in seqs]
 
     def _send_ack(self, seq: int) -> None:
         """Send the cumulative ACK ``seq`` without blocking and without raising: the step
@@ -1267,6 +1449,7 @@ class TaskClient:
         if not self.async_prefetch and not self._error_raised:
             self._error_raised = True
             raise err
-        where = "the prefetch thread" if self.async_prefetch else "an earlier receive"
+        where = ("the prefetch thread (or a decode at a take)" if self.async_prefetch else
+                 "an earlier receive or decode")
         raise PrefetchError(f"TaskClient {self.name} rank {self.tp_rank}: {where} failed: "
                             f"{err}") from err

@@ -510,8 +510,11 @@ def bench_profiler_overhead(blocks=200, steps=2000):
 
 def delivery_rank(name, tp, rank, n, out):
     """Take ``n`` batches (rank 0 blocks in wait_for_tasks, the others in the barrier) and
-    report, per seq, when this rank's receiver got the frames and when it published that
-    it holds the decoded batch (CLOCK_MONOTONIC, shared by the processes)."""
+    report, per seq, when this rank began to decode it and when it held it decoded
+    (CLOCK_MONOTONIC, shared by the processes): over the socket, when its receiver got the
+    frames and when it published that it holds the batch; through the ring, when the first
+    decode of the seq (the prefetch thread's, or the event loop's if it came first) began
+    and ended. Also the async threads' CPU per batch and this rank's decode time."""
     received, published = {}, {}
     with TaskClient(name, tp, rank, async_prefetch=True) as client:
         group = client._group
@@ -527,7 +530,29 @@ def delivery_rank(name, tp, rank, n, out):
 
         group.publish_received, client._on_data = timed_publish, timed_on_data
         client.barrier(timeout=60)  # every rank is up
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # welcomed, and the ring attached if there is one
+            stats = client.stats()
+            if stats.get("ring") or stats.get("no_ring"):
+                break
+            time.sleep(0.001)
+        ring = client._ring
+        decode_times = []
+        if ring is not None:
+            decode = ring.decode
+
+            def timed_decode(seq):
+                t0 = ns()
+                tasks = decode(seq)
+                t1 = ns()
+                decode_times.append(t1 - t0)
+                received.setdefault(seq, t0)
+                published.setdefault(seq, t1)
+                return tasks
+
+            ring.decode = timed_decode
         out.put(("ready", rank, None))
+        cpu0 = client.prefetch_cpu_seconds()
         taken = 0
         while taken < n:
             if rank == 0:
@@ -536,7 +561,8 @@ def delivery_rank(name, tp, rank, n, out):
             tasks, _ = client.get_tasks()
             taken += len(tasks)
             del tasks
-    out.put(("times", rank, (received, published)))
+        cpu = (client.prefetch_cpu_seconds() - cpu0) / n * 1e9
+    out.put(("times", rank, (received, published, cpu, decode_times)))
 
 
 def timed_sends(queue):
@@ -562,12 +588,14 @@ def bench_delivery(n, tp=2):
     idle in between). Per row: {"held", "put", "send", "transport", "decode"} arrays, us
     ("send": the call to the first DATA message leaving the engine)."""
     batch = make_requests()
-    modes = (("socket (256 KiB < FD_SYNC_SHM_PAYLOAD_MIN_KB)", "1024"),
-             ("shared-memory pool (FD_SYNC_SHM_PAYLOAD_MIN_KB=64)", "64"))
+    modes = (("socket (FD_SYNC_SHM_RING_KB=off)", {"FD_SYNC_SHM_RING_KB": "off"}),
+             ("pool (ring off, FD_SYNC_SHM_PAYLOAD_MIN_KB=64)",
+              {"FD_SYNC_SHM_RING_KB": "off", "FD_SYNC_SHM_PAYLOAD_MIN_KB": "64"}),
+             ("ring (the default)", {}))
     queues, procs, outs = {}, [], {}
     try:
-        for label, threshold in modes:
-            os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = threshold  # read by TaskQueue()
+        for label, env in modes:
+            os.environ.update(env)  # read by TaskQueue()
             name = "bd" + uuid.uuid4().hex[:8]
             queues[label] = TaskQueue(name, tp, max_inflight=4)
             outs[label] = SPAWN.Queue()
@@ -575,7 +603,8 @@ def bench_delivery(n, tp=2):
                 p = SPAWN.Process(target=delivery_rank, args=(name, tp, rank, n, outs[label]))
                 p.start()
                 procs.append(p)
-        os.environ.pop("FD_SYNC_SHM_PAYLOAD_MIN_KB", None)
+            for key in env:
+                os.environ.pop(key, None)
         sent = {label: timed_sends(queue) for label, queue in queues.items()}
         for label in queues:
             for _ in range(tp):
@@ -602,9 +631,12 @@ def bench_delivery(n, tp=2):
             rows[label] = {
                 "held": [times[last[s]][1][s] - started[label][s] for s in seqs],
                 "put": [returned[label][s] - started[label][s] for s in seqs],
-                "send": [sent[label][s] - started[label][s] for s in seqs],
+                "send": [sent[label][s] - started[label][s] for s in seqs
+                         if s in sent[label]],
                 "transport": [times[last[s]][0][s] - returned[label][s] for s in seqs],
-                "decode": [times[last[s]][1][s] - times[last[s]][0][s] for s in seqs]}
+                "decode": [times[last[s]][1][s] - times[last[s]][0][s] for s in seqs],
+                "cpu": [times[r][2] for r in range(tp)],
+                "decode_calls": [t for r in range(tp) for t in times[r][3]]}
         return rows
     finally:
         for queue in queues.values():
@@ -720,11 +752,19 @@ def _section_7(n):
     rows = bench_delivery(n)
     for label, parts in rows.items():
         line(label, parts["held"])
-        print(f"  {'':<46} of which, p50: put_tasks {pct(parts['put'], 50):7.1f} us (the first "
-              f"send {pct(parts['send'], 50):.1f} us after the call), "
-              f"then until the last rank's receiver has the frames "
-              f"{pct(parts['transport'], 50):7.1f} us, its check+decode+publish "
+        sent = (f" (the first send {pct(parts['send'], 50):.1f} us after the call)"
+                if parts["send"] else " (nothing sent)")
+        print(f"  {'':<46} of which, p50: put_tasks {pct(parts['put'], 50):7.1f} us{sent}, "
+              f"then until the last rank began to decode it (socket: its receiver has the "
+              f"frames) {pct(parts['transport'], 50):7.1f} us, its check+decode(+publish) "
               f"{pct(parts['decode'], 50):7.1f} us")
+        cpu = np.mean(parts["cpu"]) / 1000
+        if parts["decode_calls"]:
+            decode = pct(parts["decode_calls"], 50)
+            print(f"  {'':<46} background threads' CPU per batch and rank {cpu:7.1f} us; "
+                  f"one decode from the ring p50 {decode:7.1f} us: {cpu / decode:.2f}x")
+        else:
+            print(f"  {'':<46} background threads' CPU per batch and rank {cpu:7.1f} us")
     enc = bench_encode_parts()
     print(f"  {'':<46} in this process alone, p50: encode {enc['encode']:.1f} us "
           f"({enc['encode after idle']:.1f} us after 3 ms asleep, as between the puts above), "

@@ -58,6 +58,14 @@ def doomed():
 
 
 @pytest.fixture
+def socket_delivery(monkeypatch):
+    """A node-local engine that sends every batch over its socket, as a tcp engine does
+    and as a node-local one does for a batch that fits no ring slot: for tests of that
+    path (raw protocol peers, the socket's send and receive) on a node-local endpoint."""
+    monkeypatch.setenv("FD_SYNC_SHM_RING_KB", "off")
+
+
+@pytest.fixture
 def loopback_tcp(monkeypatch):
     """Tests about the protocol, not authentication, run tcp on loopback without keys
     (tests/test_auth.py and tests/test_trust.py cover CURVE)."""

@@ -30,14 +30,15 @@ def _engine_rows(stdout):
 
 
 def test_status_of_a_live_group(name, procs, results):
-    """Two ranks that receive 3 batches and take none: status shows them holding 3."""
+    """Two ranks that can take 3 batches from the ring and take none: status shows the
+    ring holding 3 and the ranks having consumed none."""
     with TaskQueue(name, 2) as queue:
         for rank in range(2):
             procs(hold_group_rank, results, rank, name, 2, 3.0)
         pids = collect(results, "ready", 2)
         for i in range(3):
             queue.put_tasks(i, timeout=5)
-        assert wait_until(lambda: [r[3] for r in _rows(_status(name).stdout)] == ["3", "3"])
+        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout)
         out = _status(name)
     assert out.returncode == 0, out.stderr
     assert "tp_size=2" in out.stdout and f"owner pid {pids[0]} (alive)" in out.stdout

@@ -365,7 +365,7 @@ class _ExitsWhenUnpickled:
         return sys.exit, ("a batch ended the thread that unpickled it",)
 
 
-def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name):
+def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name, socket_delivery):
     """The engine decodes a retired group's unfinished batches for GroupLost on its I/O
     thread; one that raises SystemExit there ended the thread silently (and every later
     batch was never sent)."""
@@ -487,7 +487,7 @@ def test_close_before_any_worker_connected_waits_for_a_group_to_come_and_drain(
         assert raised[rank]["taken"] == [0, 1, 2]
 
 
-def test_close_returns_at_once_when_the_served_group_has_gone(name):
+def test_close_returns_at_once_when_the_served_group_has_gone(name, socket_delivery):
     """The group being served has no rank connected any more (its workers closed their
     sockets): close() does not wait for them, it returns what they did not take."""
     from fastdeploy_sync import Heartbeat
@@ -568,7 +568,7 @@ def test_a_bye_is_not_counted_as_an_ack_message(name):
 
 
 def test_close_survives_a_rank_that_stopped_reading_then_talks_and_hangs_up(name, procs,
-                                                                             results):
+                                                                             results, socket_delivery):
     """The engine closes while a batch to a rank is still unwritten (the rank stopped
     reading), and that rank then sends a message and hangs up. With the workers' socket
     closed on a linger, libzmq 4.3.5 aborted the engine process at the connection's next
@@ -592,7 +592,8 @@ def test_close_survives_a_rank_that_stopped_reading_then_talks_and_hangs_up(name
     assert collect(results, "closed", 1, timeout=5)[0] == [1, 2, 3, 4]
 
 
-def test_put_tasks_sends_its_batch_itself_while_the_io_thread_is_held(name, procs, results):
+def test_put_tasks_sends_its_batch_itself_while_the_io_thread_is_held(name, procs, results,
+                                                                     socket_delivery):
     """put_tasks() sends a new batch from the calling thread when no I/O pass holds the
     socket, instead of waking the I/O thread (a thread wake-up, ~90 µs on these machines,
     before the batch could leave): here the I/O thread is held, between its poll and its
@@ -665,14 +666,18 @@ def test_puts_from_many_threads_reach_every_rank_in_order_while_acks_arrive(name
     assert stats.get("acks", 0) > 0  # the I/O thread kept receiving
 
 
-def test_close_from_another_thread_while_threads_put(name, procs, results):
-    """close() from its own thread while three threads put (each sending its batches
-    itself when it can): every put either returns a seq or raises ClosedError, every
-    batch accepted reaches both ranks in seq order before they learn the engine closed,
-    and no send failed on a socket closed under it."""
+@pytest.mark.parametrize("path", ["ring", "socket"])
+def test_close_from_another_thread_while_threads_put(name, procs, results, monkeypatch, path):
+    """close() from its own thread while three threads put (each publishing into the ring,
+    or sending its batches itself when it can): every put either returns a seq or raises
+    ClosedError, every batch accepted reaches both ranks in seq order before they learn
+    the engine closed, and no send failed on a socket closed under it."""
     import threading
 
     from fastdeploy_sync import ClosedError
+
+    if path == "socket":
+        monkeypatch.setenv("FD_SYNC_SHM_RING_KB", "off")
 
     with TaskQueue(name, 2, max_inflight=4) as queue:
         for rank in range(2):
@@ -709,4 +714,8 @@ def test_close_from_another_thread_while_threads_put(name, procs, results):
     for rank in range(2):
         assert raised[rank]["type"] == "EngineClosedError", raised[rank]
         assert raised[rank]["taken"] == expected
-    assert stats.get("send_errors", 0) == 0 and stats["sent"] == 2 * len(expected)
+    assert stats.get("send_errors", 0) == 0
+    if path == "socket":
+        assert stats["sent"] == 2 * len(expected)
+    else:
+        assert stats["shm_ring_batches"] >= len(expected) and "sent" not in stats

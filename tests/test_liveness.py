@@ -292,7 +292,8 @@ def test_a_worker_busy_before_its_first_step_stays_connected(name, procs, result
 # -- busy is not dead (liveness.py's contract) -------------------------------------------
 
 
-def test_an_engine_side_gil_hold_does_not_retire_a_healthy_group(name, procs, results):
+def test_an_engine_side_gil_hold_does_not_retire_a_healthy_group(name, procs, results,
+                                                                 socket_delivery):
     """The engine's own thread holds the GIL for about three heartbeat timeouts (as when
     it pickles a huge batch): its I/O thread cannot run, the rank's pings queue up. The
     rank's connection stayed up, so the group is not retired, and the next batch reaches
@@ -341,7 +342,7 @@ def test_a_worker_holding_the_gil_is_not_retired(name, procs, results):
                    for e in lost), lost
 
 
-def test_a_hung_rank_is_retired_after_the_stall_timeout_and_not_before(name):
+def test_a_hung_rank_is_retired_after_the_stall_timeout_and_not_before(name, socket_delivery):
     """A rank whose connection stays up but who says nothing: never retired for that
     alone within the heartbeat timeout (it was, as 'silent'), retired as hung once the
     stall timeout passes; with stall_timeout=0 never."""
@@ -364,7 +365,7 @@ def test_a_hung_rank_is_retired_after_the_stall_timeout_and_not_before(name):
         rank.close()
 
 
-def test_bye_retires_the_group_at_once_and_close_returns_at_once(name):
+def test_bye_retires_the_group_at_once_and_close_returns_at_once(name, socket_delivery):
     """Both ranks close cleanly (BYE, then their sockets) with a batch in flight: the
     engine retires the group at once (handing the batch back) and close(timeout=5)
     returns at once (it waited out the timeout, the group looking connected)."""

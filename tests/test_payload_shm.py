@@ -54,7 +54,12 @@ def expected(i):
 
 
 def shm_names(name):
-    return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"))
+    """Shared batches and pools (not the worker groups' rings: ring_names)."""
+    return sorted(n for n in glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*") if ".dp0.br" not in n)
+
+
+def ring_names(name):
+    return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.br*"))
 
 
 def pool_names(name):
@@ -359,11 +364,17 @@ def test_a_killed_engines_pool_and_segments_are_reclaimed(name, procs, doomed):
     left = shm_names(name)
     assert len(pool_names(name)) == 1 and len(segment_names(name)) == 1, left
     assert all(path.endswith(f".{engine.pid}") for path in left), left
+    ring = ring_names(name)
+    sems = glob.glob(f"/dev/shm/sem.fdsync.{name}.dp0.br1.{engine.pid}.w*")
+    assert ring == [f"/dev/shm/fdsync.{name}.dp0.br1.{engine.pid}"] and len(sems) == 2, sems
     os.kill(engine.pid, signal.SIGKILL)
     engine.join(timeout=10)
     assert shm_names(name) == left  # nobody removed them: SIGKILL runs no finalizer
     with TaskQueue(name, 2):
         assert shm_names(name) == []
+        # the killed engine's ring and semaphores are gone; the new engine has its own
+        assert ring_names(name) == [f"/dev/shm/fdsync.{name}.dp0.br1.{os.getpid()}"]
+        assert not any(os.path.exists(path) for path in sems)
     # the name fixture checks that nothing else of the name is left either
 
 
@@ -384,17 +395,18 @@ def engine_that_exits_without_close(out, rank, name, n):
     for i in range(n):
         queue.put_tasks(make_batch(2 * i), timeout=10)
     queue.put_tasks((99, [np.zeros(1 << 18, dtype=np.int64)]), timeout=10)
-    out.put(("put", rank, shm_names(name)))
+    out.put(("put", rank, shm_names(name) + ring_names(name)))
     # returns without close(): the interpreter's exit runs the queue's finalizer
 
 
 def test_an_engine_that_exits_without_close_leaves_nothing(name, procs, results):
     engine = procs(engine_that_exits_without_close, results, 0, name, 2)
     (left,) = collect(results, "put", 1, timeout=30).values()
-    assert len(left) == 2  # the pool and one segment
+    assert len(left) == 3  # the pool, one segment and the group's ring
     engine.join(timeout=20)
     assert engine.exitcode == 0
     assert shm_names(name) == []
+    assert glob.glob(f"/dev/shm/sem.fdsync.{name}.*") == []  # nor the ring's semaphores
 
 
 def test_close_unlinks_unconsumed_batches(name, small_threshold, monkeypatch):
@@ -695,12 +707,12 @@ def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name,
     encoder = BatchEncoder(name, 0, 2, node_local=True, max_message_bytes=1 << 30)
     try:
         kept = encoder.encode(make_batch(0))
-        encoder.keep(1, kept)
+        frames, _ = encoder.enqueue(1, 1, kept)
         pending = encoder.encode(make_batch(2))  # a put still waiting for room
-        dropped = encoder.drop_all()  # the group is retired
+        dropped = encoder.drop_all(2)  # the group is retired
         encoder.discard(pending)  # the waiting put times out: the retired pool is idle
         assert pool_names(name) == []  # ... and unlinked
-        assert describe(encoder.decode_retained(kept.frames, dropped[1])) == expected(0)
+        assert describe(encoder.decode_retained(frames, dropped[1])) == expected(0)
         encoder.forget(dropped)
     finally:
         encoder.close()

@@ -13,8 +13,9 @@ from workers import collect, peer_receiving_rank
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 def test_the_step_takes_a_batch_a_peer_is_receiving_when_rank_0_checks(name, procs, results,
                                                                         async_prefetch,
-                                                                        monkeypatch):
-    """Before: rank 0's check saw its peer lacking the batch, latched nothing and went to
+                                                                        monkeypatch,
+                                                                        socket_delivery):
+    """Batches over the socket (a tcp engine, or a batch that fit no ring slot). Before: rank 0's check saw its peer lacking the batch, latched nothing and went to
     the barrier, where it waited for that peer anyway (the peer was receiving the batch
     before arriving); the batch waited for the next step. In the profile's loop with a
     GIL-holding step, whose peer receives only when its step blocks or ends, that made

@@ -355,8 +355,10 @@ class _RecordingLock:
         self.lock.release()
 
 
-def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_batch(name):
-    """A pure-Python step keeps the GIL: the prefetch thread, woken by a batch, waits for it
+def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_batch(
+        name, monkeypatch):
+    """Batches over the socket (a tcp engine, or a node-local one without a ring, as here).
+    A pure-Python step keeps the GIL: the prefetch thread, woken by a batch, waits for it
     (here: held right after its poll), and the event loop receives the batch itself. Until
     that thread polls again its poll result stays set; the checks meanwhile must not wait
     for its pass (which only re-arms the poll: it cost a GIL-holding loop 12.6 µs p50 in
@@ -364,6 +366,7 @@ def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_
     at once, and the thread, let go, polls again without a pass over its sockets."""
     import threading
 
+    monkeypatch.setenv("FD_SYNC_SHM_RING_KB", "off")
     with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=True) as client:
         queue.put_tasks(make_batch(0), timeout=5)
         assert wait_until(lambda: client.exist_tasks(), timeout=10)

@@ -1,0 +1,594 @@
+"""One write per node: a node-local engine's batches in a shared-memory ring every rank reads.
+
+Why: over ``ipc://`` a batch reached a rank only once that rank's prefetch thread had run:
+woken by the socket, it took the GIL, received its own copy and decoded it, and only then
+could rank 0's check say "every rank holds it". A thread that needs the GIL loses to a
+step that holds it (a pure-Python step: batches waited for the interpreter's switch
+interval) and costs a step that releases it (the model's thread waited for the GIL the
+prefetch thread held). Here the engine writes each batch once into shared memory, and
+the ring itself says which batches every rank of the node can take: rank 0's check reads
+one word, and a rank whose prefetch thread has not decoded a batch yet decodes it itself
+when it takes it. No rank's progress waits for any Python thread of another process.
+
+Shape (after vLLM's ``shm_broadcast.MessageQueue``): one writer (the engine), the TP
+ranks of one worker group as readers.
+
+* **Slots** hold the batches' bytes: ``slots`` fixed areas of ``slot_bytes``, each with a
+  FILLED word (the stamp of the batch the engine last wrote there) and one RELEASED word
+  per rank (the stamp of the last batch of that slot whose decoded arrays the rank freed:
+  decoded arrays are zero-copy views of the slot). The engine reuses a slot only once
+  every rank consumed its batch *and* released it, so an array a rank still holds stays
+  valid and unchanged; a slot held that way is skipped, not waited for.
+* **Descriptors** say what each sequence number is: ``descs`` entries indexed by
+  ``seq % descs`` (the in-flight window bounds how many are live), each SEQ, KIND, SLOT,
+  STAMP, CHECK, DATA_HASH and three lengths. KIND is ``INLINE`` (pickle body, offsets and
+  arrays in the slot), ``SHARED`` (body and a ``payload_shm`` reference in the slot, the
+  arrays in the large-batch pool or a segment of their own) or ``SOCKET`` (the batch did
+  not fit: it travels over the socket as before, and a rank can take it once every rank
+  received it).
+* **PUBLISHED** is the highest sequence number whose descriptor is complete; descriptors
+  are published in order.
+
+Memory ordering: the engine writes a slot's bytes, its FILLED word and the descriptor's
+fields, then the descriptor's SEQ, then PUBLISHED; a reader reads PUBLISHED, then SEQ,
+then the fields and bytes. x86-64 keeps store->store and load->load order (as the TP
+group's protocol already assumes, ``tp_group``), so a reader that saw PUBLISHED sees the
+rest. A rank releases a slot with one store after its last view is gone.
+
+Wake-ups: one POSIX semaphore per rank, posted by the engine after each publication
+(only when its count is 0, so that a rank that never waits, such as one in sync mode,
+never accumulates posts). A rank's prefetch thread blocks on it with the GIL released;
+it only pre-decodes: nothing waits for it.
+
+Integrity and trust, as for ``payload_shm``: the segment is created exclusively, mode
+0600, owner-locked for the engine's life (``shm.Segment``); a rank attaches it only
+after checking its owner uid, magic, layout and epoch; CHECK (xxh3_64 of the body and
+offsets or reference, ``codec.payload_checksum``) is verified before anything is
+unpickled, and the lengths and slot are checked by arithmetic first. The array bytes are
+hashed only with ``FD_SYNC_SHM_CHECKSUM=1`` (DATA_HASH), as the pool's.
+
+Lifetime: one ring per worker group (its *epoch*, the ack board's tag), created by the
+engine before the group's first batch, named ``/fdsync.NAME.dpN.br<epoch>.<engine pid>``
+(semaphores: that name plus ``.w<rank>``), unlinked when the group is retired or the queue
+closes. Mappings stay valid while arrays view them; the memory returns to the system
+with the last view.
+"""
+
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+import posix_ipc
+import xxhash
+
+from . import codec
+from .errors import GroupLostError, ProtocolError
+from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
+                  unlink_segment, unlink_semaphore)
+
+__all__ = ["RingWriter", "RingReader", "ring_name", "wake_name", "INLINE", "SHARED", "SOCKET",
+           "ring_geometry", "published_rings"]
+
+log = logging.getLogger(__name__)
+
+INLINE, SHARED, SOCKET = 1, 2, 3
+_KINDS = (INLINE, SHARED, SOCKET)
+
+_MAGIC = int.from_bytes(b"FDSYRING", "little")
+_VERSION = 1
+# Header words.
+(_H_MAGIC, _H_VERSION, _H_TP, _H_SLOTS, _H_SLOT_BYTES, _H_DESCS, _H_EPOCH, _H_READY,
+ _H_PUBLISHED, _H_DATA_OFFSET, _H_PID) = range(11)
+_HEADER_WORDS = 16  # two cache lines
+# Descriptor words.
+_D_SEQ, _D_KIND, _D_STAMP, _D_CHECK, _D_HASH, _D_L0, _D_L1, _D_L2 = range(8)
+_D_WORDS = 8  # one cache line
+_LINE_WORDS = 8
+_MAX_TP = 1 << 12
+_MAX_SLOTS = 1 << 14
+_MAX_DESCS = 1 << 16
+_SLOT_BYTES_MIN = 4096
+# A semaphore wait that times out re-checks the ring this often at most: a post that was
+# skipped because the count read non-zero can delay a pre-decode by no more than this.
+_WAIT_SLICE_S = 1.0
+
+
+def ring_name(name: str, dp_id: int, epoch: int, pid: int = None) -> str:
+    """The ring of worker-group epoch ``epoch`` of queue ``name``/``dp_id``, created by the
+    engine whose pid is ``pid`` (default: this process)."""
+    return f"/fdsync.{name}.dp{dp_id}.br{epoch}.{os.getpid() if pid is None else pid}"
+
+
+def wake_name(ring: str, rank: int) -> str:
+    """The semaphore the engine posts for ``rank`` after each publication into ``ring``."""
+    return f"{ring}.w{rank}"
+
+
+def ring_geometry(tp_size: int, slots: int, slot_bytes: int, descs: int):
+    """``(total bytes, data offset)`` of a ring: the header, descriptors, FILLED words and
+    RELEASED rows, rounded up to a page, then the slots."""
+    row = -(-slots // _LINE_WORDS) * _LINE_WORDS
+    words = _HEADER_WORDS + descs * _D_WORDS + row * (1 + tp_size)
+    offset = -(-words * 8 // mmap.PAGESIZE) * mmap.PAGESIZE
+    return offset + slots * slot_bytes, offset
+
+
+class _Layout:
+    """Word indices of one ring's parts (shared by the writer and the readers)."""
+
+    __slots__ = ("tp", "slots", "slot_bytes", "descs", "row", "filled", "released",
+                 "data_offset", "size")
+
+    def __init__(self, tp_size, slots, slot_bytes, descs):
+        self.tp, self.slots, self.slot_bytes, self.descs = tp_size, slots, slot_bytes, descs
+        self.row = -(-slots // _LINE_WORDS) * _LINE_WORDS
+        self.filled = _HEADER_WORDS + descs * _D_WORDS
+        self.released = self.filled + self.row
+        self.size, self.data_offset = ring_geometry(tp_size, slots, slot_bytes, descs)
+
+    def desc(self, seq: int) -> int:
+        return _HEADER_WORDS + (seq % self.descs) * _D_WORDS
+
+    def release_word(self, rank: int, slot: int) -> int:
+        return self.released + rank * self.row + slot
+
+
+def _to_signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _to_unsigned(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
+# slot states (engine side)
+_FREE, _WRITTEN, _KEPT, _CONSUMED = range(4)
+
+
+class RingWriter:
+    """The engine's end of one worker group's ring.
+
+    Not thread-safe by itself: the caller (``batch_encoder.BatchEncoder``) serialises
+    ``allocate``, ``kept``, ``discard``, ``consumed`` and ``close`` under its lock;
+    ``write_*`` of a slot it handed out runs outside it (slots are disjoint), and
+    ``publish`` runs under the engine's mutex, in sequence order."""
+
+    def __init__(self, segment, layout, epoch, name, sems):
+        self._seg = segment
+        self._layout = layout
+        self.epoch, self.name = epoch, name
+        self._words = segment.view
+        self._uwords = segment.view.cast("B").cast("Q")
+        self._data = segment.view.cast("B")[layout.data_offset:]
+        self._sems = sems
+        self.sem_names = [wake_name(name, rank) for rank in range(len(sems))]
+        self._state = [_FREE] * layout.slots
+        self._stamp = [0] * layout.slots
+        self._stamps = 0
+        self._cursor = 0
+        self.closed = False
+
+    @classmethod
+    def create(cls, name: str, dp_id: int, tp_size: int, epoch: int, *, slots: int,
+               slot_bytes: int, descs: int) -> "RingWriter":
+        """Create the ring of ``epoch``: exclusively, mode 0600, owner-locked for this
+        process's life, every page reserved (``posix_fallocate``: a full ``/dev/shm`` is an
+        ``OSError(ENOSPC)`` here, never a SIGBUS later) and mapped in (``Segment.populate``),
+        and one semaphore per rank.
+        ``FileExistsError`` if the name exists (another live engine of this name in this
+        process); ``OSError`` with nothing left behind otherwise."""
+        if not 0 < tp_size <= _MAX_TP or not 0 < slots <= _MAX_SLOTS:
+            raise ValueError(f"ring for tp_size {tp_size} with {slots} slots")
+        if not 0 < descs <= _MAX_DESCS or slot_bytes < _SLOT_BYTES_MIN or slot_bytes % 64:
+            raise ValueError(f"ring with {descs} descriptors of {slot_bytes}-byte slots")
+        layout = _Layout(tp_size, slots, slot_bytes, descs)
+        shm_name = ring_name(name, dp_id, epoch)
+        seg = Segment.create(shm_name, layout.size)
+        sems = []
+        try:
+            seg.reserve()
+            seg.populate(write=True)  # the engine's copy into a slot never faults
+            for rank in range(tp_size):
+                sem_name = wake_name(shm_name, rank)
+                if check_semaphore_owner(sem_name):
+                    unlink_semaphore(sem_name)  # a killed engine's, same pid reused
+                sems.append(create_semaphore(sem_name))
+        except BaseException:
+            for sem in sems:
+                sem.unlink()
+                sem.close()
+            seg.unlink_if_mine()
+            seg.close()
+            raise
+        w = seg.view
+        w[_H_VERSION], w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES] = _VERSION, tp_size, slots, slot_bytes
+        w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET], w[_H_PID] = (descs, epoch, layout.data_offset,
+                                                                  os.getpid())
+        w[_H_MAGIC] = _MAGIC
+        w[_H_READY] = 1  # last: a rank that sees it sees the rest
+        return cls(seg, layout, epoch, shm_name, sems)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._layout.slot_bytes
+
+    # -- slots (under the encoder's lock) ----------------------------------------------
+
+    def allocate(self):
+        """A free slot's index, or None when every slot holds a batch not yet consumed and
+        released by every rank (the batch then takes another path). Never blocks."""
+        if self.closed:
+            return None
+        lay, words = self._layout, self._words
+        for step in range(lay.slots):
+            slot = (self._cursor + step) % lay.slots
+            state = self._state[slot]
+            if state == _CONSUMED:
+                stamp = self._stamp[slot]
+                if all(words[lay.release_word(r, slot)] == stamp for r in range(lay.tp)):
+                    state = self._state[slot] = _FREE
+            if state == _FREE:
+                self._state[slot] = _WRITTEN
+                self._cursor = slot + 1
+                return slot
+        return None
+
+    def kept(self, slot: int) -> None:
+        """The batch in ``slot`` was enqueued."""
+        self._state[slot] = _KEPT
+
+    def discard(self, slot: int) -> None:
+        """The batch in ``slot`` was never enqueued: no rank will read it."""
+        self._state[slot] = _FREE
+
+    def consumed(self, slot: int) -> None:
+        """Every rank consumed the batch in ``slot``: reusable once every rank released it."""
+        if self._state[slot] == _KEPT:
+            self._state[slot] = _CONSUMED
+
+    def held(self) -> int:
+        """Slots not free now (written, in flight, or viewed by a rank)."""
+        return sum(state != _FREE for state in self._state)
+
+    # -- bytes (outside the lock: slots are disjoint) ----------------------------------
+
+    def write_inline(self, slot: int, parts) -> tuple:
+        """Copy an encoded batch (``codec.EncodedPayload``) into ``slot`` as arrays, then
+        offsets, then body (arrays first: the slot starts on a page, the codec aligns them
+        to 64 bytes inside). Returns the descriptor's ``(kind, lengths)``. ``ValueError``
+        if it does not fit (the caller checks ``fits_inline`` first)."""
+        body, offsets, size = parts.body, parts.offsets, parts.data_size
+        base = slot * self._layout.slot_bytes
+        end = size + len(offsets) + len(body)
+        if end > self._layout.slot_bytes:
+            raise ValueError(f"{end}-byte batch for a {self._layout.slot_bytes}-byte slot")
+        data = self._data
+        if size:
+            parts.write_data(data[base:base + size])
+        data[base + size:base + size + len(offsets)] = offsets
+        data[base + size + len(offsets):base + end] = body
+        return INLINE, (len(body), len(offsets), size)
+
+    def write_frames(self, slot: int, frames) -> tuple:
+        """Copy a shared batch's ``[body, reference]`` into ``slot``; ``(kind, lengths)``."""
+        body, ref = (memoryview(f).cast("B") for f in frames)
+        base = slot * self._layout.slot_bytes
+        if body.nbytes + ref.nbytes > self._layout.slot_bytes:
+            raise ValueError(f"{body.nbytes + ref.nbytes}-byte message for a "
+                             f"{self._layout.slot_bytes}-byte slot")
+        data = self._data
+        data[base:base + ref.nbytes] = ref
+        data[base + ref.nbytes:base + ref.nbytes + body.nbytes] = body
+        return SHARED, (body.nbytes, ref.nbytes, 0)
+
+    def fits_inline(self, parts) -> bool:
+        return parts.data_size + len(parts.offsets) + len(parts.body) <= self._layout.slot_bytes
+
+    def frames(self, slot: int, kind: int, lengths) -> list:
+        """Copies of the frames a slot holds (``[body, offsets, data]``, ``[body]`` or
+        ``[body, reference]``): for decoding a batch again on the engine without keeping
+        the ring mapped."""
+        base = slot * self._layout.slot_bytes
+        data = self._data
+        l0, l1, l2 = lengths
+        if kind == SHARED:
+            return [bytes(data[base + l1:base + l1 + l0]), bytes(data[base:base + l1])]
+        if not l1:
+            return [bytes(data[base + l2:base + l2 + l0])]
+        return [bytes(data[base + l2 + l1:base + l2 + l1 + l0]),
+                bytes(data[base + l2:base + l2 + l1]), bytes(data[base:base + l2])]
+
+    # -- publication (under the engine's mutex, in seq order) ---------------------------
+
+    def publish(self, seq: int, kind: int, slot: int = 0, check: int = 0, data_hash: int = 0,
+                lengths=(0, 0, 0)) -> None:
+        """Make group-relative ``seq`` visible to every rank: its descriptor, then
+        PUBLISHED. ``kind`` SOCKET needs no slot: the ranks learn it travels over the
+        socket. Never blocks."""
+        lay, w = self._layout, self._words
+        if kind != SOCKET:
+            self._stamps += 1
+            stamp = self._stamp[slot] = self._stamps
+            w[lay.filled + slot] = stamp
+        else:
+            stamp = 0
+        d = lay.desc(seq)
+        w[d + _D_KIND] = kind | slot << 8
+        w[d + _D_STAMP] = stamp
+        self._uwords[d + _D_CHECK] = check
+        self._uwords[d + _D_HASH] = data_hash
+        w[d + _D_L0], w[d + _D_L1], w[d + _D_L2] = lengths
+        w[d + _D_SEQ] = seq  # after the fields: a reader that sees it sees them
+        w[_H_PUBLISHED] = seq
+
+    def published(self) -> int:
+        return self._words[_H_PUBLISHED]
+
+    def wake(self) -> None:
+        """Post every rank's semaphore whose count is 0 (a rank that never waits gathers
+        no posts). Never blocks. Any thread."""
+        for sem in self._sems:
+            try:
+                if sem.value == 0:
+                    sem.release()
+            except posix_ipc.ExistentialError:
+                return  # closed meanwhile
+
+    def close(self) -> None:
+        """Unlink the ring and its semaphores and drop the ownership lock. Idempotent.
+        The mapping stays until this object and every view of it are garbage."""
+        if self.closed:
+            return
+        self.closed = True
+        for sem in self._sems:
+            try:
+                sem.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+            sem.close()
+        self._sems = []
+        self._seg.unlink_if_mine()
+        self._seg.release_locks()
+
+
+class RingReader:
+    """A rank's end of one worker group's ring: reads descriptors, decodes batches from
+    the slots (arrays zero-copy, read-only), publishes releases, waits for posts.
+
+    ``decode`` of one seq must run in one thread at a time, and at most once per seq in
+    this process (two decodes would publish two releases for one slot): the worker's
+    prefetch thread and event loop agree on who decodes each seq (``worker``)."""
+
+    def __init__(self, segment, layout, rank, sem, shared_reader):
+        self._seg = segment
+        self._layout = layout
+        self.rank = rank
+        self.name = segment.name
+        self._words = segment.view
+        self._uwords = segment.view.cast("B").cast("Q")
+        self._data = segment.view.cast("B")[layout.data_offset:].toreadonly()
+        self._sem = sem
+        self._shared = shared_reader  # payload_shm.PayloadReader, for SHARED batches
+        # slot -> (stamp, weakref to its holder array): see _holder
+        self._holders = {}
+        self._holders_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def attach(cls, name: str, dp_id: int, tp_size: int, rank: int, epoch: int, pid: int,
+               shared_reader) -> "RingReader":
+        """Attach the ring of ``epoch`` that engine ``pid`` (its pid as written on the ack
+        board) created. ``FileNotFoundError`` if there is none (the engine could not make
+        one: batches then travel over the socket); ``ProtocolError`` for one that is not a
+        ready ring of this layout, group and size; ``PermissionError`` for another user's.
+        Never blocks."""
+        shm_name = ring_name(name, dp_id, epoch, pid)
+        seg = Segment.attach(shm_name)
+        try:
+            w = seg.view
+            if seg.size < _HEADER_WORDS * 8:
+                raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, less than a header")
+            if w[_H_MAGIC] != _MAGIC or w[_H_VERSION] != _VERSION or w[_H_READY] != 1:
+                raise ProtocolError(f"ring {shm_name}: not a ready ring of layout {_VERSION}")
+            tp, slots, slot_bytes, descs = w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES], w[_H_DESCS]
+            if (tp != tp_size or w[_H_EPOCH] != epoch or not 0 < slots <= _MAX_SLOTS
+                    or not 0 < descs <= _MAX_DESCS or slot_bytes < _SLOT_BYTES_MIN
+                    or slot_bytes % 64):
+                raise ProtocolError(f"ring {shm_name} is laid out for tp_size {tp}, epoch "
+                                    f"{w[_H_EPOCH]}; this rank's group has tp_size {tp_size}, "
+                                    f"epoch {epoch}")
+            layout = _Layout(tp, slots, slot_bytes, descs)
+            if layout.size != seg.size or layout.data_offset != w[_H_DATA_OFFSET]:
+                raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, its header "
+                                    f"says {layout.size}")
+            sem = open_semaphore(wake_name(shm_name, rank))
+        except BaseException:
+            seg.close()
+            raise
+        seg.populate(write=False)  # nor does a decode's read
+        return cls(seg, layout, rank, sem, shared_reader)
+
+    def published(self) -> int:
+        """The highest seq every rank of the node can take (subject to ``kind``). ~50 ns."""
+        return self._words[_H_PUBLISHED]
+
+    def kind(self, seq: int) -> int:
+        """``INLINE``/``SHARED``/``SOCKET`` for a published ``seq``, 0 if its descriptor
+        holds another seq (not published yet, or already reused)."""
+        d = self._layout.desc(seq)
+        words = self._words
+        if words[d + _D_SEQ] != seq:
+            return 0
+        return words[d + _D_KIND] & 0xFF
+
+    def ready_upto(self, taken: int, socket_min) -> int:
+        """The highest seq s >= ``taken`` such that every seq in (taken, s] is published and
+        can be taken by every rank now: read from the ring, or, for a SOCKET batch, held
+        by every rank (``socket_min()``: the lowest seq every rank received over the
+        socket; called only when a SOCKET batch is met). Shared-memory reads only."""
+        top = self._words[_H_PUBLISHED]
+        seq = taken
+        floor = None
+        while seq < top:
+            kind = self.kind(seq + 1)
+            if kind == 0:
+                break  # being overwritten: a reader of another life
+            if kind == SOCKET:
+                if floor is None:
+                    floor = socket_min()
+                if seq + 1 > floor:
+                    break
+            seq += 1
+        return seq
+
+    def decode(self, seq: int):
+        """The batch of ``seq`` (published, INLINE or SHARED, not yet released by this
+        rank), decoded: its arrays are read-only views of the slot (INLINE) or of the pool
+        (SHARED), and this rank's release of the slot is published when the last of them
+        is freed (at once when it has none).
+
+        Checks, each before anything later is read or unpickled: the descriptor names
+        this seq and a slot of this ring; the lengths fit the slot; the slot still holds
+        the batch's stamp; the checksum over the body and offsets (or reference); the
+        array bytes' hash when the engine wrote one. ``ProtocolError`` names what failed;
+        ``GroupLostError`` when a SHARED batch's memory is gone (the group was retired)."""
+        lay, words = self._layout, self._words
+        d = lay.desc(seq)
+        if words[d + _D_SEQ] != seq:
+            raise ProtocolError(f"ring {self.name}: seq {seq} is not published (descriptor "
+                                f"holds seq {words[d + _D_SEQ]})")
+        kind_word, stamp = words[d + _D_KIND], words[d + _D_STAMP]
+        kind, slot = kind_word & 0xFF, kind_word >> 8
+        check, data_hash = self._uwords[d + _D_CHECK], self._uwords[d + _D_HASH]
+        l0, l1, l2 = words[d + _D_L0], words[d + _D_L1], words[d + _D_L2]
+        if kind not in (INLINE, SHARED) or not 0 <= slot < lay.slots or stamp <= 0:
+            raise ProtocolError(f"ring {self.name}: seq {seq} has kind {kind}, slot {slot}, "
+                                f"stamp {stamp}")
+        if min(l0, l1, l2) < 0 or l0 + l1 + l2 > lay.slot_bytes or l0 == 0:
+            raise ProtocolError(f"ring {self.name}: seq {seq} lengths ({l0}, {l1}, {l2}) do "
+                                f"not fit a {lay.slot_bytes}-byte slot")
+        holder = self._holder(slot, stamp, l0 + l1 + l2)
+        filled = words[lay.filled + slot]
+        if filled != stamp:
+            raise ProtocolError(f"ring {self.name}: the slot of seq {seq} holds stamp {filled}, "
+                                f"not {stamp}: reused before this rank read it")
+        view = memoryview(holder)
+        if kind == SHARED:
+            ref, body = view[:l1], view[l1:l1 + l0]
+            return self._shared.decode(body, ref, check)
+        if l1:
+            data, offsets, body = view[:l2], view[l2:l2 + l1], view[l2 + l1:]
+            frames = [body, offsets, data]
+        else:
+            frames = [view[l2:l2 + l0]]
+        actual = codec.payload_checksum(frames[:2])
+        if actual != check:
+            raise ProtocolError(
+                f"ring {self.name}: payload checksum mismatch for seq {seq}: expected "
+                f"{check:#018x}, computed {actual:#018x} over the body and offsets in shared "
+                f"memory: the batch was corrupted between the engine's write and this decode")
+        if data_hash:
+            found = xxhash.xxh3_64(frames[2]).intdigest() or 1
+            if found != data_hash:
+                raise ProtocolError(f"ring {self.name}: the arrays of seq {seq} hash to "
+                                    f"{found:#018x}, the engine wrote {data_hash:#018x}")
+        return codec.decode_payload(frames, None)
+
+    def _holder(self, slot, stamp, size):
+        """The array every view of ``slot``'s batch ``stamp`` derives from; when the last of
+        them is freed, this rank's release of the slot is published (one store). Two
+        decodes of one batch (the prefetch thread's and the event loop's, when the loop did
+        not wait for the thread) share one holder, so the release waits for both."""
+        with self._holders_lock:
+            entry = self._holders.get(slot)
+            holder = entry[1]() if entry is not None and entry[0] == stamp else None
+            if holder is None:
+                lay = self._layout
+                holder = np.frombuffer(self._data, dtype=np.uint8, count=size,
+                                       offset=slot * lay.slot_bytes)
+                weakref.finalize(holder, _publish_release, self._words,
+                                 lay.release_word(self.rank, slot), stamp)
+                self._holders[slot] = (stamp, weakref.ref(holder))
+            return holder
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the engine posts this rank (True) or ``timeout`` seconds pass
+        (False), with the GIL released. A signal whose handler returns does not end it
+        early: the wait resumes with the time left. ``GroupLostError`` if the semaphore is
+        gone (the engine retired the group or closed)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self._sem.acquire(max(0.0, remaining))
+                return True
+            except posix_ipc.BusyError:
+                return False
+            except posix_ipc.SignalError:
+                if remaining <= 0:
+                    return False
+            except posix_ipc.ExistentialError:
+                raise GroupLostError(f"ring {self.name}: the engine removed it (it retired "
+                                     f"this worker group or closed)") from None
+
+    def post(self) -> None:
+        """Wake this rank's own waiter (``close()`` from another thread)."""
+        try:
+            self._sem.release()
+        except posix_ipc.ExistentialError:
+            pass
+
+    def close(self) -> None:
+        """Close the semaphore and drop the lock descriptor. The mapping stays while arrays
+        view it (it is unmapped when the last of them is garbage). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sem.close()
+        except posix_ipc.ExistentialError:
+            pass
+        self._seg.release_locks()
+
+
+def _publish_release(words, index, stamp):
+    # runs in whichever thread frees the last view: one store into shared memory
+    try:
+        words[index] = stamp
+    except ValueError:  # the segment object was released (process shutting down)
+        pass
+
+
+def published_rings(name: str, dp_id: int) -> list:
+    """``[(shm name, epoch, published seq)]`` of every ring of queue ``name``/``dp_id`` in
+    ``/dev/shm`` owned by this uid (for ``fastdeploy-sync status``). Reads the headers
+    only, read-only; never blocks; skips what it cannot read."""
+    prefix = f"fdsync.{name}.dp{dp_id}.br"
+    found = []
+    try:
+        entries = sorted(os.listdir("/dev/shm"))
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        try:
+            fd = os.open(f"/dev/shm/{entry}", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            raw = os.pread(fd, _HEADER_WORDS * 8, 0)
+        finally:
+            os.close(fd)
+        if len(raw) < _HEADER_WORDS * 8:
+            continue
+        words = memoryview(raw).cast("q")
+        if words[_H_MAGIC] == _MAGIC and words[_H_READY] == 1:
+            found.append(("/" + entry, words[_H_EPOCH], words[_H_PUBLISHED]))
+    return found

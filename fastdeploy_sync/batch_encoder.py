@@ -250,6 +250,24 @@ class BatchEncoder:
         return EncodedBatch(None, check, None, RingPlace(ring, slot, kind, lengths, check,
                                                          data_hash))
 
+    def place_payload(self, frames, check) -> EncodedBatch:
+        """A batch another process encoded (a producer's ``frames`` with the checksum
+        ``check`` they were verified against) as an ``EncodedBatch``: copied into a slot of
+        the ring when one is free and large enough, else as it is (over the socket). Any
+        thread; the copy runs outside the lock."""
+        batch = EncodedBatch(frames, check, None)
+        ring = self._ring
+        if ring is None or sum(len(f) for f in frames) > ring.slot_bytes:
+            return batch
+        with self._lock:
+            slot = ring.allocate()
+        if slot is None:
+            return batch
+        kind, lengths = ring.write_payload(slot, frames)
+        ring_check = codec.payload_checksum(frames[:2])
+        batch.ring = RingPlace(ring, slot, kind, lengths, ring_check, 0)
+        return batch
+
     def _place_message(self, ring, batch):
         """A shared batch's ``[body, reference]`` into a slot of ``ring`` when one is free
         and large enough; else it travels over the socket as it is."""
@@ -462,12 +480,6 @@ class BatchEncoder:
                 ring.publish(rel_seq, batch_ring.SOCKET)
         return batch.frames, batch.checksum
 
-    def enqueue_socket(self, rel_seq: int) -> None:
-        """A batch that only travels over the socket (a producer's) was enqueued as
-        ``rel_seq``: publish it as such. Under the engine's mutex, in seq order."""
-        with self._lock:
-            if self._ring is not None:
-                self._ring.publish(rel_seq, batch_ring.SOCKET)
 
     def discard(self, batch: EncodedBatch) -> None:
         """``batch`` was never enqueued (put timed out, queue closed): no rank will ever map

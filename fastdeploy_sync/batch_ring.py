@@ -273,6 +273,24 @@ class RingWriter:
         data[base + size + len(offsets):base + end] = body
         return INLINE, (len(body), len(offsets), size)
 
+    def write_payload(self, slot: int, frames) -> tuple:
+        """Copy an encoded payload's frames (``[body]`` or ``[body, offsets, data]``, as a
+        producer sends them) into ``slot`` in ``write_inline``'s layout; ``(kind,
+        lengths)``. ``ValueError`` if they do not fit."""
+        views = [memoryview(f).cast("B") for f in frames]
+        body = views[0]
+        offsets, data = (views[1], views[2]) if len(views) == 3 else (body[:0], body[:0])
+        size = data.nbytes
+        end = size + offsets.nbytes + body.nbytes
+        if end > self._layout.slot_bytes:
+            raise ValueError(f"{end}-byte batch for a {self._layout.slot_bytes}-byte slot")
+        base = slot * self._layout.slot_bytes
+        dest = self._data
+        dest[base:base + size] = data
+        dest[base + size:base + size + offsets.nbytes] = offsets
+        dest[base + size + offsets.nbytes:base + end] = body
+        return INLINE, (body.nbytes, offsets.nbytes, size)
+
     def write_frames(self, slot: int, frames) -> tuple:
         """Copy a shared batch's ``[body, reference]`` into ``slot``; ``(kind, lengths)``."""
         body, ref = (memoryview(f).cast("B") for f in frames)

@@ -1013,21 +1013,36 @@ class TaskQueue:
     def _enqueue(self, frames, check, expired=False):
         """Enqueue a producer's encoded batch if there is room: ``(P_ACCEPTED, seq)``;
         ``(P_CLOSED, 0)`` once the queue closed; ``(P_TIMEOUT, 0)`` when full and
-        ``expired``; ``(None, 0)`` when full and the producer still waits."""
+        ``expired``; ``(None, 0)`` when full and the producer still waits. A batch with
+        room is first copied into the ring (outside the mutex), as ``put_tasks`` does."""
+        if not self._has_room():
+            return (codec.P_CLOSED if self._closed else
+                    codec.P_TIMEOUT if expired else None), 0
+        batch = self._encoder.place_payload(frames, check)
+        status, seq = (codec.P_TIMEOUT if expired else None), 0
         with self._not_full:
             if self._closed:
-                return codec.P_CLOSED, 0
+                status = codec.P_CLOSED
+            else:
+                self._read_board()
+                if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
+                    seq = self._next_seq
+                    self._next_seq += 1
+                    self._retained[seq] = self._encoder.enqueue(seq, seq - self._base, batch)
+                    self._put_times[seq] = time.monotonic()
+                    status = codec.P_ACCEPTED
+        if status != codec.P_ACCEPTED:
+            self._encoder.discard(batch)  # filled meanwhile by put_tasks(), or closed
+            return status, 0
+        self._encoder.wake()
+        return status, seq
+
+    def _has_room(self) -> bool:
+        with self._not_full:
+            if self._closed:
+                return False
             self._read_board()
-            if self._next_seq - 1 - min(self._consumed) < self.max_inflight:
-                seq = self._next_seq
-                self._next_seq += 1
-                self._retained[seq] = (frames, check)
-                self._encoder.enqueue_socket(seq - self._base)
-                self._put_times[seq] = time.monotonic()
-                return codec.P_ACCEPTED, seq
-            if expired:
-                return codec.P_TIMEOUT, 0
-            return None, 0
+            return self._next_seq - 1 - min(self._consumed) < self.max_inflight
 
     def _send_new(self, by_caller=False):
         """Send each connected rank every retained batch it has not been sent yet. Under

@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 from . import batch_ring, codec, envs, payload_shm
-from .errors import EndpointInUseError
+from .errors import EndpointInUseError, ProtocolError
 from .logs import RateLimitedLog
 from .shm import unlink_segment, unlink_semaphore
 
@@ -77,7 +77,8 @@ class RingPlace:
 
 class Dropped:
     """What a retired group's batch held: its ``shared`` memory (or None) and, for a batch
-    the ring held, copies of its ``frames``."""
+    the ring held, copies of its ``frames`` (or the ``ProtocolError`` that says why they
+    could not be read)."""
 
     __slots__ = ("shared", "frames")
 
@@ -533,7 +534,11 @@ class BatchEncoder:
                 self._pool_retry_at = 0.0
         dropped = {seq: Dropped(shared, None) for seq, shared in kept.items()}
         for seq, place in places.items():
-            dropped.setdefault(seq, Dropped(None, None)).frames = place.frames()
+            try:
+                frames = place.frames()
+            except ProtocolError as exc:  # decode_retained raises it: a LostBatch says so
+                frames = exc
+            dropped.setdefault(seq, Dropped(None, None)).frames = frames
         if ring is not None:
             self._close_ring(ring)
         self.open_ring(next_epoch)
@@ -559,6 +564,8 @@ class BatchEncoder:
         group's whole pool (or the batch's segment, in ``/dev/shm``) alive for as long as
         the caller holds the event, where the copy holds the batch's own bytes only."""
         if dropped is not None and dropped.frames is not None:
+            if isinstance(dropped.frames, BaseException):
+                raise dropped.frames
             frames = dropped.frames
         shared = dropped.shared if dropped is not None else None
         if shared is None:

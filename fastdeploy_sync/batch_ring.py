@@ -58,7 +58,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -66,9 +65,9 @@ import posix_ipc
 import xxhash
 
 from . import codec
-from .errors import GroupLostError, ProtocolError
-from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore,
-                  unlink_segment, unlink_semaphore)
+from .errors import ProtocolError
+from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore, sem_wait,
+                  unlink_semaphore)
 
 __all__ = ["RingWriter", "RingReader", "ring_name", "wake_name", "INLINE", "SHARED", "SOCKET",
            "ring_geometry", "published_rings"]
@@ -220,8 +219,10 @@ class RingWriter:
 
     def allocate(self):
         """A free slot's index, or None when every slot holds a batch not yet consumed and
-        released by every rank (the batch then takes another path). Never blocks."""
-        if self.closed:
+        released by every rank, or the ring's file was truncated by another process of
+        this uid (the batch then takes another path: writing would be a SIGBUS). Never
+        blocks."""
+        if self.closed or self._seg.truncated():
             return None
         lay, words = self._layout, self._words
         for step in range(lay.slots):
@@ -309,7 +310,11 @@ class RingWriter:
     def frames(self, slot: int, kind: int, lengths) -> list:
         """Copies of the frames a slot holds (``[body, offsets, data]``, ``[body]`` or
         ``[body, reference]``): for decoding a batch again on the engine without keeping
-        the ring mapped."""
+        the ring mapped. ``ProtocolError`` if the ring's file was truncated (by another
+        process of this uid: reading would be a SIGBUS)."""
+        if self._seg.truncated():
+            raise ProtocolError(f"ring {self.name} was truncated by another process of this "
+                                f"user: the batch in slot {slot} is gone")
         base = slot * self._layout.slot_bytes
         data = self._data
         l0, l1, l2 = lengths
@@ -489,6 +494,10 @@ class RingReader:
         if min(l0, l1, l2) < 0 or l0 + l1 + l2 > lay.slot_bytes or l0 == 0:
             raise ProtocolError(f"ring {self.name}: seq {seq} lengths ({l0}, {l1}, {l2}) do "
                                 f"not fit a {lay.slot_bytes}-byte slot")
+        if self._seg.truncated():
+            raise ProtocolError(f"ring {self.name}: its file was truncated by another process "
+                                f"of this user; seq {seq} is gone (not read: touching it "
+                                f"would be a SIGBUS)")
         holder = self._holder(slot, stamp, l0 + l1 + l2)
         filled = words[lay.filled + slot]
         if filled != stamp:
@@ -535,23 +544,13 @@ class RingReader:
 
     def wait(self, timeout: float) -> bool:
         """Block until the engine posts this rank (True) or ``timeout`` seconds pass
-        (False), with the GIL released. A signal whose handler returns does not end it
-        early: the wait resumes with the time left. ``GroupLostError`` if the semaphore is
-        gone (the engine retired the group or closed)."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                self._sem.acquire(max(0.0, remaining))
-                return True
-            except posix_ipc.BusyError:
-                return False
-            except posix_ipc.SignalError:
-                if remaining <= 0:
-                    return False
-            except posix_ipc.ExistentialError:
-                raise GroupLostError(f"ring {self.name}: the engine removed it (it retired "
-                                     f"this worker group or closed)") from None
+        (False), with the GIL released; a handled signal neither ends nor stretches it
+        (``shm.sem_wait``). A semaphore closed under the wait (``close()`` of
+        this client) reads as a timeout."""
+        try:
+            return sem_wait(self._sem, timeout)
+        except posix_ipc.ExistentialError:
+            return False
 
     def post(self) -> None:
         """Wake this rank's own waiter (``close()`` from another thread)."""

@@ -881,10 +881,11 @@ class TaskQueue:
 
     def _held_bytes(self) -> int:
         """What the engine knowingly holds of batches: retained frames (the socket path;
-        shared memory is not heap; with CURVE libzmq also holds an encrypted copy per rank
-        it is sending to) and producers' PUTs waiting."""
+        shared memory, the ring's batches included, is not heap; with CURVE libzmq also
+        holds an encrypted copy per rank it is sending to) and producers' PUTs waiting."""
         with self._mutex:
-            retained = sum(len(f) for frames, _ in self._retained.values() for f in frames)
+            retained = sum(len(f) for frames, _ in self._retained.values() if frames
+                           for f in frames)
         copies = 1 + (self.tp_size if self._auth is not None else 0)
         return retained * copies + self._producers.pending_bytes
 

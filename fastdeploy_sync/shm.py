@@ -291,6 +291,12 @@ class Segment:
             raise ValueError(f"shared memory {self.name}: no descriptor to reserve with")
         os.posix_fallocate(self._fd, 0, self.size)
 
+    def truncated(self) -> bool:
+        """True if the segment's file is now shorter than this mapping (another process of
+        this uid truncated it): touching the missing pages would be a SIGBUS. One
+        ``fstat``; False once the descriptor was released (nothing to ask)."""
+        return self._fd >= 0 and os.fstat(self._fd).st_size < self.size
+
     def populate(self, write: bool) -> None:
         """Map every page in now (``MADV_POPULATE_WRITE`` or ``_READ``, Linux 5.14+), so
         that no later write (or read) of the segment takes a page fault: for segments

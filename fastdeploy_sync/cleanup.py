@@ -67,8 +67,8 @@ _SHM_DIR = "/dev/shm"
 # this long after its last change.
 CREATING_GRACE_S = 60.0
 
-# fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>|.bp<K>.<pid>]; NAME may contain dots: the greedy
-# NAME takes the last ".dpN" that a known suffix follows.
+# fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>|.bp<K>.<pid>|.br<E>.<pid>]; NAME may contain dots:
+# the greedy NAME takes the last ".dpN" that a known suffix follows.
 _SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
                          r"(?P<kind>|\.acks|\.fd|\.b(?P<ring>r)?p?\d+\.(?P<pid>\d+))\Z")
 _SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"

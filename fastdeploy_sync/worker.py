@@ -665,12 +665,18 @@ class TaskClient:
         return self.get_tasks()[0]
 
     def stats(self) -> dict:
-        """Counters (``garbage_frames``, ``duplicates``, ``stale``, ``pongs``...), watermarks,
-        and the ids this rank is bound to, for logs and tests."""
+        """Counters (``garbage_frames``, ``duplicates``, ``stale``, ``pongs``...), watermarks
+        (``received``: the highest seq up to which this rank can take every batch, from
+        the ring or received over the socket; ``taken``), and the ids this rank is bound
+        to, for logs and tests."""
+        ring = self._ring
         with self._lock:
             out = dict(self._counters)
-            out.update(received=self._received, taken=self._taken, held=len(self._held),
-                       ring=self._ring.name if self._ring is not None else None)
+            received = self._received
+            if ring is not None:
+                received = max(received, ring.ready_upto(self._taken, self._own_received))
+            out.update(received=received, taken=self._taken, held=len(self._held),
+                       ring=ring.name if ring is not None else None)
         out.update(worker=f"{self.worker_id:016x}", group=f"{self.incarnation:016x}",
                    engine=f"{self._engine_instance:016x}" if self._engine_instance else None,
                    engine_silent_s=round(time.monotonic() - self._last_heard, 3))

@@ -81,6 +81,9 @@ def test_a_dev_shm_too_small_for_a_pool_disables_it(name):
     stats = report["stats"]
     assert "shm_pool_bytes" not in stats and stats["shm_socket_fallbacks"] == 3, stats
     assert "no shared-memory pool" in "\n".join(report["log"])
+    # no room for the worker group's ring either: every batch came over the socket
+    assert "shm_ring_batches" not in stats, stats
+    assert "no shared-memory ring" in "\n".join(report["log"])
 
 
 @needs_private_shm

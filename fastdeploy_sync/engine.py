@@ -1116,8 +1116,10 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         sock.send(codec.pack_header(codec.STATUS))
         deadline = time.monotonic() + timeout
         held = anon_rss_bytes()
-        # in slices: what an unfinished reply makes libzmq buffer is seen only as memory
-        while not sock.poll(20):
+        # in short slices: what an unfinished reply makes libzmq buffer is seen only as
+        # memory, and a local peer can fill it at the memory's speed (a 20 ms slice let a
+        # loaded machine's client reach 1.2 GiB before it looked)
+        while not sock.poll(2):
             if anon_rss_bytes() - held > _STATUS_INPUT_BOUND:
                 overrun = True
                 raise ProtocolError(f"{endpoint} sent more than {_STATUS_INPUT_BOUND >> 20} MiB "

@@ -207,7 +207,7 @@ def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
     assert os.waitstatus_to_exitcode(status) == 1, out + err
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
-    # KiB: the bound is 64 MiB of growth, checked every 20 ms; a loaded machine that holds
+    # KiB: the bound is 64 MiB of growth, checked every 2 ms; a loaded machine that holds
     # the asking thread off the CPU lets libzmq read on meanwhile (391 MiB peak seen once)
     assert usage.ru_maxrss < 640 << 10, usage.ru_maxrss
 

@@ -274,13 +274,15 @@ def bench_take(iters):
             for i in range(iters + 20):
                 here.send(True)
                 here.recv()
-                if async_prefetch:
-                    deadline = time.monotonic() + 10
-                    while client._received < i + 1 and time.monotonic() < deadline:
-                        time.sleep(0.0001)  # wait outside the timed region until it is held
-                else:
-                    if not client._data.poll(10000):  # arrived in the socket, not yet received
-                        raise TimeoutError("batch did not arrive")
+                deadline = time.monotonic() + 10
+                if async_prefetch:  # wait outside the timed region until it is decoded
+                    while client.stats()["held"] < 1 and time.monotonic() < deadline:
+                        time.sleep(0.0001)
+                elif getattr(client, "_ring", None) is not None:  # in the ring, not decoded
+                    while client.ready_count() < 1 and time.monotonic() < deadline:
+                        time.sleep(0.0001)
+                elif not client._data.poll(10000):  # arrived in the socket, not yet received
+                    raise TimeoutError("batch did not arrive")
                 time.sleep(0.001)  # let the previous step's acknowledgement settle
                 t0 = ns()
                 client.exist_tasks()

@@ -6,13 +6,13 @@ signal handler (``install_signal_cleanup()`` does, on request).
 """
 
 from .cleanup import install_signal_cleanup
-from .engine import GroupLost, LostBatch, TaskProducer, TaskQueue
+from .engine.queue import GroupLost, LostBatch, TaskProducer, TaskQueue
 from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
                      EngineClosedError, EngineGoneError, EngineRejectedError,
                      EngineUnreachableError, GroupInUseError, GroupLostError, PrefetchError,
                      ProtocolError, TaskSyncError)
-from .liveness import Heartbeat
-from .worker import TaskClient
+from .wire.liveness import Heartbeat
+from .worker.client import TaskClient
 
 __version__ = "0.1.0"
 

@@ -2,34 +2,24 @@
 
 A ``TaskQueue``, ``TaskClient`` or FastDeploy drop-in object removes its names when it is
 closed or garbage-collected, and at normal interpreter exit (weakref finalizers). A
-process killed by SIGKILL, or by SIGTERM's default action, runs none of that and leaves:
-
-  ``/dev/shm/fdsync.NAME.dpN``            a TP group's segment (rank 0 created it)
-  ``/dev/shm/sem.fdsync.NAME.dpN.w<R>``   its per-rank barrier semaphores
-  ``/dev/shm/fdsync.NAME.dpN.acks``       the engine's ack board
-  ``/dev/shm/fdsync.NAME.dpN.fd``         the drop-in's group board (+ ``sem.….fd.lock``)
-  ``/dev/shm/fdsync.NAME.dpN.b<K>.<pid>`` a large batch the engine ``pid`` shared
-  ``/dev/shm/fdsync.NAME.dpN.bp<K>.<pid>`` the pool the engine ``pid`` writes them into
-  ``/dev/shm/fdsync.NAME.dpN.br<E>.<pid>`` worker group ``E``'s ring of the engine ``pid``
-                                          (+ ``sem.….br<E>.<pid>.w<R>``: its wake-ups)
-  ``IPC_DIR/fdsync-NAME-dpN.ipc``         the engine's socket file (``.put.ipc``: its
-                                          producer endpoint; ``.side.ipc``: the drop-in
-                                          server's side channels)
+process killed by SIGKILL, or by SIGTERM's default action, runs none of that and leaves
+the names ``names`` lists (segments and semaphores in ``/dev/shm``, socket files in the
+private ipc directory).
 
 The next run of the same name reclaims them; ``scan()`` and ``remove()`` (behind
 ``fastdeploy-sync clean``) do it on request. Both only ever touch names owned by this
 process's effective uid, and never a name whose owner is alive:
 
   * a segment's owner is alive according to ``owner_alive()`` (the one place that decides
-    it here): the owner lock its creator holds for its life (``shm.owner_alive``), not the
-    pid it recorded, which another process may have reused or which may belong to another
-    pid namespace sharing ``/dev/shm`` (a sidecar container); a shared batch or pool (its
-    creator's pid is in its name, for people only) while the engine of its queue holds
-    the queue's ack board's owner lock, or, for a pool, the pool's own ``flock``; a
-    segment nobody holds whose owner is not written yet is taken as being created while
-    it is younger than ``CREATING_GRACE_S``;
-  * a semaphore lives and dies with its group segment (a semaphore without one is left by
-    a killed run: its creator makes the segment first and unlinks it first);
+    it here): the owner lock its creator holds for its life (``shm.segment.owner_alive``),
+    not the pid it recorded, which another process may have reused or which may belong to
+    another pid namespace sharing ``/dev/shm`` (a sidecar container). A large batch's own
+    segment carries no lock: it lives while the engine of its queue holds the queue's ack
+    board's owner lock (its creator's pid is in its name, for people only). A segment
+    nobody holds whose owner is not written yet is taken as being created while it is
+    younger than ``CREATING_GRACE_S``;
+  * a semaphore lives and dies with its segment (a semaphore without one is left by a
+    killed run: its creator makes the segment first and unlinks it first);
   * a socket file is in use while a process accepts connections on it.
 
 Another user's names are reported, never opened or removed, and nothing is judged through
@@ -44,46 +34,26 @@ names too (a library must not take over signals by default, so nothing installs 
 """
 
 import os
-import re
 import signal
 import stat
 import time
 from dataclasses import dataclass
 
-from . import envs
-from .ack_board import B_OWNER_PID
-from . import payload_shm, shm
-from .shm import segment_owner, unlink_segment, unlink_semaphore
-from .tp_group import H_OWNER_PID
-from .transport import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
+from . import envs, names
+from .shm.segment import owner_alive as lock_owner_alive
+from .shm.segment import segment_owner, unlink_segment
+from .shm.semaphores import unlink_semaphore
+from .wire.endpoints import check_private_dir, ipc_listener_alive, unlink_quietly, validate_name
 
 __all__ = ["Leftover", "scan", "remove", "owner_alive", "install_signal_cleanup",
            "CREATING_GRACE_S"]
 
-_SHM_DIR = "/dev/shm"
+_SHM_DIR = names.SHM_DIR
 
 # A segment whose owner slot is still 0 is between its creator's create and its first
 # write (microseconds), or was left by a creator killed right there. Leave it alone for
 # this long after its last change.
 CREATING_GRACE_S = 60.0
-
-# fdsync.NAME.dpN[.acks|.fd|.b<K>.<pid>|.bp<K>.<pid>|.br<E>.<pid>]; NAME may contain dots:
-# the greedy NAME takes the last ".dpN" that a known suffix follows.
-_SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
-                         r"(?P<kind>|\.acks|\.fd|\.b(?P<ring>r)?p?\d+\.(?P<pid>\d+))\Z")
-_SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
-                           r"(?P<kind>\.w\d+|\.fd\.lock|(?P<ring>\.br\d+\.\d+)\.w\d+)\Z")
-_SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put|\.side)\.ipc\Z")
-
-_KINDS = {"": "TP group segment", ".acks": "engine ack board", ".fd": "drop-in group board",
-          ".put": "engine producer socket", "socket": "engine socket",
-          ".side": "drop-in side channels socket",
-          "payload": "shared batch", "semaphore": "barrier semaphore",
-          ".fd.lock": "drop-in board lock", "ring": "worker group's batch ring",
-          "ring semaphore": "ring wake-up semaphore"}
-# int64 slot of the owner pid in each segment kind (payload segments carry it in the name)
-# (the drop-in board's slot 1 is fastdeploy.py's _B_OWNER_PID: that module sits above this one)
-_OWNER_SLOT = {"": H_OWNER_PID, ".acks": B_OWNER_PID, ".fd": 1}
 
 
 @dataclass
@@ -111,17 +81,16 @@ def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
     another pid namespace sharing ``/dev/shm``): only locks do.
 
     The one place ``scan()`` and ``remove()`` decide it for segments, and so for their
-    semaphores. A segment with an owner lock (``locked``: TP group, ack board, drop-in
-    board) is alive while some process holds that lock. Nobody holding it and ``pid`` 0
-    (not written yet): alive while the file changed within ``CREATING_GRACE_S`` (being
-    created), stale after. A shared batch, pool or ring (``locked=False``: ``path`` is
-    ``.../fdsync.NAME.dpN.b...``): alive while the engine of queue NAME/dpN holds its ack
-    board's owner lock (an engine reclaims its dead predecessors' batches when it starts),
-    or the pool's own ``flock`` (``payload_shm.pool_locked``)."""
+    semaphores. A segment with an owner lock (``locked``: every kind but a large batch's
+    own segment) is alive while some process holds that lock. Nobody holding it and
+    ``pid`` 0 (not written yet): alive while the file changed within ``CREATING_GRACE_S``
+    (being created), stale after. A large batch's own segment (``locked=False``) is alive
+    while the engine of its queue holds its ack board's owner lock (an engine reclaims its
+    dead predecessors' batches when it starts)."""
     if not locked:
-        return _queue_engine_alive(path) or payload_shm.pool_locked(path)
+        return _queue_engine_alive(path)
     try:
-        if shm.owner_alive("/" + os.path.basename(path)):
+        if lock_owner_alive("/" + os.path.basename(path)):
             return True
     except FileNotFoundError:
         return False
@@ -134,14 +103,14 @@ def owner_alive(path: str, pid: int, locked: bool = True) -> bool:
 
 
 def _queue_engine_alive(path: str) -> bool:
-    """True while a live engine holds the ack board of the queue a shared batch or pool
-    file ``path`` belongs to (its name without the ``.b...`` suffix). Another user's
-    board, which we may not open, counts as alive: never remove on a guess."""
-    m = _SEGMENT_RE.match(os.path.basename(path))
-    if m is None:
+    """True while a live engine holds the ack board of the queue a large batch's file
+    ``path`` belongs to. Another user's board, which we may not open, counts as alive:
+    never remove on a guess."""
+    parsed = names.parse_shm_entry(os.path.basename(path))
+    if parsed is None:
         return False
     try:
-        return shm.owner_alive(f"/fdsync.{m['name']}.dp{m['dp']}.acks")
+        return lock_owner_alive(names.ack_board(parsed.name, parsed.dp_id))
     except FileNotFoundError:
         return False
     except PermissionError:
@@ -161,15 +130,14 @@ def scan(name: str = None, dp_id: int = None) -> list:
         entries = sorted(os.listdir(_SHM_DIR))
     except FileNotFoundError:
         entries = []
-    for entry in entries:
-        m = _SEGMENT_RE.match(entry)
-        if m and _wanted(m, name, dp_id):
+    parsed = [(entry, names.parse_shm_entry(entry)) for entry in entries]
+    for entry, m in parsed:
+        if m is not None and not m.semaphore and _wanted(m, name, dp_id):
             item = _judged(_segment, entry, m)
             segments[entry] = item
             found.append(item)
-    for entry in entries:
-        m = _SEMAPHORE_RE.match(entry)
-        if m and _wanted(m, name, dp_id):
+    for entry, m in parsed:
+        if m is not None and m.semaphore and _wanted(m, name, dp_id):
             found.append(_judged(_semaphore, entry, m, segments))
     found.extend(_sockets(name, dp_id))
     return found
@@ -182,13 +150,8 @@ def _judged(judge, entry, m, *args) -> Leftover:
     try:
         return judge(entry, m, *args)
     except OSError as exc:
-        if os.path.isabs(entry):  # a socket file
-            path, kind = entry, m["kind"] or "socket"
-        else:
-            path = f"{_SHM_DIR}/{entry}"
-            kind = ("semaphore" if entry.startswith("sem.") else
-                    "payload" if m.groupdict().get("pid") else m["kind"])
-        return Leftover(path, kind, m["name"], int(m["dp"]), "in use",
+        path = entry if os.path.isabs(entry) else f"{_SHM_DIR}/{entry}"  # a socket file
+        return Leftover(path, m.kind, m.name, m.dp_id, "in use",
                         f"could not check it ({exc.strerror or exc}): left alone")
 
 
@@ -204,7 +167,7 @@ def remove(items) -> list:
             again = _recheck(item)
             if again is None or not again.stale:
                 continue
-            if item.kind in ("semaphore", ".fd.lock", "ring semaphore"):
+            if item.kind in names.SEMAPHORE_KINDS:
                 gone = unlink_semaphore("/" + os.path.basename(item.path)[len("sem."):])
             elif item.path.startswith(_SHM_DIR + "/"):
                 gone = unlink_segment("/" + os.path.basename(item.path))
@@ -221,11 +184,12 @@ def remove(items) -> list:
 
 def describe(item: Leftover) -> str:
     """One line for people: path, what it is, and why it is stale or kept."""
-    return f"{item.path}  ({_KINDS.get(item.kind, item.kind)} of {item.name!r} dp {item.dp_id}: {item.why})"
+    return (f"{item.path}  ({names.KINDS.get(item.kind, item.kind)} of {item.name!r} dp "
+            f"{item.dp_id}: {item.why})")
 
 
 def _wanted(m, name, dp_id) -> bool:
-    return (name is None or m["name"] == name) and (dp_id is None or int(m["dp"]) == dp_id)
+    return (name is None or m.name == name) and (dp_id is None or m.dp_id == dp_id)
 
 
 def _not_ours(st) -> str:
@@ -256,26 +220,24 @@ def _ours(item: Leftover, is_type) -> bool:
 
 def _segment(entry, m) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
-    kind = "ring" if m["ring"] else "payload" if m["pid"] else m["kind"]
-    item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
+    item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISREG):
         return item
-    if m["pid"]:
-        owner = int(m["pid"])
+    if m.pid is not None:
+        owner = m.pid
     else:
         try:
-            owner = segment_owner("/" + entry, _OWNER_SLOT[m["kind"]])
+            owner = segment_owner("/" + entry)
         except (PermissionError, FileNotFoundError) as exc:
             item.state, item.why = "not ours", str(exc)
             return item
     try:
-        alive = owner_alive(path, owner, locked=not m["pid"])
+        alive = owner_alive(path, owner, locked=m.locked)
     except PermissionError as exc:
         item.state, item.why = "not ours", str(exc)
         return item
-    if m["pid"]:
-        lock = "its queue's engine lock" + (" or the pool's lock" if m["kind"].startswith(".bp")
-                                            else "")
+    if m.pid is not None:
+        lock = "its lock" if m.locked else "its queue's engine lock"
         item.why = (f"owner (engine pid {owner} where it started) holds {lock}" if alive else
                     f"owner (engine pid {owner} where it started) exited: nobody holds {lock}")
     elif owner == 0:
@@ -290,16 +252,12 @@ def _segment(entry, m) -> Leftover:
 
 def _semaphore(entry, m, segments) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
-    kind = (".fd.lock" if m["kind"] == ".fd.lock" else "ring semaphore" if m["ring"] else
-            "semaphore")
-    segment = (f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if kind == ".fd.lock" else "")
-               + (m["ring"] or ""))
-    item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
+    item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISREG):  # lstat: a symlink planted here is never followed
         return item
-    seg = segments.get(segment)
+    seg = segments.get(m.segment)
     if seg is None:
-        item.state, item.why = "stale", f"its segment {segment} is gone"
+        item.state, item.why = "stale", f"its segment {m.segment} is gone"
     elif seg.state == "stale":
         item.state, item.why = "stale", f"its segment's {seg.why}"
     elif seg.state == "not ours":
@@ -321,15 +279,14 @@ def _sockets(name, dp_id) -> list:
         return [Leftover(directory, "directory", name or "*", dp_id or 0, "not ours", str(exc))]
     found = []
     for entry in entries:
-        m = _SOCKET_RE.match(entry)
-        if m and _wanted(m, name, dp_id):
+        m = names.parse_socket_entry(entry)
+        if m is not None and _wanted(m, name, dp_id):
             found.append(_judged(_socket, os.path.join(directory, entry), m))
     return found
 
 
 def _socket(path, m) -> Leftover:
-    kind = m["kind"] or "socket"
-    item = Leftover(path, kind, m["name"], int(m["dp"]), "in use", "")
+    item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISSOCK):
         return item
     if ipc_listener_alive(path):
@@ -342,21 +299,19 @@ def _socket(path, m) -> Leftover:
 def _recheck(item):
     """``item`` scanned again (None if it is gone)."""
     base = os.path.basename(item.path)
-    if item.kind in ("semaphore", ".fd.lock", "ring semaphore"):
-        m = _SEMAPHORE_RE.match(base)
-        seg_entry = (f"fdsync.{m['name']}.dp{m['dp']}" + (".fd" if item.kind == ".fd.lock" else "")
-                     + (m["ring"] or ""))
+    if item.kind in names.SEMAPHORE_KINDS:
+        m = names.parse_shm_entry(base)
         segments = {}
-        if os.path.lexists(f"{_SHM_DIR}/{seg_entry}"):
-            segments[seg_entry] = _segment(seg_entry, _SEGMENT_RE.match(seg_entry))
+        if os.path.lexists(f"{_SHM_DIR}/{m.segment}"):
+            segments[m.segment] = _segment(m.segment, names.parse_shm_entry(m.segment))
         if not os.path.lexists(item.path):
             return None
         again = _semaphore(base, m, segments)
         return None if again.state == "gone" else again
     if item.path.startswith(_SHM_DIR + "/"):
-        again = _segment(base, _SEGMENT_RE.match(base))
+        again = _segment(base, names.parse_shm_entry(base))
     else:
-        again = _socket(item.path, _SOCKET_RE.match(base))
+        again = _socket(item.path, names.parse_socket_entry(base))
     return None if again.state == "gone" else again
 
 

@@ -24,12 +24,9 @@ import argparse
 import sys
 import time
 
-from . import __version__
-from .shm import Segment
-from .tp_group import (H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, MAGIC, R_ARRIVED, R_CONSUMED,
-                       R_PID, R_RECEIVED, R_SLEEPING, RANK_BASE, RANK_STRIDE, group_shm_name,
-                       rank_lock)
-from .transport import MAX_DP_ID, default_endpoint, validate_name
+from . import __version__, names
+from .tp.layout import read_group
+from .wire.endpoints import MAX_DP_ID, default_endpoint, validate_name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,7 +104,7 @@ def _text(value, limit: int = 200) -> str:
 def _engine_status(endpoint, args) -> bool:
     """What the engine knows: every rank's state and watermark (any coordinator). Whatever
     the endpoint answers is checked (``query_status``) and printed escaped (``_text``)."""
-    from .engine import query_status
+    from .engine.queue import query_status
     from .errors import ProtocolError, TaskSyncError
 
     try:
@@ -137,9 +134,9 @@ def _engine_status(endpoint, args) -> bool:
 
 def _group_status(args, engine_seen: bool) -> bool:
     """What the node-local TP group's shared memory says (shm coordinator, TP > 1)."""
-    shm_name = group_shm_name(args.name, args.dp_id)
+    shm_name = names.group_segment(args.name, args.dp_id)
     try:
-        seg = Segment.attach(shm_name)
+        group = read_group(args.name, args.dp_id)
     except FileNotFoundError:
         if engine_seen:
             print(f"{shm_name}: no node-local group segment (TP=1, ranks on other nodes, or "
@@ -149,31 +146,20 @@ def _group_status(args, engine_seen: bool) -> bool:
                   f"{args.name!r} dp {args.dp_id} runs on this node (check NAME, --dp-id, "
                   f"--endpoint; 'fastdeploy-sync clean --dry-run' lists leftovers)")
         return False
-    try:
-        v = seg.view
-        if seg.size < RANK_BASE * 8 or v[H_MAGIC] != MAGIC or v[H_READY] != 1:
-            print(f"{shm_name}: not a ready fastdeploy_sync group")
-            return False
-        tp, owner = v[H_TP_SIZE], v[H_OWNER_PID]
-        if not 0 < tp <= 4096 or seg.size < (RANK_BASE + tp * RANK_STRIDE) * 8:
-            print(f"{shm_name}: not a fastdeploy_sync group of this layout (tp_size {tp} in "
-                  f"{seg.size} bytes)")
-            return False
-        # alive by the locks the owner and each rank hold, never by a pid: pids are reused,
-        # and another pid namespace sharing /dev/shm (a sidecar container) sees other pids
-        print(f"{shm_name}: tp_size={tp} owner pid {owner} "
-              f"({'alive' if seg.owner_alive() else 'exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean'})")
-        print(f"{'rank':>4} {'pid':>8} {'alive':>5} {'received':>9} {'consumed':>9} "
-              f"{'barrier gen':>11} {'sleeping':>8}")
-        for r in range(tp):
-            b = RANK_BASE + r * RANK_STRIDE
-            pid = v[b + R_PID]
-            alive = seg.lock_held(rank_lock(r))
-            print(f"{r:>4} {pid:>8} {str(alive):>5} {v[b + R_RECEIVED]:>9} "
-                  f"{v[b + R_CONSUMED]:>9} {v[b + R_ARRIVED]:>11} {v[b + R_SLEEPING]:>8}")
-    finally:
-        seg.close()
-    from .batch_ring import published_rings
+    except ValueError as exc:
+        print(exc)
+        return False
+    # alive by the locks the owner and each rank hold, never by a pid: pids are reused,
+    # and another pid namespace sharing /dev/shm (a sidecar container) sees other pids
+    state = ("alive" if group.owner_alive else
+             "exited: stale, reclaimed by the next rank 0 or fastdeploy-sync clean")
+    print(f"{shm_name}: tp_size={group.tp_size} owner pid {group.owner_pid} ({state})")
+    print(f"{'rank':>4} {'pid':>8} {'alive':>5} {'received':>9} {'consumed':>9} "
+          f"{'barrier gen':>11} {'sleeping':>8}")
+    for r in group.ranks:
+        print(f"{r.rank:>4} {r.pid:>8} {str(r.alive):>5} {r.received:>9} "
+              f"{r.consumed:>9} {r.arrived:>11} {r.sleeping:>8}")
+    from .shm.batch_ring import published_rings
 
     for ring, epoch, published in published_rings(args.name, args.dp_id):
         print(f"{ring}: worker group {epoch}'s ring, published up to seq {published} (every "
@@ -207,7 +193,7 @@ def _clean(args) -> int:
 
 
 def _keys(args) -> int:
-    from .auth import create_keys
+    from .wire.auth import create_keys
 
     try:
         paths = create_keys(args.dir, force=args.force)

@@ -50,9 +50,9 @@ ns = time.perf_counter_ns
 
 def _fixed_spin():
     """The barrier before it became adaptive: always spin the full window first."""
-    from fastdeploy_sync.tp_group import ShmTPGroup
+    from fastdeploy_sync.tp.spin import SpinPolicy
 
-    ShmTPGroup._spin_budget_s = lambda self, now_ns=0: self._spin_s
+    SpinPolicy.budget_s = lambda self, now_ns=0, late=0: self.spin_s
 
 
 # -- helper processes (module level so that spawn can import them) ---------------------------

@@ -54,9 +54,11 @@ import uuid
 
 import numpy as np
 
-from fastdeploy_sync import TaskClient, TaskQueue, codec
-from fastdeploy_sync.shm import Segment
-from fastdeploy_sync.tp_group import R_RECEIVED, RANK_BASE, RANK_STRIDE, group_shm_name
+from fastdeploy_sync import TaskClient, TaskQueue
+from fastdeploy_sync.wire import codec
+from fastdeploy_sync.shm.segment import Segment
+from fastdeploy_sync.names import group_segment as group_shm_name
+from fastdeploy_sync.tp.layout import R_RECEIVED, RANK_BASE, RANK_STRIDE
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -319,11 +321,12 @@ def shm_parts_ms(batch, repeat=15):
     the region (xxh3 over the mapping)."""
     import xxhash
 
-    from fastdeploy_sync import payload_shm
+    from fastdeploy_sync import names
+    from fastdeploy_sync.shm.pool import PayloadPool
 
     parts = codec.encode_parts(batch)
-    name = payload_shm.pool_name("blp" + uuid.uuid4().hex[:8], 0, 1)
-    pool = payload_shm.PayloadPool.create(name, 1, (parts.data_size + 63) // 64 * 64)
+    name = names.pool("blp" + uuid.uuid4().hex[:8], 0, 1)
+    pool = PayloadPool.create(name, 1, (parts.data_size + 63) // 64 * 64)
     try:
         region = pool.allocate(parts.data_size)
         view = region.view()

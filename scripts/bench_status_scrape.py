@@ -46,7 +46,7 @@ def rank_loop(name, rank, endpoint, out, stop):
 
 
 def scraper(endpoint, rate, stop, out):
-    from fastdeploy_sync.engine import query_status
+    from fastdeploy_sync.engine.queue import query_status
 
     period = 0.0 if rate == "max" else 1.0 / float(rate)
     done = 0
@@ -71,7 +71,7 @@ def main():
         import socket
         import tempfile
 
-        from fastdeploy_sync.auth import create_keys
+        from fastdeploy_sync.wire.auth import create_keys
 
         keys = tempfile.mkdtemp(prefix="fdsync-keys-")
         create_keys(keys)

@@ -34,7 +34,8 @@ import uuid
 
 import numpy as np
 
-from fastdeploy_sync import TaskClient, TaskQueue, codec
+from fastdeploy_sync import TaskClient, TaskQueue
+from fastdeploy_sync.wire import codec
 from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
 
 SPAWN = mp.get_context("spawn")
@@ -269,7 +270,7 @@ def bench_take(iters):
             # the engine's WELCOME arrives on the data socket first: read it before timing,
             # so that below "something arrived" means the batch
             deadline = time.monotonic() + 10
-            while not client._bound and time.monotonic() < deadline:
+            while not client._watch.bound and time.monotonic() < deadline:
                 client.num_tasks()
                 time.sleep(0.001)
             for i in range(iters + 20):
@@ -279,10 +280,10 @@ def bench_take(iters):
                 if async_prefetch:  # wait outside the timed region until it is decoded
                     while client.stats()["held"] < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
-                elif getattr(client, "_ring", None) is not None:  # in the ring, not decoded
+                elif client._rings.reader is not None:  # in the ring, not decoded
                     while client.ready_count() < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
-                elif not client._data.poll(10000):  # arrived in the socket, not yet received
+                elif not client._conn.data.poll(10000):  # arrived in the socket, not yet received
                     raise TimeoutError("batch did not arrive")
                 time.sleep(0.001)  # let the previous step's acknowledgement settle
                 t0 = ns()
@@ -290,11 +291,11 @@ def bench_take(iters):
                 tasks, _ = client.get_tasks()
                 dt = ns() - t0
                 if len(tasks) != 1 or len(tasks[0][0]) != 64:
-                    from fastdeploy_sync.engine import query_status
-                    from fastdeploy_sync.transport import default_endpoint
+                    from fastdeploy_sync.engine.queue import query_status
+                    from fastdeploy_sync.wire.endpoints import default_endpoint
                     raise RuntimeError(
                         f"{mode} step {i}: took {len(tasks)} batch(es); worker "
-                        f"{client.stats()}, error {client._error!r}; engine "
+                        f"{client.stats()}, error {client._faults.error!r}; engine "
                         f"{query_status(default_endpoint(name, 0))}")
                 del tasks  # freeing the batch is the model runner's business, not timed
                 if i >= 20:
@@ -443,8 +444,9 @@ def bench_questions(iters=20000):
 
     import zmq
 
-    from fastdeploy_sync.tp_group import (R_ARRIVED, RANK_BASE, RANK_STRIDE, ShmTPGroup,
-                                          _RunQueueWait)
+    from fastdeploy_sync.tp.layout import R_ARRIVED, RANK_BASE, RANK_STRIDE
+    from fastdeploy_sync.tp.shm_group import ShmTPGroup
+    from fastdeploy_sync.tp.spin import _RunQueueWait
 
     runq = _RunQueueWait()
     # rank 0 of a TP=2 group whose rank 1 is always already there: barrier()'s own work,
@@ -521,7 +523,7 @@ def delivery_rank(name, tp, rank, n, out):
     received, published = {}, {}
     with TaskClient(name, tp, rank, async_prefetch=True) as client:
         group = client._group
-        publish, on_data = group.publish_received, client._on_data
+        publish, on_data = group.publish_received, client._receiver._on_data
 
         def timed_publish(seq):
             published[seq] = ns()
@@ -531,7 +533,7 @@ def delivery_rank(name, tp, rank, n, out):
             received[header.seq] = ns()
             on_data(header, frames)
 
-        group.publish_received, client._on_data = timed_publish, timed_on_data
+        group.publish_received, client._receiver._on_data = timed_publish, timed_on_data
         client.barrier(timeout=60)  # every rank is up
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # welcomed, and the ring attached if there is one
@@ -540,7 +542,7 @@ def delivery_rank(name, tp, rank, n, out):
                                     or "ring" not in stats):  # (a version without rings)
                 break
             time.sleep(0.001)
-        ring = getattr(client, "_ring", None)
+        ring = client._rings.reader
         decode_times = []
         if ring is not None:
             decode = ring.decode
@@ -573,7 +575,8 @@ def timed_sends(queue):
     """{seq: when the engine's first DATA message for it left} (either thread's send),
     recorded by wrapping the queue's one sending method."""
     first = {}
-    send = queue._send
+    outbox = queue._io._outbox
+    send = outbox.send
 
     def timed(link, frames):
         ok = send(link, frames)
@@ -582,7 +585,7 @@ def timed_sends(queue):
             first[header.seq] = ns()
         return ok
 
-    queue._send = timed
+    outbox.send = timed
     return first
 
 
@@ -824,7 +827,7 @@ def stale_poll_rank(name, out, async_prefetch=True, step_s=0.002):
     rows = []
     with TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
         out.put(("ready", None))
-        ready = client._ready if async_prefetch else None
+        ready = client._receiver.ready if async_prefetch else None
         while True:
             woken = ready is not None and ready.ready(0)
             t0 = ns()

@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 import zmq
 
-from fastdeploy_sync import codec
+from fastdeploy_sync.wire import codec
 
 MiB = 1 << 20
 _LENGTH = struct.Struct("<Q")

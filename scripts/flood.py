@@ -41,7 +41,7 @@ from engine_peers import (PeakRSS, producer_endpoint_flooder, put_and_die,  # no
                           worker_key_flooder)
 
 from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError  # noqa: E402
-from fastdeploy_sync.auth import create_keys  # noqa: E402
+from fastdeploy_sync.wire.auth import create_keys  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 

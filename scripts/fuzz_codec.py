@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from fastdeploy_sync import codec
+from fastdeploy_sync.wire import codec
 from fastdeploy_sync.errors import ProtocolError
 
 # Counter slots, int64 each, in a file the child updates and the supervisor reads (also

@@ -159,7 +159,7 @@ def rank_main(rank, endpoints, timeout):
     import paddle
     import paddle.distributed as dist
 
-    from fastdeploy_sync.paddle_group import PaddleTPGroup
+    from fastdeploy_sync.tp.paddle_group import PaddleTPGroup
 
     def emit(**event):
         print(json.dumps(event), flush=True)
@@ -193,7 +193,7 @@ def overhead_rank(rank, endpoints, rounds, block):
     import paddle
     import paddle.distributed as dist
 
-    from fastdeploy_sync.paddle_group import PaddleTPGroup
+    from fastdeploy_sync.tp.paddle_group import PaddleTPGroup
 
     paddle.set_device("cpu")
     dist.init_parallel_env()

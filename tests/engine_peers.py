@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from fastdeploy_sync import codec
+from fastdeploy_sync.wire import codec
 
 
 class SlowRelay:
@@ -208,7 +208,7 @@ def engine_closing_on_a_reader_that_stopped(out, name, interval):
     import numpy as np
 
     from fastdeploy_sync import TaskQueue
-    from fastdeploy_sync.liveness import Heartbeat
+    from fastdeploy_sync.wire.liveness import Heartbeat
 
     queue = TaskQueue(name, 1, max_inflight=8, heartbeat=Heartbeat(interval, 3.0))
     out.put(("ready", 0, queue.endpoint))
@@ -232,7 +232,7 @@ def curve_keys(keys_dir):
     """``(server_public, public, secret)`` from a worker key directory."""
     import zmq.auth
 
-    from fastdeploy_sync.auth import CLIENT_SECRET, SERVER_PUBLIC
+    from fastdeploy_sync.wire.auth import CLIENT_SECRET, SERVER_PUBLIC
 
     server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, SERVER_PUBLIC))
     public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, CLIENT_SECRET))

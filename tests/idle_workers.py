@@ -42,7 +42,7 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
         # 20 s < the others' barrier timeout: a failed wait reports its state, below
         result = client.wait_for_tasks(20) if rank == 0 else None
         returned = time.monotonic()
-        state = (client.stats(), list(getattr(client._group, "received", lambda: [])()))
+        state = client.stats()
         client.barrier(timeout=30)
         tasks, _ = client.get_tasks()
         out.put(("arrived", rank, (result, returned, tasks, state)))
@@ -52,7 +52,7 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
                 result = client.wait_for_tasks(30)
                 raise AssertionError(f"wait_for_tasks() returned {result} after the engine "
                                      f"closed; stats {client.stats()}, error "
-                                     f"{client._error!r}, close seq {client._close_seq}, "
+                                     f"{client._faults.error!r}, close seq {client._watch.close_seq}, "
                                      f"peer fault {client._group.peer_fault()}")
             client.barrier(timeout=30)
             raise AssertionError("barrier() returned after the engine closed")

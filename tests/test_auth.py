@@ -16,7 +16,8 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from fastdeploy_sync import TaskQueue
-from fastdeploy_sync.auth import ClientAuth, ServerAuth, create_keys, handshake_failure_message
+from fastdeploy_sync.wire.auth import (ClientAuth, create_keys, handshake_failure_message,
+                                       ServerAuth)
 from fastdeploy_sync.errors import AuthenticationError
 
 RECV_MS = 3000
@@ -256,7 +257,7 @@ def test_insecure_opt_in_warns(how, monkeypatch, caplog):
         kwargs["insecure"] = True
     ctx = zmq.Context()
     try:
-        with caplog.at_level(logging.WARNING, logger="fastdeploy_sync.auth"):
+        with caplog.at_level(logging.WARNING, logger="fastdeploy_sync.wire.auth"):
             assert ServerAuth.start(ctx, "tcp://127.0.0.1:5555", **kwargs) is None
             assert ClientAuth.load("tcp://127.0.0.1:5555", **kwargs) is None
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue
-from fastdeploy_sync.shm import Segment
+from fastdeploy_sync.shm.segment import Segment
 
 from workers import wait_until
 
@@ -79,7 +79,7 @@ def test_an_overwritten_batch_is_refused_before_it_is_unpickled(name):
         seg = Segment.attach(_ring_name(name))
         try:
             words = seg.view
-            slot_bytes, descs, data_offset = words[4], words[5], words[9]
+            slot_bytes, descs, data_offset = words[5], words[6], words[10]
             desc = 16 + (1 % descs) * 8  # seq 1's descriptor: kind | slot << 8, ..., lengths
             slot, body_len, offsets_len, data_len = words[desc + 1] >> 8, *words[desc + 5:desc + 8]
             body = data_offset + slot * slot_bytes + data_len + offsets_len

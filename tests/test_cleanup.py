@@ -271,10 +271,10 @@ def test_the_profile_sweeps_what_its_killed_processes_left_and_nothing_else(name
 
 _HOLDER = """
 import os, sys, time
-from fastdeploy_sync.shm import Segment
-from fastdeploy_sync.tp_group import H_OWNER_PID
+from fastdeploy_sync.shm.segment import Segment
+from fastdeploy_sync.shm.segment import OWNER_PID
 seg = Segment.create(sys.argv[1], 4096)
-seg.view[H_OWNER_PID] = int(sys.argv[2])   # the pid its creator saw (another namespace's)
+seg.view[OWNER_PID] = int(sys.argv[2])   # the pid its creator saw (another namespace's)
 print("ready", flush=True)
 if sys.argv[3] == "exit":
     os._exit(0)                             # killed: no close, no unlink

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from fastdeploy_sync import codec
+from fastdeploy_sync.wire import codec
 from fastdeploy_sync.errors import ProtocolError
 
 FUZZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
-from fastdeploy_sync.codec import ACK, pack_header
+from fastdeploy_sync.wire.codec import ACK, pack_header
 
 from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
 from workers import (collect, hold_engine, hold_group_rank, make_batch, step_until_error_rank,
@@ -97,7 +97,7 @@ def test_second_engine_on_the_same_name_is_refused(name):
 
 
 def test_stale_ipc_file_of_a_crashed_engine_is_reclaimed(name):
-    from fastdeploy_sync.transport import default_endpoint, ipc_path, private_dir
+    from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path, private_dir
     from fastdeploy_sync import envs
 
     private_dir(envs.ipc_dir())
@@ -202,7 +202,7 @@ def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, resul
 
 def test_a_bogus_value_on_the_ack_board_is_ignored(name):
     from fastdeploy_sync import TaskClient
-    from fastdeploy_sync.ack_board import EPOCH_SHIFT, AckBoard
+    from fastdeploy_sync.shm.ack_board import AckBoard, EPOCH_SHIFT
 
     with TaskQueue(name, 1, max_inflight=1) as queue, TaskClient(name, 1, 0) as client:
         queue.put_tasks("a", timeout=1)
@@ -238,7 +238,7 @@ def test_a_producer_in_another_process_puts_through_the_queue(name, procs, resul
     out without enqueueing; a corrupted batch is refused before any worker sees it; a closed
     queue says so; no queue at all fails fast."""
     from fastdeploy_sync import ClosedError, TaskProducer
-    from fastdeploy_sync.codec import PUT, PUT_REPLY, P_INVALID, unpack_header
+    from fastdeploy_sync.wire.codec import P_INVALID, PUT, PUT_REPLY, unpack_header
 
     with pytest.raises(ConnectionError, match="no TaskQueue"):
         TaskProducer(name, timeout=0.3)
@@ -340,7 +340,7 @@ def test_every_waiting_producer_put_gets_its_timeout_on_time(name):
 
             head = threading.Thread(target=put_forever, daemon=True)
             head.start()
-            assert wait_until(lambda: len(queue._producers.pending) == 1)
+            assert wait_until(lambda: len(queue._io._producers.pending) == 1)
             start = time.monotonic()
             with pytest.raises(TimeoutError, match="not enqueued"):
                 impatient.put_tasks("behind", timeout=0.3)
@@ -370,7 +370,7 @@ def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name, socket_
     thread; one that raises SystemExit there ended the thread silently (and every later
     batch was never sent)."""
     from fastdeploy_sync import Heartbeat, ProtocolError
-    from fastdeploy_sync.codec import DATA, decode_payload
+    from fastdeploy_sync.wire.codec import DATA, decode_payload
 
     from engine_peers import RawRank
 
@@ -414,7 +414,7 @@ def test_an_io_thread_failure_is_raised_to_put_tasks_callers(name, monkeypatch):
         def die(now):
             raise SystemExit("the liveness tick ended the I/O thread")
 
-        monkeypatch.setattr(queue._members, "tick", die)
+        monkeypatch.setattr(queue._io._members, "tick", die)
         waiter.join(timeout=30)
         assert not waiter.is_alive()
         assert len(outcome) == 1 and isinstance(outcome[0], TaskSyncError), outcome
@@ -434,8 +434,8 @@ def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
     """A PUT whose checksum matches its own bytes but which the workers' checks before
     unpickling would refuse (so that every rank would fail and the group be retired) is
     refused with P_INVALID before it is enqueued; the queue goes on."""
-    from fastdeploy_sync.codec import (PUT, PUT_REPLY, P_ACCEPTED, P_INVALID, encode_payload,
-                                       payload_checksum, unpack_header)
+    from fastdeploy_sync.wire.codec import (encode_payload, P_ACCEPTED, P_INVALID,
+                                            payload_checksum, PUT, PUT_REPLY, unpack_header)
 
     with TaskQueue(name, 1) as queue:
         ctx = zmq.Context()
@@ -491,7 +491,7 @@ def test_close_returns_at_once_when_the_served_group_has_gone(name, socket_deliv
     """The group being served has no rank connected any more (its workers closed their
     sockets): close() does not wait for them, it returns what they did not take."""
     from fastdeploy_sync import Heartbeat
-    from fastdeploy_sync.codec import DATA
+    from fastdeploy_sync.wire.codec import DATA
 
     from engine_peers import RawRank
 
@@ -518,7 +518,7 @@ def test_a_producer_told_busy_sends_again_within_its_timeout(name, procs, result
     import numpy as np
 
     from fastdeploy_sync import TaskProducer
-    from fastdeploy_sync.codec import PUT, encode_payload, payload_checksum
+    from fastdeploy_sync.wire.codec import encode_payload, payload_checksum, PUT
 
     with TaskQueue(name, 1, max_inflight=1) as queue:
         queue.put_tasks("first", timeout=5)  # full
@@ -605,23 +605,23 @@ def test_put_tasks_sends_its_batch_itself_while_the_io_thread_is_held(name, proc
         queue.put_tasks(make_batch(0), timeout=10)
         assert wait_until(lambda: queue.stats().get("sent", 0) >= 1, timeout=30)
         held, release = threading.Event(), threading.Event()
-        drain = queue._wake.drain
+        drain = queue._io._wake.drain
 
         def held_drain():
             held.set()
             release.wait(30)
             drain()
 
-        queue._wake.drain = held_drain
+        queue._io._wake.drain = held_drain
         try:
-            queue._wake.wake()
+            queue._io._wake.wake()
             assert held.wait(10), "the I/O thread did not wake"
             queue.put_tasks(make_batch(1), timeout=10)
             taken = collect(results, "taken", 1, timeout=15)[0]
             assert not release.is_set()  # still held: nobody but put_tasks() sent it
             assert queue.stats()["sent_by_put"] >= 1
         finally:
-            queue._wake.drain = drain
+            queue._io._wake.drain = drain
             release.set()
     assert [b for b, _ in taken] == [0, 1]
 

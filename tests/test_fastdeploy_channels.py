@@ -258,7 +258,7 @@ def test_side_channels_over_tcp_need_the_keys(tmp_path, procs, results):
     """Across nodes the side channels are authenticated like the task path: CURVE with the
     library's keys (the server at port + 4096). A client (a process of its own) with the
     keys is answered; one with another key pair never is, and fails naming the endpoint."""
-    from fastdeploy_sync.auth import create_keys
+    from fastdeploy_sync.wire.auth import create_keys
 
     keys, other = tmp_path / "keys", tmp_path / "other"
     create_keys(keys)
@@ -283,7 +283,7 @@ def test_side_channels_survive_garbage(name):
     """A peer's bytes (same user: the private ipc directory) that are not a request, of
     another version, or that do not decode never stop the service: it answers the next
     request."""
-    from fastdeploy_sync.transport import default_endpoint
+    from fastdeploy_sync.wire.endpoints import default_endpoint
 
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
     try:

@@ -266,7 +266,7 @@ def test_round_trips_match_the_module_table(monkeypatch, tp, single_node):
 
 _FLAGS_HOLDER = """
 import os, sys, time
-from fastdeploy_sync.shm import Segment
+from fastdeploy_sync.shm.segment import Segment
 seg = Segment.create(sys.argv[1], 16)  # held: its owner lock lives with it
 print("ready", flush=True)
 if sys.argv[2] == "exit":

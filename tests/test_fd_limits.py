@@ -15,8 +15,8 @@ import time
 import pytest
 
 from fastdeploy_sync import TaskProducer
-from fastdeploy_sync.producer import MAX_PRODUCERS
-from fastdeploy_sync.transport import default_endpoint, ipc_path
+from fastdeploy_sync.engine.producer_endpoint import MAX_PRODUCERS
+from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 
 # An engine under a soft limit of 1024 with a TP=1 rank in the same process: it prints
 # its soft limit once, then "<batches taken>" every 0.1 s, putting a batch every 10 ms.

@@ -11,7 +11,7 @@ import time
 
 
 from fastdeploy_sync import TaskQueue
-from fastdeploy_sync.auth import create_keys
+from fastdeploy_sync.wire.auth import create_keys
 
 from engine_peers import (PeakRSS, producer_endpoint_flooder, put_and_die,
                           worker_key_flooder)
@@ -112,7 +112,7 @@ def test_producers_killed_while_their_big_puts_wait_leave_nothing_behind(
         assert wait_until(lambda: queue.stats().get("puts_busy", 0) > 0, timeout=30)
         for p in killed:
             os.kill(p.pid, signal.SIGKILL)
-        assert wait_until(lambda: not queue._producers.pending, timeout=30)
+        assert wait_until(lambda: not queue._io._producers.pending, timeout=30)
         growth = peak.growth_mib()
         n = 6
         for rank in range(2):

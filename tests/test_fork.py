@@ -96,7 +96,7 @@ _EXITING_CHILD = textwrap.dedent("""
     import glob, os, sys
     import numpy as np
     from fastdeploy_sync import TaskQueue, envs
-    from fastdeploy_sync.tp_group import ShmTPGroup
+    from fastdeploy_sync.tp.shm_group import ShmTPGroup
     name = sys.argv[1]
     def names():
         return sorted(glob.glob(f"/dev/shm/*fdsync.{name}.*")

@@ -218,8 +218,8 @@ def test_a_new_group_waits_for_the_old_one_to_go(name, procs, results, doomed):
             # an operator's rm would (the library itself never takes a live owner's name,
             # and a stopped process is alive)
             import posix_ipc
-            from fastdeploy_sync.tp_group import group_shm_name
-            posix_ipc.unlink_shared_memory(group_shm_name(name, 0))
+            from fastdeploy_sync import names
+            posix_ipc.unlink_shared_memory(names.group_segment(name, 0))
             for rank in range(2):
                 procs(step_until_error_rank, results, rank, name, 2, True, report_after=2)
             queue.put_tasks(1, timeout=30)
@@ -369,7 +369,7 @@ def test_bye_retires_the_group_at_once_and_close_returns_at_once(name, socket_de
     """Both ranks close cleanly (BYE, then their sockets) with a batch in flight: the
     engine retires the group at once (handing the batch back) and close(timeout=5)
     returns at once (it waited out the timeout, the group looking connected)."""
-    from fastdeploy_sync.codec import DATA
+    from fastdeploy_sync.wire.codec import DATA
 
     from engine_peers import RawRank
 
@@ -425,7 +425,7 @@ def test_a_batch_slower_to_cross_than_the_timeout_reaches_its_rank(name, loopbac
     liveness rules leave the rank its place, and the batch arrives whole."""
     import numpy as np
 
-    from fastdeploy_sync.codec import DATA, decode_payload
+    from fastdeploy_sync.wire.codec import DATA, decode_payload
     from engine_peers import RawRank, SlowRelay
 
     slow = Heartbeat(0.5, 2.0)

@@ -63,7 +63,7 @@ def test_an_oversized_batch_is_refused_before_it_grows_the_engine(name, path, ki
 import numpy as np  # noqa: E402
 
 from fastdeploy_sync import TaskQueue  # noqa: E402
-from fastdeploy_sync.auth import create_keys  # noqa: E402
+from fastdeploy_sync.wire.auth import create_keys  # noqa: E402
 
 from workers import collect, free_ports, take_n_rank  # noqa: E402
 

@@ -10,11 +10,12 @@ import textwrap
 
 import pytest
 
-from fastdeploy_sync import BarrierTimeoutError, TaskQueue, shm
-from fastdeploy_sync.ack_board import B_OWNER_PID, ack_board_name
-from fastdeploy_sync.shm import Segment
-from fastdeploy_sync.tp_group import (H_OWNER_PID, R_PID, RANK_BASE, RANK_STRIDE, ShmTPGroup,
-                                      group_shm_name)
+from fastdeploy_sync import BarrierTimeoutError, TaskQueue
+from fastdeploy_sync.names import ack_board as ack_board_name
+from fastdeploy_sync.names import group_segment as group_shm_name
+from fastdeploy_sync.shm.segment import OWNER_PID, Segment, owner_alive
+from fastdeploy_sync.tp.layout import R_PID, RANK_BASE, RANK_STRIDE
+from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
 from workers import collect, hold_engine, hold_group_rank
 
@@ -48,10 +49,10 @@ def test_a_stale_group_whose_owner_pid_was_reused_is_reclaimed(name, procs, doom
     collect(doomed, "ready", 1)
     _kill(p)
     shm_name = group_shm_name(name, 0)
-    _write_slot(shm_name, H_OWNER_PID, live_stranger)  # the dead rank 0's pid, reused
+    _write_slot(shm_name, OWNER_PID, live_stranger)  # the dead rank 0's pid, reused
     rank0 = ShmTPGroup(name, 0, 2, 0)  # reclaims: the pid is alive, the owner is not
     try:
-        assert shm.owner_alive(shm_name) is True
+        assert owner_alive(shm_name) is True
     finally:
         rank0.close()
 
@@ -60,7 +61,7 @@ def test_a_stale_engine_whose_pid_was_reused_is_replaced(name, procs, doomed, li
     p = procs(hold_engine, doomed, 0, name, 2, 60)
     collect(doomed, "ready", 1)
     _kill(p)
-    _write_slot(ack_board_name(name, 0), B_OWNER_PID, live_stranger)
+    _write_slot(ack_board_name(name, 0), OWNER_PID, live_stranger)
     with TaskQueue(name, 2) as queue:  # was EndpointInUseError: the board's pid looked alive
         queue.put_tasks("after the crash", timeout=5)
 
@@ -98,8 +99,8 @@ def test_a_live_owner_in_another_pid_namespace_is_never_stolen_from(name, procs,
     code = textwrap.dedent(f"""
         import os, sys
         from fastdeploy_sync import GroupInUseError
-        from fastdeploy_sync.tp_group import ShmTPGroup
-        from fastdeploy_sync.shm import pid_alive
+        from fastdeploy_sync.tp.shm_group import ShmTPGroup
+        from fastdeploy_sync.shm.ownership import pid_alive
         print("pid", os.getpid(), file=sys.stderr)
         try:
             group = ShmTPGroup({name!r}, 0, 2, 0)
@@ -115,5 +116,5 @@ def test_a_live_owner_in_another_pid_namespace_is_never_stolen_from(name, procs,
     assert "pid 1" in run.stderr, run.stderr  # it did run in a pid namespace of its own
     assert run.returncode == 0, run.stdout + run.stderr
     assert "refused:" in run.stdout and "owned by live process" in run.stdout
-    assert shm.owner_alive(group_shm_name(name, 0)) is True  # and the owner still has it
+    assert owner_alive(group_shm_name(name, 0)) is True  # and the owner still has it
     owner.join(timeout=20)  # it leaves, removing its names

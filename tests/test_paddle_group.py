@@ -70,7 +70,7 @@ def _survivor_rank(out, rank, endpoints, survivor_barriers):
     what a later barrier raises; rank 1 reports its pid and idles until it is killed."""
     try:
         _init_paddle(rank, endpoints)
-        from fastdeploy_sync.paddle_group import PaddleTPGroup
+        from fastdeploy_sync.tp.paddle_group import PaddleTPGroup
 
         first, second = PaddleTPGroup(2, rank), PaddleTPGroup(2, rank)
         for _ in range(3):
@@ -93,7 +93,7 @@ def _silent_peer_rank(out, rank, endpoints, short_timeout):
     what barrier(short_timeout) raises on the first and barrier(None) on the second."""
     try:
         dist = _init_paddle(rank, endpoints)
-        from fastdeploy_sync.paddle_group import PaddleTPGroup
+        from fastdeploy_sync.tp.paddle_group import PaddleTPGroup
 
         bounded = PaddleTPGroup(2, rank)
         unbounded = PaddleTPGroup(2, rank, group=dist.new_group([0, 1]))
@@ -149,7 +149,7 @@ def test_killed_peer_raises_peer_lost_naming_both_ranks(procs, results, doomed):
 def test_barrier_timeout_is_honoured_and_gloo_bounds_the_rest(procs, results):
     """barrier(timeout) below gloo's bound is honoured; barrier(None) is bounded by gloo's
     own 30 s (GLOO_TIMEOUT_S). The peer stays alive: both are timeouts, not losses."""
-    from fastdeploy_sync.paddle_group import GLOO_TIMEOUT_S
+    from fastdeploy_sync.tp.paddle_group import GLOO_TIMEOUT_S
 
     short_timeout = 1.0
     endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]

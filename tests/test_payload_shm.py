@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from fastdeploy_sync import (GroupLostError, ProtocolError, TaskClient, TaskQueue, batch_encoder,
-                             codec, payload_shm)
+from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue
+from fastdeploy_sync.engine import encoder as batch_encoder
+from fastdeploy_sync import names
+from fastdeploy_sync.shm import payload as payload_shm
+from fastdeploy_sync.shm.pool import PayloadPool
+from fastdeploy_sync.wire import codec
 
 from conftest import SPAWN
 from workers import _report_errors, collect, wait_until
@@ -137,14 +141,14 @@ def hold_pool_creation(monkeypatch):
     """Make every pool creation in this process wait for ``finish`` (set it, or 30 s pass)
     after setting ``creating``: (creating, finish)."""
     creating, finish = threading.Event(), threading.Event()
-    real_create = payload_shm.PayloadPool.create
+    real_create = PayloadPool.create
 
     def slow_create(*args, **kwargs):
         creating.set()
         finish.wait(30)
         return real_create(*args, **kwargs)
 
-    monkeypatch.setattr(payload_shm.PayloadPool, "create", slow_create)
+    monkeypatch.setattr(PayloadPool, "create", slow_create)
     return creating, finish
 
 
@@ -461,7 +465,7 @@ def _pool_batch(name, pool, i, data_hash=True):
 
 
 def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
-    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    pool = PayloadPool.create(names.pool(name, 0, 1), 2, 1 << 20)
     try:
         frames, check, region = _pool_batch(name, pool, 0)
         reader = payload_shm.PayloadReader(name, 0, 2, 1)
@@ -510,7 +514,7 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
         assert describe(decode(body, ref)) == expected(0)
         # a segment of its own that is gone: the group was retired or the queue closed
         with pytest.raises(GroupLostError):
-            decode(body, ref_with(name=payload_shm.payload_name(name, 0, 7), stamp=0, start=0))
+            decode(body, ref_with(name=names.batch_segment(name, 0, 7), stamp=0, start=0))
     finally:
         pool.close()
     assert shm_names(name) == []
@@ -518,7 +522,7 @@ def test_a_reference_is_checked_before_anything_is_mapped_or_unpickled(name):
 
 
 def test_a_rank_releases_a_region_when_its_last_array_is_freed(name):
-    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    pool = PayloadPool.create(names.pool(name, 0, 1), 2, 1 << 20)
     try:
         frames, check, region = _pool_batch(name, pool, 0, data_hash=False)
         pool.kept(region)
@@ -628,15 +632,15 @@ def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_thr
     else:
         monkeypatch.setenv("FD_SYNC_SHM_CHECKSUM", setting)
     seen = []
-    import fastdeploy_sync.batch_encoder as be
+    import fastdeploy_sync.engine.encoder as be
 
-    real = be.payload_shm.pack_ref
+    real = be.payload.pack_ref
 
     def spy(*args, **kwargs):
         seen.append(kwargs["data_hash"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(be.payload_shm, "pack_ref", spy)
+    monkeypatch.setattr(be.payload, "pack_ref", spy)
     with TaskQueue(name, 2, max_inflight=4) as queue:
         for rank in range(2):
             procs(take_and_describe, results, rank, name, 2, 4, True)
@@ -655,7 +659,7 @@ def mutate_references(out, rank, name, inputs, seed):
     import random
 
     rng = random.Random(seed)
-    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+    pool = PayloadPool.create(names.pool(name, 0, 1), 2, 1 << 20)
     outcomes = {"decoded": 0, "ProtocolError": 0, "GroupLostError": 0}
     try:
         (body, ref), _, _ = _pool_batch(name, pool, 0, data_hash=rng.random() < 0.5)
@@ -703,7 +707,7 @@ def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name,
     """_retire decodes the retired group's batches outside the engine's mutex; a put
     timing out in another thread meanwhile discards the last pending region of that pool,
     which closes it. The LostBatch decode must still find the bytes."""
-    from fastdeploy_sync.batch_encoder import BatchEncoder
+    from fastdeploy_sync.engine.encoder import BatchEncoder
 
     monkeypatch.setenv("FD_SYNC_SHM_PAYLOAD_MIN_KB", str(THRESHOLD_KB))
     encoder = BatchEncoder(name, 0, 2, node_local=True, max_message_bytes=1 << 30)
@@ -727,7 +731,7 @@ def test_the_engine_writes_into_a_new_pool_without_page_faults(name):
     these 4 MiB took 1 026 minor faults."""
     import resource
 
-    pool = payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 8 << 20)
+    pool = PayloadPool.create(names.pool(name, 0, 1), 2, 8 << 20)
     try:
         parts = codec.encode_parts({"ids": np.arange(1 << 17, dtype=np.int64)})  # 1 MiB
         regions = []

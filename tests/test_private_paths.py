@@ -11,11 +11,11 @@ import posix_ipc
 import pytest
 
 from fastdeploy_sync import envs
-from fastdeploy_sync.engine import TaskQueue
+from fastdeploy_sync.engine.queue import TaskQueue
 from fastdeploy_sync.errors import EndpointInUseError
-from fastdeploy_sync.transport import (check_ipc_endpoint, check_private_dir, claim_ipc_path,
-                                       default_endpoint, ipc_path, private_dir,
-                                       secure_socket_file)
+from fastdeploy_sync.wire.endpoints import (check_ipc_endpoint, check_private_dir, claim_ipc_path,
+                                            default_endpoint, ipc_path, private_dir,
+                                            secure_socket_file)
 
 OTHER = 12345
 
@@ -231,9 +231,9 @@ def test_engine_in_default_location_works_and_leaves_nothing(ipc_env, monkeypatc
 
 # -- shared memory ---------------------------------------------------------------------------
 
-from fastdeploy_sync.shm import (Segment, check_semaphore_owner, create_semaphore,  # noqa: E402
-                                 open_semaphore, reclaim_stale, segment_owner, unlink_segment,
-                                 unlink_semaphore)
+from fastdeploy_sync.shm.segment import Segment, reclaim_stale, segment_owner, unlink_segment
+from fastdeploy_sync.shm.semaphores import (check_semaphore_owner, create_semaphore,
+                                            open_semaphore, unlink_semaphore)
 
 
 def test_segment_and_semaphore_are_created_0600(name):
@@ -268,9 +268,9 @@ def test_segment_of_another_user_is_never_mapped_or_unlinked(name):
         with pytest.raises(PermissionError, match=f"shared memory /{name} is owned by uid {OTHER}"):
             Segment.attach(f"/{name}")
         with pytest.raises(PermissionError, match=f"uid {OTHER}"):
-            segment_owner(f"/{name}", 1)
+            segment_owner(f"/{name}")
         with pytest.raises(PermissionError, match=f"uid {OTHER}"):
-            reclaim_stale(f"/{name}", 1)
+            reclaim_stale(f"/{name}")
         assert os.path.exists(f"/dev/shm/{name}")
         with pytest.raises(FileExistsError):
             Segment.create(f"/{name}", 64)
@@ -301,7 +301,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
-from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds  # noqa: E402
+from fastdeploy_sync.wire.sockets import CLIENT_FDS, ensure_free_fds  # noqa: E402
 
 
 def test_ensure_free_fds_passes_and_leaves_no_fd_open():
@@ -313,7 +313,7 @@ def test_ensure_free_fds_passes_and_leaves_no_fd_open():
 def test_fd_exhaustion_raises_emfile_and_the_process_lives_on():
     child = textwrap.dedent("""
         import errno, os, resource
-        from fastdeploy_sync.transport import CLIENT_FDS, ensure_free_fds
+        from fastdeploy_sync.wire.sockets import CLIENT_FDS, ensure_free_fds
         import zmq  # loaded before the limit, as in a real worker
         open_now = len(os.listdir("/proc/self/fd"))
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fastdeploy_sync.tp_group import ShmTPGroup
+from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
 from workers import collect, hold_group_rank
 

@@ -14,7 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from fastdeploy_sync import batch_encoder, payload_shm
+from fastdeploy_sync.engine import encoder as batch_encoder
+from fastdeploy_sync import names
+from fastdeploy_sync.shm import payload as payload_shm
+from fastdeploy_sync.shm.pool import PayloadPool
 
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_shm_scenario.py")
 
@@ -104,12 +107,12 @@ def test_a_segment_that_finds_no_room_is_enospc_and_leaves_no_name(name, tmp_pat
     monkeypatch.setattr(os, "posix_fallocate",
                         lambda fd, offset, size: (_ for _ in ()).throw(
                             OSError(errno.ENOSPC, "No space left on device")))
-    seg = payload_shm.payload_name(name, 0, 1)
+    seg = names.batch_segment(name, 0, 1)
     with pytest.raises(OSError) as info:
         payload_shm.SharedPayload.create(seg, 1 << 20)
     assert info.value.errno == errno.ENOSPC
     with pytest.raises(OSError):
-        payload_shm.PayloadPool.create(payload_shm.pool_name(name, 0, 1), 2, 1 << 20)
+        PayloadPool.create(names.pool(name, 0, 1), 2, 1 << 20)
     # the name fixture checks that neither name is left behind
 
 
@@ -126,7 +129,7 @@ def test_the_encoder_sends_over_the_socket_when_shared_memory_fails(name, monkey
         tasks = {"features": np.arange(1 << 16, dtype=np.int64)}
         batch = encoder.encode(tasks)
         assert batch.shared is None and len(batch.frames) == 3
-        from fastdeploy_sync import codec
+        from fastdeploy_sync.wire import codec
 
         decoded = codec.decode_payload(batch.frames, batch.checksum)
         np.testing.assert_array_equal(decoded["features"], tasks["features"])

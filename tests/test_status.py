@@ -5,7 +5,7 @@ sockets; every wait is bounded."""
 import time
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from fastdeploy_sync.engine import query_status
+from fastdeploy_sync.engine.queue import query_status
 
 from conftest import SPAWN
 from workers import _report_errors, collect, wait_until
@@ -57,8 +57,8 @@ import threading  # noqa: E402
 import pytest  # noqa: E402
 import zmq  # noqa: E402
 
-from fastdeploy_sync import codec  # noqa: E402
-from fastdeploy_sync.transport import default_endpoint, ipc_path  # noqa: E402
+from fastdeploy_sync.wire import codec  # noqa: E402
+from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path  # noqa: E402
 
 _FULL_ID = "5eed5eed5eed5eed"
 

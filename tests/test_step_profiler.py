@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from fastdeploy_sync.step_profiler import StepProfiler
+from fastdeploy_sync.worker.step_profiler import StepProfiler
 
 from workers import collect, profiled_rank
 

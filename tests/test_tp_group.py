@@ -7,8 +7,10 @@ import signal
 import pytest
 
 from fastdeploy_sync import BarrierTimeoutError, GroupInUseError
-from fastdeploy_sync.shm import OWNER_LOCK, Segment
-from fastdeploy_sync.tp_group import ShmTPGroup, group_shm_name
+from fastdeploy_sync.shm.ownership import OWNER_LOCK
+from fastdeploy_sync.shm.segment import Segment
+from fastdeploy_sync.names import group_segment as group_shm_name
+from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
 from workers import barrier_once_rank, collect, hold_group_rank
 

@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from fastdeploy_sync.transport import default_endpoint, ipc_path
+from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 
 # An engine with a TP=1 rank in the same process: it puts a batch every 10 ms, the rank
 # takes them, and it prints "<anon RSS MiB> <batches taken>" every 0.1 s until killed.
 _ENGINE = textwrap.dedent("""
     import sys, threading, time
     from fastdeploy_sync import TaskClient, TaskQueue
-    from fastdeploy_sync.transport import anon_rss_bytes
+    from fastdeploy_sync.wire.sockets import anon_rss_bytes
     name = sys.argv[1]
     taken = [0]
     with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client:

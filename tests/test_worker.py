@@ -8,7 +8,7 @@ import zmq
 
 from fastdeploy_sync import (EngineClosedError, EngineRejectedError, PrefetchError, ProtocolError, TaskClient,
                              TaskQueue)
-from fastdeploy_sync import codec
+from fastdeploy_sync.wire import codec
 
 from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
                      scripted_rank, wait_until)
@@ -174,10 +174,10 @@ def test_async_mode_follows_the_environment(name, monkeypatch):
     with TaskClient(name, 1, 0) as client:
         # no prefetch thread: only the heartbeat thread, which never touches the data socket
         assert client.async_prefetch is False and client.prefetch_cpu_seconds() is None
-        assert "heartbeat" in client._thread.name
+        assert "heartbeat" in client._background.thread.name
     monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", "0")
     with TaskClient(name, 1, 0) as client:
-        assert client.async_prefetch is True and client._thread.is_alive()
+        assert client.async_prefetch is True and client._background.thread.is_alive()
     monkeypatch.setenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", "maybe")
     with pytest.raises(ValueError, match="DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM"):
         TaskClient(name, 1, 0)
@@ -193,12 +193,12 @@ def test_the_barrier_waits_the_way_of_the_mode_however_it_was_chosen(
     not (on_wait) and never polls the socket itself; sync mode: the wait keeps receiving
     (service). Whether the mode came from the argument or from
     DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM (the default, async_prefetch=None)."""
-    from fastdeploy_sync.tp_group import SoloGroup
+    from fastdeploy_sync.tp.solo import SoloGroup
 
     calls = []
     monkeypatch.setattr(SoloGroup, "barrier",
-                        lambda self, timeout=None, service=None, check=None, on_wait=None:
-                        calls.append((service, on_wait)))
+                        lambda self, timeout=None, hooks=None:
+                        calls.append((hooks.service, hooks.on_wait)))
     if env is None:
         monkeypatch.delenv("DISABLE_ENGINE_WORKER_ASYNC_TASK_COMM", raising=False)
     else:
@@ -208,9 +208,9 @@ def test_the_barrier_waits_the_way_of_the_mode_however_it_was_chosen(
         client.barrier(timeout=5)
         ((service, on_wait),) = calls
         if expect_async:
-            assert service is None and on_wait == client._drain
+            assert service is None and on_wait == client._receiver.drain
         else:
-            assert service == client._receive_in_wait and on_wait is None
+            assert service == client._receiver.receive_in_wait and on_wait is None
 
 
 def _first_error(client, timeout=10.0):
@@ -372,8 +372,8 @@ def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_
         assert wait_until(lambda: client.exist_tasks(), timeout=10)
         assert [b for b, _ in client.get_tasks()[0]] == [0]
 
-        poller = client._ready
-        wait, check_engine = poller.wait, client._check_engine
+        poller = client._receiver.ready
+        wait, check_engine = poller.wait, client._watch.check
         events, hold, held, release = [], threading.Event(), threading.Event(), threading.Event()
 
         def held_wait(timeout_ms):
@@ -381,7 +381,7 @@ def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_
             wait(timeout_ms)
             if hold.is_set():
                 while not poller.ready(0):  # a pong, a wake-up: wait on for the batch
-                    client._wake.drain()
+                    client._receiver.wake.drain()
                     wait(10)
                 held.set()
                 release.wait(30)  # stands in for the GIL a pure-Python step keeps
@@ -391,11 +391,11 @@ def test_the_event_loop_does_not_wait_for_a_prefetch_pass_after_it_received_the_
             events.append("pass")
             check_engine(now)
 
-        client._check_engine = counted_check_engine
+        client._watch.check = counted_check_engine
         poller.wait = held_wait
-        lock = client._recv_lock = _RecordingLock(client._recv_lock)
+        lock = client._conn.recv_lock = _RecordingLock(client._conn.recv_lock)
         hold.set()
-        client._wake.wake()  # out of the poll it is in: the next one is held_wait's
+        client._receiver.wake.wake()  # out of the poll it is in: the next one is held_wait's
         try:
             assert wait_until(lambda: "polls" in events, timeout=10)
             queue.put_tasks(make_batch(1), timeout=5)
@@ -440,17 +440,17 @@ def test_an_ack_that_cannot_be_queued_never_breaks_the_step(name):
             for i in range(3):
                 queue.put_tasks(i, timeout=5)
             assert wait_until(lambda: client.num_tasks() == 3, 10)
-            working = client._ack
-            blocked = client._ctx.socket(zmq.DEALER)
+            working = client._conn._ack
+            blocked = client._conn._ctx.socket(zmq.DEALER)
             blocked.setsockopt(zmq.IMMEDIATE, 1)
             blocked.setsockopt(zmq.LINGER, 0)
             blocked.connect("tcp://127.0.0.1:1")  # nobody listens: every send is zmq.Again
-            client._ack = blocked
+            client._conn._ack = blocked
             assert client.exist_tasks()
             tasks, _ = client.get_tasks()  # before: zmq.Again, and the three batches lost
             assert tasks == [0, 1, 2]
             assert queue.num_tasks() == 3  # the engine has not heard yet
-            client._ack = working
+            client._conn._ack = working
             blocked.close()
             client.exist_tasks()  # the next step call sends the kept ACK
             assert wait_until(lambda: queue.num_tasks() == 0, 10)

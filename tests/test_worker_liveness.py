@@ -1,4 +1,4 @@
-"""The worker's side of the liveness contract (fastdeploy_sync/liveness.py): busy is not
+"""The worker's side of the liveness contract (fastdeploy_sync/wire/liveness.py): busy is not
 dead, and an engine that never appears is an error after a bound."""
 
 import time

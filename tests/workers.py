@@ -133,7 +133,7 @@ def idle_rank(out, rank, name, tp, seconds, leave=None):
         t0, p0, w0 = client.prefetch_cpu_seconds(), time.process_time(), time.monotonic()
         time.sleep(seconds)
         t1 = client.prefetch_cpu_seconds()
-        assert t1 is not None, f"the prefetch thread stopped: {client._error!r}"
+        assert t1 is not None, f"the prefetch thread stopped: {client._faults.error!r}"
         out.put(("cpu", rank, (t1 - t0, time.process_time() - p0, time.monotonic() - w0)))
         if leave is not None:
             leave.wait(30)
@@ -184,7 +184,7 @@ def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_w
     check said, how long it took, and what the step took. ``peer_wait_s``: the bound of
     rank 0's wait for a receiving peer, raised so that the test does not race it."""
     from engine_peers import hold_gil
-    import fastdeploy_sync.worker as worker_module
+    import fastdeploy_sync.worker.client as worker_module
 
     worker_module._PEER_WAIT_S = peer_wait_s
     with TaskClient(name, 2, rank, async_prefetch=async_prefetch) as client:

@@ -8,7 +8,7 @@ of the address (and of ``name=`` where the caller overrides it).
 import os
 import re
 
-from ..transport import MAX_DP_ID, default_endpoint
+from ..wire.endpoints import MAX_DP_ID, default_endpoint
 
 __all__ = ["SINGLE_NODE_HOST", "Address", "parse_address", "SIDE_PORT_OFFSET"]
 

@@ -16,28 +16,28 @@ loop does not use that barrier), ``(first, last]`` the seqs rank 0 latched, ``dr
 of them a worker's ``clear_data()`` removed, fixed when the first rank reads the call.
 """
 
-import os
-import time
 import weakref
 
+from .. import names
 from ..errors import ProtocolError, TaskSyncError
-from ..shm import (Segment, SegmentInUse, create_fresh_semaphore, create_reclaiming, sem_wait,
-                   open_semaphore, unlink_segment, unlink_semaphore)
-from ..tp_group import group_shm_name
+from ..shm.segment import (SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming,
+                           unlink_segment)
+from ..shm.semaphores import create_fresh_semaphore, open_semaphore, sem_wait, unlink_semaphore
 
 __all__ = ["GroupBoard", "PaddleBoard", "SoloBoard", "EARLY"]
 
 # last_reader()'s answer to a read that came before the barrier generation its call is for
 EARLY = None
 
-_B_MAGIC, _B_OWNER_PID, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = range(7)
+# word OWNER_PID (1) holds rank 0's pid (shm.segment)
+_B_MAGIC, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = 0, 2, 3, 4, 5, 6
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_SLOT = 6  # call, readers, for_gen, first, last, drop
 _B_RING_BASE = 8
 _B_MAGIC_VALUE = 0x46445359_4E434659  # "FDSYNCFY": this layout
 _B_CALLS_BASE = _B_RING_BASE + _B_SLOT * _B_RING  # then one word per rank: its calls
 _LOCK_TIMEOUT_S = 5.0
-# (the owner pid's slot, 1, is what cleanup.py reads for ".fd" segments)
+_ATTACH_POLL_S = 0.01
 
 
 class GroupBoard:
@@ -62,8 +62,8 @@ class GroupBoard:
 
     def __init__(self, name, dp_id, tp_size, tp_rank, timeout):
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.shm_name = group_shm_name(name, dp_id) + ".fd"
-        self.sem_name = self.shm_name + ".lock"
+        self.shm_name = names.dropin_board(name, dp_id)
+        self.sem_name = names.dropin_board_lock(name, dp_id)
         self._owner = tp_rank == 0
         self._size = (_B_CALLS_BASE + tp_size) * 8
         self._seg = self._create() if self._owner else self._attach(timeout)
@@ -78,35 +78,31 @@ class GroupBoard:
 
     def _create(self):
         try:
-            seg = create_reclaiming(self.shm_name, self._size, _B_OWNER_PID)
+            seg = create_reclaiming(self.shm_name, self._size)
         except SegmentInUse as exc:
             raise TaskSyncError(f"{exc}: another rank 0 of this address and DP group is "
                                 f"running") from None
-        create_fresh_semaphore(self.sem_name, initial_value=1)
+        create_fresh_semaphore(self.sem_name, initial_value=1).close()
         v = seg.view
-        v[_B_MAGIC], v[_B_OWNER_PID] = _B_MAGIC_VALUE, os.getpid()
+        v[_B_MAGIC] = _B_MAGIC_VALUE
         v[_B_READY] = 1  # last: an attacher that sees READY sees the rest
         return seg
 
     def _attach(self, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                seg = Segment.attach(self.shm_name)
-            except FileNotFoundError:
-                seg = None
-            if seg is not None:
-                # a board whose rank 0 is gone (killed with its group) is a leftover that
-                # the new rank 0 is about to replace: wait for that one
-                if (seg.size == self._size and seg.view[_B_READY] == 1
-                        and seg.view[_B_MAGIC] == _B_MAGIC_VALUE and seg.owner_alive()):
-                    return seg
-                seg.close()
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"rank {self.tp_rank}: {self.shm_name} not created by rank 0 "
-                                   f"within {timeout:.1f} s: is rank 0 of this DP group running "
-                                   f"(with the same fastdeploy_sync version)?")
-            time.sleep(0.01)
+        try:
+            return attach_when_ready(self.shm_name, self._usable, timeout, _ATTACH_POLL_S)
+        except SegmentNotReady:
+            raise TimeoutError(f"rank {self.tp_rank}: {self.shm_name} not created by rank 0 "
+                               f"within {timeout:.1f} s: is rank 0 of this DP group running "
+                               f"(with the same fastdeploy_sync version)?") from None
+
+    def _usable(self, seg):
+        # a board whose rank 0 is gone (killed with its group) is a leftover that the new
+        # rank 0 is about to replace: wait for that one
+        if (seg.size == self._size and seg.view[_B_READY] == 1
+                and seg.view[_B_MAGIC] == _B_MAGIC_VALUE and seg.owner_alive()):
+            return None
+        return "not ready"
 
     def _lock(self):
         """Take the board's semaphore, waiting at most 5 s in all (``shm.sem_wait``: a

@@ -11,7 +11,7 @@ for ``num_tasks()``/``exist_tasks()``.
 import threading
 import time
 
-from ..liveness import CONNECTED
+from ..wire.liveness import CONNECTED
 from .clear import Clear
 
 __all__ = ["EngineSide", "queue_capacity"]

@@ -21,15 +21,15 @@ import time
 
 import zmq
 
-from .. import codec, envs
-from ..auth import ClientAuth, ServerAuth
+from .. import envs
 from ..errors import ProtocolError
 from ..logs import RateLimitedLog
-from ..transport import (CLIENT_FDS, ENGINE_FDS, WakePipe, check_ipc_endpoint, claim_ipc_path,
-                         ensure_free_fds, ipc_path, new_socket, secure_socket_file,
-                         unlink_quietly)
-from .channels import OPERATIONS as OPS
-from .channels import BarrierBroken, NotReady
+from ..wire import codec
+from ..wire.auth import ClientAuth, ServerAuth
+from ..wire.endpoints import (check_ipc_endpoint, claim_ipc_path, ipc_path, secure_socket_file,
+                              unlink_quietly)
+from ..wire.sockets import CLIENT_FDS, ENGINE_FDS, WakePipe, ensure_free_fds, new_socket
+from .channels import BarrierBroken, NotReady, OPERATIONS as OPS
 
 __all__ = ["LocalLink", "RemoteLink", "SideService", "call_until", "REPLY_TIMEOUT_S"]
 

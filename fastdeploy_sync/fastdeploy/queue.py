@@ -57,8 +57,8 @@ import os
 import threading
 
 from .. import envs
+from ..engine.producer import TaskProducer
 from ..errors import ClosedError
-from ..producer import TaskProducer
 from . import tensors
 from .address import parse_address
 from .channel_api import ChannelMethods, PrefillInstances, SideLock, make_barriers

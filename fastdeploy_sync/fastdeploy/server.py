@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 
-from ..engine import TaskQueue
+from ..engine.queue import TaskQueue
 from ..errors import ClosedError
 from .channels import ChannelState
 from .engine_side import EngineSide, queue_capacity

@@ -4,9 +4,9 @@ import logging
 import threading
 import time
 
-from ..engine import TaskQueue
+from ..engine.queue import TaskQueue
 from ..errors import GroupLostError
-from ..liveness import CONNECTED, DISCONNECTED
+from ..wire.liveness import CONNECTED, DISCONNECTED
 
 __all__ = ["GroupWatch"]
 

@@ -30,7 +30,7 @@ import logging
 import time
 
 from .. import envs
-from ..worker import TaskClient
+from ..worker.client import TaskClient
 from .board import EARLY, GroupBoard, PaddleBoard, SoloBoard
 from .clear import Clear
 
@@ -57,7 +57,7 @@ class WorkerSide:
         group = self._choose_coordinator(endpoint or name)
         self.coordinator = "shm" if group == "shm" else "paddle"
         if self.coordinator == "paddle":
-            from ..paddle_group import PaddleTPGroup
+            from ..tp.paddle_group import PaddleTPGroup
 
             # all_client_read is PaddleBoard's: the step's collective needs the offer only
             group = PaddleTPGroup(tp_size, tp_rank, group=None if group == "paddle" else group,
@@ -102,7 +102,7 @@ class WorkerSide:
         if self.tp_size == 1 or choice == "shm" or (choice == "auto"
                                                     and self._address.single_node):
             return "shm"
-        from .. import paddle_group  # imports paddle only inside its functions
+        from ..tp import paddle_group  # imports paddle only inside its functions
 
         if not paddle_group.paddle_initialized():
             if choice == "paddle":

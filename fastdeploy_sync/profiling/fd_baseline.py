@@ -86,7 +86,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from ..shm import Segment, unlink_segment
+from ..shm.segment import Segment, unlink_segment
 
 __all__ = ["FDManagerQueue", "remove_stale_flags"]
 

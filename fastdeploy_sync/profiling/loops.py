@@ -69,10 +69,10 @@ import traceback
 
 import numpy as np
 
-from ..engine import TaskQueue
-from ..step_profiler import StepProfiler
-from ..tp_group import ShmTPGroup
-from ..worker import TaskClient
+from ..engine.queue import TaskQueue
+from ..tp.shm_group import ShmTPGroup
+from ..worker.client import TaskClient
+from ..worker.step_profiler import StepProfiler
 from .fd_baseline import FDManagerQueue
 from .interruption import ThreadInterruption
 from .options import IDLE_WARMUP_STEPS, MODES, REFERENCE

@@ -12,16 +12,16 @@ import platform
 
 import numpy as np
 
-from ..step_profiler import SECTIONS, distribution_us
+from ..worker.step_profiler import SECTIONS, distribution_us
 from . import formatting as fmt
 from .headline import kind_headline
-from .intervals import LEVEL, MIN_ROUNDS, RESAMPLES, Bootstrap, pooled_mean, pooled_median, \
-    ragged_median
+from .intervals import (Bootstrap, LEVEL, MIN_ROUNDS, RESAMPLES, pooled_mean, pooled_median,
+                        ragged_median)
 from .options import REFERENCE
 from .regime import attach_notes, describe
-from .targets import count_verdicts, idle_targets, kind_targets, ratio_stat, \
-    reference_config, targets_for, THRESHOLDS
-from .vocabulary import (DEFINITIONS, DELIVERY_PART_WORDS, DELIVERY_PARTS, HOLDS_GIL, SCHEMA,
+from .targets import (THRESHOLDS, count_verdicts, idle_targets, kind_targets, ratio_stat,
+                      reference_config, targets_for)
+from .vocabulary import (DEFINITIONS, DELIVERY_PARTS, DELIVERY_PART_WORDS, HOLDS_GIL, SCHEMA,
                          SCHEMA_CHANGES, STEP_KIND_GIL)
 
 __all__ = ["summarize"]

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from .fd_baseline import remove_stale_flags
 from .intervals import placement_blocks
 from .loops import COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, engine_main, worker_main
-from .options import REFERENCE, ProfileOptions
+from .options import ProfileOptions, REFERENCE
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile", "collective_spin_us"]
 

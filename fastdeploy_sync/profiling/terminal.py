@@ -5,7 +5,7 @@ A mode is only ever a row label, never a column name; every time, share and rati
 its unit. ``vocabulary.DEFINITIONS`` (printed at the end) defines every figure.
 """
 
-from ..step_profiler import SECTIONS
+from ..worker.step_profiler import SECTIONS
 from . import formatting as fmt
 from .intervals import LEVEL
 from .options import IDLE_WARMUP_STEPS, REFERENCE

@@ -15,23 +15,19 @@ that received a batch can always find it) and unlinks it at close; a crashed eng
 leftover is reclaimed by the next engine of the same name.
 """
 
-import os
 
-from .shm import Segment, create_reclaiming, pid_alive, unlink_segment
+from .. import names
+from .segment import OWNER_PID, Segment, create_reclaiming, unlink_segment
 
-__all__ = ["AckBoard", "ack_board_name", "EPOCH_SHIFT"]
+__all__ = ["AckBoard", "EPOCH_SHIFT"]
 
 EPOCH_SHIFT = 40  # seqs below 2**40 (a trillion batches), epochs below 2**23
 _SEQ_MASK = (1 << EPOCH_SHIFT) - 1
 
 MAGIC = 0x46445359_41434B01  # "FDSY" "ACK" layout 1
-B_MAGIC, B_OWNER_PID, B_TP_SIZE, B_READY = range(4)
+B_MAGIC, B_TP_SIZE, B_READY = 0, 2, 3  # word OWNER_PID (1): the engine's pid
 BASE = 8
 STRIDE = 8  # one 64-byte cache line per rank
-
-
-def ack_board_name(name: str, dp_id: int) -> str:
-    return f"/fdsync.{name}.dp{dp_id}.acks"
 
 
 class AckBoard:
@@ -48,11 +44,10 @@ class AckBoard:
     def create(cls, name: str, dp_id: int, tp_size: int) -> "AckBoard":
         """Engine: create the board, reclaiming a crashed engine's leftover.
         Raises ``FileExistsError`` if a live process owns a board of this name."""
-        shm_name = ack_board_name(name, dp_id)
         size = (BASE + tp_size * STRIDE) * 8
-        seg = create_reclaiming(shm_name, size, B_OWNER_PID)  # SegmentInUse: FileExistsError
+        seg = create_reclaiming(names.ack_board(name, dp_id), size)  # SegmentInUse: FileExistsError
         v = seg.view
-        v[B_MAGIC], v[B_OWNER_PID], v[B_TP_SIZE] = MAGIC, os.getpid(), tp_size
+        v[B_MAGIC], v[B_TP_SIZE] = MAGIC, tp_size
         v[B_READY] = 1
         return cls(seg, tp_size, owner=True)
 
@@ -61,12 +56,12 @@ class AckBoard:
         """Worker: the live engine's board, or None if there is none usable (then the
         worker acknowledges over ZeroMQ instead). Never blocks."""
         try:
-            seg = Segment.attach(ack_board_name(name, dp_id))
+            seg = Segment.attach(names.ack_board(name, dp_id))
         except FileNotFoundError:
             return None
         v = seg.view
         if (seg.size != (BASE + tp_size * STRIDE) * 8 or v[B_MAGIC] != MAGIC
-                or v[B_READY] != 1 or v[B_TP_SIZE] != tp_size or not pid_alive(v[B_OWNER_PID])):
+                or v[B_READY] != 1 or v[B_TP_SIZE] != tp_size or not seg.owner_alive()):
             seg.close()
             return None
         return cls(seg, tp_size, owner=False)
@@ -78,7 +73,7 @@ class AckBoard:
     @property
     def owner_pid(self) -> int:
         """The engine's pid as it recorded it (in its own pid namespace): names its rings."""
-        return self._view[B_OWNER_PID]
+        return self._view[OWNER_PID]
 
     def publish(self, rank: int, tagged_seq: int) -> None:
         """Worker: this rank has consumed every batch up to the seq in ``tagged_seq``

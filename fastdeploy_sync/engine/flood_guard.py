@@ -30,8 +30,8 @@ import struct
 
 import zmq
 
-from .logs import RateLimitedLog
-from .transport import trim_heap
+from ..logs import RateLimitedLog
+from ..wire.sockets import trim_heap
 
 __all__ = ["FloodGuard", "InputGuard"]
 

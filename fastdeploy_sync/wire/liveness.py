@@ -69,7 +69,7 @@ import time
 
 import zmq
 
-from . import envs
+from .. import envs
 
 __all__ = ["Heartbeat", "RankLink", "NEVER", "CONNECTED", "DISCONNECTED", "id_tag"]
 

@@ -57,20 +57,20 @@ with the last view.
 import logging
 import mmap
 import os
-import threading
-import weakref
 
 import numpy as np
 import posix_ipc
 import xxhash
 
-from . import codec
-from .errors import ProtocolError
-from .shm import (Segment, check_semaphore_owner, create_semaphore, open_semaphore, sem_wait,
-                  unlink_semaphore)
+from .. import names
+from ..errors import ProtocolError
+from ..wire import codec
+from .release import Holders
+from .segment import Segment
+from .semaphores import create_fresh_semaphore, open_semaphore, sem_wait
 
-__all__ = ["RingWriter", "RingReader", "ring_name", "wake_name", "INLINE", "SHARED", "SOCKET",
-           "ring_geometry", "published_rings"]
+__all__ = ["RingWriter", "RingReader", "INLINE", "SHARED", "SOCKET", "ring_geometry",
+           "published_rings"]
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ INLINE, SHARED, SOCKET = 1, 2, 3
 _KINDS = (INLINE, SHARED, SOCKET)
 
 _MAGIC = int.from_bytes(b"FDSYRING", "little")
-_VERSION = 1
-# Header words.
+_VERSION = 2
+# Header words (word OWNER_PID, 1, holds the engine's pid).
 (_H_MAGIC, _H_VERSION, _H_TP, _H_SLOTS, _H_SLOT_BYTES, _H_DESCS, _H_EPOCH, _H_READY,
- _H_PUBLISHED, _H_DATA_OFFSET, _H_PID) = range(11)
+ _H_PUBLISHED, _H_DATA_OFFSET) = 0, 2, 3, 4, 5, 6, 7, 8, 9, 10
 _HEADER_WORDS = 16  # two cache lines
 # Descriptor words.
 _D_SEQ, _D_KIND, _D_STAMP, _D_CHECK, _D_HASH, _D_L0, _D_L1, _D_L2 = range(8)
@@ -94,17 +94,6 @@ _SLOT_BYTES_MIN = 4096
 # A semaphore wait that times out re-checks the ring this often at most: a post that was
 # skipped because the count read non-zero can delay a pre-decode by no more than this.
 _WAIT_SLICE_S = 1.0
-
-
-def ring_name(name: str, dp_id: int, epoch: int, pid: int = None) -> str:
-    """The ring of worker-group epoch ``epoch`` of queue ``name``/``dp_id``, created by the
-    engine whose pid is ``pid`` (default: this process)."""
-    return f"/fdsync.{name}.dp{dp_id}.br{epoch}.{os.getpid() if pid is None else pid}"
-
-
-def wake_name(ring: str, rank: int) -> str:
-    """The semaphore the engine posts for ``rank`` after each publication into ``ring``."""
-    return f"{ring}.w{rank}"
 
 
 def ring_geometry(tp_size: int, slots: int, slot_bytes: int, descs: int):
@@ -164,7 +153,7 @@ class RingWriter:
         self._uwords = segment.view.cast("B").cast("Q")
         self._data = segment.view.cast("B")[layout.data_offset:]
         self._sems = sems
-        self.sem_names = [wake_name(name, rank) for rank in range(len(sems))]
+        self.sem_names = [names.ring_semaphore(name, rank) for rank in range(len(sems))]
         self._state = [_FREE] * layout.slots
         self._stamp = [0] * layout.slots
         self._stamps = 0
@@ -185,17 +174,14 @@ class RingWriter:
         if not 0 < descs <= _MAX_DESCS or slot_bytes < _SLOT_BYTES_MIN or slot_bytes % 64:
             raise ValueError(f"ring with {descs} descriptors of {slot_bytes}-byte slots")
         layout = _Layout(tp_size, slots, slot_bytes, descs)
-        shm_name = ring_name(name, dp_id, epoch)
+        shm_name = names.ring(name, dp_id, epoch)
         seg = Segment.create(shm_name, layout.size)
         sems = []
         try:
             seg.reserve()
             seg.populate(write=True)  # the engine's copy into a slot never faults
-            for rank in range(tp_size):
-                sem_name = wake_name(shm_name, rank)
-                if check_semaphore_owner(sem_name):
-                    unlink_semaphore(sem_name)  # a killed engine's, same pid reused
-                sems.append(create_semaphore(sem_name))
+            for rank in range(tp_size):  # a killed engine's leftover (same pid) is replaced
+                sems.append(create_fresh_semaphore(names.ring_semaphore(shm_name, rank)))
         except BaseException:
             for sem in sems:
                 sem.unlink()
@@ -205,8 +191,7 @@ class RingWriter:
             raise
         w = seg.view
         w[_H_VERSION], w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES] = _VERSION, tp_size, slots, slot_bytes
-        w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET], w[_H_PID] = (descs, epoch, layout.data_offset,
-                                                                  os.getpid())
+        w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET] = descs, epoch, layout.data_offset
         w[_H_MAGIC] = _MAGIC
         w[_H_READY] = 1  # last: a rank that sees it sees the rest
         return cls(seg, layout, epoch, shm_name, sems)
@@ -395,10 +380,8 @@ class RingReader:
         self._uwords = segment.view.cast("B").cast("Q")
         self._data = segment.view.cast("B")[layout.data_offset:].toreadonly()
         self._sem = sem
-        self._shared = shared_reader  # payload_shm.PayloadReader, for SHARED batches
-        # slot -> (stamp, weakref to its holder array): see _holder
-        self._holders = {}
-        self._holders_lock = threading.Lock()
+        self._shared = shared_reader  # shm.payload.PayloadReader, for SHARED batches
+        self._holders = Holders(self._words)
         self.closed = False
 
     @classmethod
@@ -409,7 +392,7 @@ class RingReader:
         one: batches then travel over the socket); ``ProtocolError`` for one that is not a
         ready ring of this layout, group and size; ``PermissionError`` for another user's.
         Never blocks."""
-        shm_name = ring_name(name, dp_id, epoch, pid)
+        shm_name = names.ring(name, dp_id, epoch, pid)
         seg = Segment.attach(shm_name)
         try:
             w = seg.view
@@ -428,7 +411,7 @@ class RingReader:
             if layout.size != seg.size or layout.data_offset != w[_H_DATA_OFFSET]:
                 raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, its header "
                                     f"says {layout.size}")
-            sem = open_semaphore(wake_name(shm_name, rank))
+            sem = open_semaphore(names.ring_semaphore(shm_name, rank))
         except BaseException:
             seg.close()
             raise
@@ -526,21 +509,13 @@ class RingReader:
         return codec.decode_payload(frames, None)
 
     def _holder(self, slot, stamp, size):
-        """The array every view of ``slot``'s batch ``stamp`` derives from; when the last of
-        them is freed, this rank's release of the slot is published (one store). Two
-        decodes of one batch (the prefetch thread's and the event loop's, when the loop did
-        not wait for the thread) share one holder, so the release waits for both."""
-        with self._holders_lock:
-            entry = self._holders.get(slot)
-            holder = entry[1]() if entry is not None and entry[0] == stamp else None
-            if holder is None:
-                lay = self._layout
-                holder = np.frombuffer(self._data, dtype=np.uint8, count=size,
-                                       offset=slot * lay.slot_bytes)
-                weakref.finalize(holder, _publish_release, self._words,
-                                 lay.release_word(self.rank, slot), stamp)
-                self._holders[slot] = (stamp, weakref.ref(holder))
-            return holder
+        """The array every view of ``slot``'s batch ``stamp`` derives from (``shm.release``:
+        this rank's release of the slot is published when the last of them is freed)."""
+        lay = self._layout
+        return self._holders.holder(
+            slot, stamp, lambda: np.frombuffer(self._data, dtype=np.uint8, count=size,
+                                               offset=slot * lay.slot_bytes),
+            lay.release_word(self.rank, slot))
 
     def wait(self, timeout: float) -> bool:
         """Block until the engine posts this rank (True) or ``timeout`` seconds pass
@@ -572,29 +547,21 @@ class RingReader:
         self._seg.release_locks()
 
 
-def _publish_release(words, index, stamp):
-    # runs in whichever thread frees the last view: one store into shared memory
-    try:
-        words[index] = stamp
-    except ValueError:  # the segment object was released (process shutting down)
-        pass
-
-
 def published_rings(name: str, dp_id: int) -> list:
     """``[(shm name, epoch, published seq)]`` of every ring of queue ``name``/``dp_id`` in
     ``/dev/shm`` owned by this uid (for ``fastdeploy-sync status``). Reads the headers
     only, read-only; never blocks; skips what it cannot read."""
-    prefix = f"fdsync.{name}.dp{dp_id}.br"
     found = []
     try:
-        entries = sorted(os.listdir("/dev/shm"))
+        entries = sorted(os.listdir(names.SHM_DIR))
     except OSError:
         return found
     for entry in entries:
-        if not entry.startswith(prefix):
+        parsed = names.parse_shm_entry(entry)
+        if parsed is None or parsed.kind != "ring" or (parsed.name, parsed.dp_id) != (name, dp_id):
             continue
         try:
-            fd = os.open(f"/dev/shm/{entry}", os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(f"{names.SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:

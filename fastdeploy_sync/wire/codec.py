@@ -45,7 +45,7 @@ import struct
 import numpy as np
 import xxhash
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 __all__ = [
     "Header",

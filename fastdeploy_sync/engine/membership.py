@@ -27,21 +27,21 @@ What a peer can make this module do is bounded: a refusal is answered at most on
 second per connection, a rank is probed at most every ``_PROBE_MIN_S`` for HELLOs that
 claim its place, and the lists it keeps have fixed bounds.
 
-Division of labour with ``engine``: the queue keeps what its lock guards (the group being
-served, ``_group``/``_previous``; the batches in flight and what each rank consumed) and
-owns the socket; this module applies the rules above to what ranks send (HELLO, ACK,
-PING) and to time (``tick``). It changes the queue's state only through the queue's ledger
-methods (``_start_group``, ``_admit``, ``_acknowledge``, ``_retire_batches``) and talks to
-ranks only through ``_send``. Everything here runs on the queue's I/O thread.
+Division of labour: the ledger (``engine.ledger``) keeps what its lock guards (the group
+being served; the batches in flight and what each rank consumed); this module applies the
+rules above to what ranks send (HELLO, ACK, PING, BYE) and to time (``tick``). It changes
+the ledger only through its methods (``start_group``, ``admit``, ``acknowledge``,
+``retire``), talks to ranks only through the outbox (``engine.outbox``) and logs about
+peers through the peer log. Everything here runs on the queue's I/O thread.
 """
 
 import collections
 import logging
 import time
 
-from . import codec
-from .errors import ProtocolError
-from .liveness import RankLink, id_tag
+from ..errors import ProtocolError
+from ..wire import codec
+from ..wire.liveness import RankLink, id_tag
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 
@@ -106,13 +106,17 @@ class Group:
 
 
 class Membership:
-    """The membership rules of one ``TaskQueue`` (see the module docstring)."""
+    """The membership rules of one ``TaskQueue`` (see the module docstring): queue ``name``
+    with ``tp_size`` ranks, engine ``instance``, its ``heartbeat``; ``ledger``, ``outbox``
+    and ``peers`` (its ``PeerLog``) as above; ``events``: where ``GroupLost`` events go (the
+    queue's ``group_events``); ``counters``: its ``stats()`` counters."""
 
-    def __init__(self, queue):
-        self._queue = queue
-        self.name, self.tp_size = queue.name, queue.tp_size
-        self.instance, self.heartbeat = queue.instance, queue.heartbeat
-        self._counters = queue._counters
+    def __init__(self, name, tp_size, instance, heartbeat, ledger, outbox, peers, events,
+                 counters):
+        self.name, self.tp_size = name, tp_size
+        self.instance, self.heartbeat = instance, heartbeat
+        self._ledger, self._outbox, self._peers, self._events = ledger, outbox, peers, events
+        self._counters = counters
         self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
         # HELLOs of a new group waiting for the old one to go, the latest per (group, rank):
         # (group, rank) -> (since, identity, header, name)
@@ -125,7 +129,7 @@ class Membership:
     @property
     def group(self):
         """The group being served (None before the first and after a retirement)."""
-        return self._queue._group
+        return self._ledger.group
 
     def handle(self, identity, header, frames) -> bool:
         """A rank's HELLO, ACK, PING or BYE (``frames``: what followed the header). True if
@@ -206,7 +210,7 @@ class Membership:
     def _send_pong(self, link, now):
         link.probed_at = now
         self._counters["probes"] += 1
-        self._queue._send(link, [codec.pack_header(
+        self._outbox.send(link, [codec.pack_header(
             codec.PONG, link.rank, engine=self.instance, group=self.group.incarnation,
             worker=link.worker)])
 
@@ -216,13 +220,12 @@ class Membership:
         """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
         or watermark), at most once a second per connection; the log gets ``detail``
         too, at most once per peer address and interval."""
-        queue = self._queue
         self._counters["rejected"] += 1
-        peer = queue._peer()
-        queue._peer_log.log(("reject", peer, code), logging.WARNING,
-                            "TaskQueue %s: rejected a worker from %s claiming rank %d (%d "
-                            "rejected so far): %s", self.name, peer, header.rank,
-                            self._counters["rejected"], detail or reason)
+        peer = self._peers.peer()
+        self._peers.log(("reject", peer, code), logging.WARNING,
+                        "TaskQueue %s: rejected a worker from %s claiming rank %d (%d "
+                        "rejected so far): %s", self.name, peer, header.rank,
+                        self._counters["rejected"], detail or reason)
         now = time.monotonic()
         last = self._answered.get(identity)
         if last is not None and now - last < _ANSWER_MIN_S:
@@ -232,9 +235,9 @@ class Membership:
         self._answered.move_to_end(identity)
         while len(self._answered) > _ANSWERED_MEMORY:
             self._answered.popitem(last=False)
-        queue._send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
-                                                 engine=self.instance, group=header.group,
-                                                 worker=header.worker), reason.encode()])
+        self._outbox.send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
+                                                       engine=self.instance, group=header.group,
+                                                       worker=header.worker), reason.encode()])
 
     def _hello(self, identity, h, name, now, parked_since=None):
         rank = h.rank
@@ -292,14 +295,14 @@ class Membership:
                          f"model state is gone too, restart the whole group")
             return self.retire(group, f"rank {rank} restarted (a new worker process took its "
                                       f"place)")
-        problem = self._queue._admit(rank, h.seq, h.aux)
+        problem = self._ledger.admit(rank, h.seq, h.aux)
         if problem:
             return self._reject(identity, h, codec.E_REJECTED,
                                 "this worker's history does not match the engine's: restart "
                                 "the worker group", problem)
         link.connect(identity, h.worker, now)
-        link.sent = self._queue._base + h.seq - 1
-        self._queue._send(link, [codec.pack_header(
+        link.sent = self._ledger.base + h.seq - 1
+        self._outbox.send(link, [codec.pack_header(
             codec.WELCOME, rank, self.tp_size, aux=group.epoch, engine=self.instance,
             group=group.incarnation, worker=h.worker)])
         log.info("TaskQueue %s: rank %d connected (worker %s, group %s), wants seq %d",
@@ -309,7 +312,7 @@ class Membership:
     def _new_group(self, incarnation):
         self._epochs += 1
         group = Group(incarnation, self._epochs, self.tp_size)
-        self._queue._start_group(group)
+        self._ledger.start_group(group)
         self._counters["groups"] += 1
         return group
 
@@ -331,7 +334,7 @@ class Membership:
         if link is None:
             return False
         link.heard(now)
-        self._queue._acknowledge(h.rank, h.seq)
+        self._ledger.acknowledge(h.rank, h.seq)
         return True
 
     def _ping(self, identity, h, now):
@@ -348,7 +351,7 @@ class Membership:
             self._reject(identity, h, code, why)
             return False
         link.heard(now)
-        self._queue._send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
+        self._outbox.send(identity, [codec.pack_header(codec.PONG, h.rank, engine=self.instance,
                                                        group=h.group, worker=h.worker)])
         return True
 
@@ -362,9 +365,9 @@ class Membership:
         self._counters["byes"] += 1
         try:
             if h.seq > 0:
-                self._queue._acknowledge(h.rank, h.seq, message=False)
+                self._ledger.acknowledge(h.rank, h.seq, message=False)
         except ProtocolError as exc:  # a seq never sent: ignore it, the rank still left
-            self._queue._garbage(exc)
+            self._peers.garbage(exc)
         link.disconnect("it closed its client (BYE)", now)
         self.retire(self.group, f"rank {h.rank} closed its client (BYE)", left=True)
         return True
@@ -375,12 +378,12 @@ class Membership:
         """Stop serving ``group``: hand back what it did not finish as a ``GroupLost``
         event, tell its reachable ranks, and reset the queue for the next group. ``left``:
         a rank closed on purpose (logged at INFO when nothing was left unfinished)."""
-        lost = self._queue._retire_batches(group, reason)
+        lost = self._ledger.retire(group, reason)
         self._retired.append(group.incarnation)
         now = time.monotonic()
         for link in group.links:
             if link.identity is not None:
-                self._queue._send(link, [codec.pack_header(
+                self._outbox.send(link, [codec.pack_header(
                     codec.ERROR, link.rank, aux=codec.E_GROUP_LOST, engine=self.instance,
                     group=group.incarnation, worker=link.worker),
                     f"the engine retired this worker group: {reason}; restart the whole "
@@ -395,4 +398,4 @@ class Membership:
         level = logging.INFO if left and not lost else logging.WARNING
         log.log(level, "TaskQueue %s: retired worker group %s: %s; %d batch(es) unfinished "
                 "(group_events)", self.name, id_tag(group.incarnation), reason, len(lost))
-        self._queue.group_events.put(event)
+        self._events.put(event)

@@ -1,13 +1,8 @@
-"""ZeroMQ plumbing shared by the engine and worker sides.
-
-Topology: the engine binds one ROUTER socket; every worker rank connects two DEALER
-sockets to it, one owned by its prefetch thread (receives batches) and one owned by the
-event loop (sends acknowledgements). A ZeroMQ socket is not thread-safe, so each socket
-has exactly one owning thread for its whole life.
+"""Where the engine listens and how a peer may reach it: endpoint names and their socket files.
 
 Endpoints: ``endpoint=None`` means a node-local ``ipc://`` file derived from the queue's
 name and dp_id (nothing to start or configure); ``tcp://host:port`` is used as given (and
-needs CURVE keys, see ``auth.py``).
+needs CURVE keys, see ``wire.auth``).
 
 Trust: an ipc socket file lives in a per-user directory (``envs.ipc_dir()``, mode 0700,
 owned by us, never a symlink) because whoever can create the socket file first receives
@@ -17,44 +12,18 @@ the socket 0600 after bind (``secure_socket_file``); workers check the directory
 socket's owner before connecting (``check_ipc_endpoint``).
 """
 
-import ctypes
 import errno
 import os
 import re
-import resource
-import select
 import socket
 import stat
 
-import zmq
+from .. import envs
+from ..errors import EndpointInUseError
 
-from . import envs
-from .errors import EndpointInUseError
-
-__all__ = [
-    "validate_name",
-    "default_endpoint",
-    "ipc_path",
-    "private_dir",
-    "check_private_dir",
-    "claim_ipc_path",
-    "ipc_listener_alive",
-    "secure_socket_file",
-    "check_ipc_endpoint",
-    "ensure_free_fds",
-    "listener_address",
-    "close_listeners",
-    "anon_rss_bytes",
-    "trim_heap",
-    "raise_fd_limit",
-    "unlink_quietly",
-    "new_socket",
-    "WakePipe",
-    "ReadinessPoll",
-    "MAX_DP_ID",
-    "ENGINE_FDS",
-    "CLIENT_FDS",
-]
+__all__ = ["validate_name", "default_endpoint", "ipc_path", "private_dir", "check_private_dir",
+           "claim_ipc_path", "ipc_listener_alive", "secure_socket_file", "check_ipc_endpoint",
+           "listener_address", "close_listeners", "unlink_quietly", "MAX_DP_ID"]
 
 # \A and \Z, not ^ and $: "$" also matches before a trailing newline ("llm\n").
 # No leading dot: "." and ".." must never become path components.
@@ -245,56 +214,6 @@ def check_ipc_endpoint(path: str) -> None:
     _check_own_socket(path, st)
 
 
-# File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
-# 4.3.5, one io thread): a Context plus its first socket 6 (reaper and io-thread epoll and
-# mailbox fds), each further socket 1-2, a socket monitor 1-2, a WakePipe 2, each
-# connection 1. Measured whole: TaskQueue(tp_size=2) 10 before any rank connects, a
-# TaskClient 12-16, a Context with ServerAuth (its ZAP thread and socket) 11. The constants
-# keep about 2x headroom; the engine adds 2 per rank for the ranks' two connections.
-CLIENT_FDS = 32
-ENGINE_FDS = 32
-
-
-def ensure_free_fds(count: int, who: str) -> None:
-    """Raise ``OSError(errno.EMFILE, ...)`` unless ``count`` more file descriptors can be
-    opened now; never blocks, never leaves an fd open. ``who`` names the caller in the
-    message (e.g. ``"TaskClient rank 1 of 'llm' dp_id=0"``). Typical counts: ``CLIENT_FDS``
-    for a TaskClient, ``ENGINE_FDS + 2 * tp_size`` for a TaskQueue.
-
-    Call it before creating a ``zmq.Context``: libzmq aborts the whole process (SIGABRT,
-    ``Too many open files (src/epoll.cpp:38)``) when its I/O thread cannot create an fd,
-    instead of raising. We probe by opening ``/dev/null`` once and duplicating it up to
-    ``count`` times, then closing all of them (the probe itself fails with EMFILE, which
-    Python turns into an exception; nothing else in the process is affected).
-    """
-    opened = []
-    try:
-        base = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno not in (errno.EMFILE, errno.ENFILE):
-            raise
-        base = None
-    try:
-        if base is not None:
-            opened.append(base)
-            while len(opened) < count:
-                opened.append(os.dup(base))
-    except OSError as exc:
-        if exc.errno not in (errno.EMFILE, errno.ENFILE):
-            raise
-    finally:
-        available = len(opened)
-        for fd in opened:
-            os.close(fd)
-    if available < count:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        raise OSError(
-            errno.EMFILE,
-            f"{who} needs about {count} free file descriptors, {available} are available "
-            f"(ulimit -n is {soft}, hard limit {hard}): raise ulimit -n (e.g. 'ulimit -n 65536' "
-            f"in the launching shell) or close files/sockets this process does not need")
-
-
 def listener_address(endpoint: str):
     """What ``getsockname()`` of the socket that listens on a bound ``endpoint`` returns
     (``ZMQ_LAST_ENDPOINT``: ``ipc://PATH`` or ``tcp://HOST:PORT``), for
@@ -346,56 +265,6 @@ def _bound_address(sock):
     return (name[0], name[1])
 
 
-def anon_rss_bytes() -> int:
-    """This process's resident memory that is not file- or shared-memory-backed (resident
-    minus shared pages, ``/proc/self/statm``): what its heaps hold. 0 where it cannot be
-    read. ~5 µs."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            fields = f.read().split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def trim_heap() -> None:
-    """Return the heaps' free memory to the system (glibc ``malloc_trim(0)``, every arena):
-    after libzmq freed what a peer made it buffer, glibc keeps those pages otherwise (a
-    process that had buffered 1.5 GiB kept it). Takes milliseconds for a large heap; call
-    it after such an event, not routinely. Does nothing where it is missing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def raise_fd_limit() -> tuple:
-    """Raise this process's soft limit of open files to its hard limit (capped by the
-    kernel's ``fs.nr_open``); returns ``(before, after)``. libzmq aborts the whole process
-    (SIGABRT, "Too many open files") when its I/O thread cannot accept a connection, so an
-    engine takes what it may have at start instead of dying at the common default of 1024
-    when many peers connect at once. Never lowers it; never raises. Note for the rest of
-    the process: descriptors above 1023 do not fit ``select.select``."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if target == resource.RLIM_INFINITY:
-        try:
-            with open("/proc/sys/fs/nr_open") as f:
-                target = int(f.read())
-        except (OSError, ValueError):
-            target = 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            return soft, target
-        except (OSError, ValueError):
-            pass
-    return soft, soft
-
-
 def unlink_quietly(path) -> None:
     if path:
         try:
@@ -404,137 +273,3 @@ def unlink_quietly(path) -> None:
             pass
 
 
-def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    """A socket with the options every fastdeploy_sync socket shares.
-
-    Unlimited high-water marks: the engine bounds the number of batches in flight itself
-    (``max_inflight``), and a ZeroMQ HWM would instead drop (ROUTER) or block silently.
-    Linger 0: ``close()`` must never hang on a peer that went away.
-    """
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    return sock
-
-
-class WakePipe:
-    """A self-pipe that any thread can write to, to wake a thread blocked in ``zmq.Poller``.
-
-    Writing is thread-safe (one ``os.write`` of one byte) and never blocks: if the pipe is
-    full the reader has wake-ups pending already.
-    """
-
-    def __init__(self):
-        self.r, self.w = os.pipe()
-        os.set_blocking(self.r, False)
-        os.set_blocking(self.w, False)
-
-    def wake(self) -> None:
-        try:
-            os.write(self.w, b"\0")
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # closed during shutdown
-            if exc.errno != errno.EBADF:
-                raise
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        for fd in (self.r, self.w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-class _PollFD(ctypes.Structure):
-    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
-
-
-def _libc_poll():
-    """libc's poll(2) through ctypes (which releases the GIL around the call), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.poll
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(_PollFD), ctypes.c_ulong, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_POLL = _libc_poll()
-
-
-class ReadinessPoll:
-    """An OS-level ``poll()`` of some file descriptors (ZeroMQ sockets' ``zmq.FD``, a
-    pipe) whose result another thread can read *without the GIL changing hands*.
-
-    Why: a thread blocked in ``select.poll`` (or ``zmq.Poller``) that is woken by data must
-    get the GIL before anything of the wake-up is visible, and a thread holding the GIL (a
-    pure-Python model step) keeps it for up to the interpreter's 5 ms switch interval. Here
-    the call is libc's ``poll`` through ctypes, and the kernel writes each descriptor's
-    ``revents`` into an array this object owns before the call returns: ``ready(i)`` reads
-    it (one memoryview read, ~50 ns, no syscall, never releases the GIL), so another thread
-    can see that the waiter was woken and act on it while the waiter still waits for the
-    GIL.
-
-    ``wait(timeout_ms)`` clears the results, then blocks (GIL released) until a descriptor
-    is readable or the timeout passes; one thread waits, any thread may read ``ready``.
-    Where ctypes or libc's poll is missing it falls back to ``select.poll`` and ``ready``
-    says False (nobody is told early)."""
-
-    def __init__(self, fds):
-        self._n = len(fds)
-        self._fds = (_PollFD * self._n)()
-        for i, fd in enumerate(fds):
-            self._fds[i].fd = fd
-            self._fds[i].events = select.POLLIN
-        # int16 view: entry i's revents is short 4 * i + 3 (int fd, short events, revents)
-        self._shorts = memoryview(self._fds).cast("B").cast("h")
-        #: ``wait()`` calls so far. A reader that handled the wake-up ``ready`` reports can
-        #: note this number, and the waiter learn that it was handled (worker._drain).
-        self.polls = 0
-        self._fallback = None
-        if _POLL is None:
-            self._fallback = select.poll()
-            for fd in fds:
-                self._fallback.register(fd, select.POLLIN)
-
-    @property
-    def revents(self) -> memoryview:
-        """The results as int16s: descriptor ``i``'s is ``revents[4 * i + 3]`` (for the
-        hottest callers, which cannot afford a method call)."""
-        return self._shorts
-
-    def ready(self, i: int) -> bool:
-        """True if descriptor ``i`` was readable when the last ``wait`` returned (and the
-        waiter has not cleared it by waiting again)."""
-        return bool(self._shorts[4 * i + 3])
-
-    def ready_other_than(self, i: int) -> bool:
-        """True if a descriptor other than ``i`` was readable when the last ``wait``
-        returned."""
-        shorts = self._shorts
-        return any(shorts[4 * j + 3] for j in range(self._n) if j != i)
-
-    def wait(self, timeout_ms: float) -> None:
-        """Block (GIL released) until a descriptor is readable or ``timeout_ms`` passed.
-        Counts the calls first (``polls``): which wake-up ``ready`` describes."""
-        self.polls += 1
-        if self._fallback is not None:
-            self._fallback.poll(timeout_ms)
-            return
-        for i in range(self._n):
-            self._fds[i].revents = 0
-        if _POLL(self._fds, self._n, max(0, int(timeout_ms + 0.999))) < 0:
-            err = ctypes.get_errno()
-            if err not in (errno.EINTR, errno.EAGAIN):
-                raise OSError(err, os.strerror(err))

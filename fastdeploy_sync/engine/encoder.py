@@ -31,10 +31,14 @@ import weakref
 
 import numpy as np
 
-from . import batch_ring, codec, envs, payload_shm
-from .errors import EndpointInUseError, ProtocolError
-from .logs import RateLimitedLog
-from .shm import unlink_segment, unlink_semaphore
+from .. import envs, names
+from ..errors import EndpointInUseError, ProtocolError
+from ..logs import RateLimitedLog
+from ..shm import batch_ring, payload, room
+from ..shm.pool import PayloadPool, PoolRegion, PoolTruncated
+from ..shm.segment import unlink_segment
+from ..shm.semaphores import unlink_semaphore
+from ..wire import codec
 
 __all__ = ["BatchEncoder", "EncodedBatch"]
 
@@ -50,7 +54,7 @@ _RING_MAX_BYTES = 64 << 20
 class EncodedBatch:
     """One encoded batch: ``frames`` (what follows the DATA header; None for a batch only
     the ring holds), ``checksum`` (the header's check), ``shared`` (the
-    ``payload_shm.PoolRegion`` or ``payload_shm.SharedPayload`` holding its arrays, or
+    ``PoolRegion`` or ``payload.SharedPayload`` holding its arrays, or
     None when they travel in ``frames`` or the ring) and ``ring`` (its ``RingPlace``, or
     None when it travels over the socket)."""
 
@@ -148,7 +152,7 @@ class BatchEncoder:
             return
         slots, slot_bytes, descs = self._ring_geometry
         size = batch_ring.ring_geometry(self.tp_size, slots, slot_bytes, descs)[0]
-        no_room = payload_shm.fresh_fits(size)
+        no_room = room.fresh_fits(size)
         ring = None
         if no_room is None:
             try:
@@ -186,7 +190,7 @@ class BatchEncoder:
     def reclaim_stale(self) -> list:
         """Remove the shared batches and pools a killed engine of this queue left. Call it
         once the queue's node-local endpoint is exclusively this engine's."""
-        return payload_shm.reclaim_stale(self.name, self.dp_id)
+        return payload.reclaim_stale(self.name, self.dp_id)
 
     # -- the put path --------------------------------------------------------------------
 
@@ -294,11 +298,11 @@ class BatchEncoder:
             data_hash = parts.data_hash() if self._hash_shared else 0
             try:
                 target.write_payload(parts)
-            except payload_shm.PoolTruncated as exc:  # tampered with: never SIGBUS, go on
+            except PoolTruncated as exc:  # tampered with: never SIGBUS, go on
                 self._discard(target)
                 self._retire_damaged(target.pool, exc)
                 return None
-            ref = payload_shm.pack_ref(target.name, parts.data_size, parts.offsets,
+            ref = payload.pack_ref(target.name, parts.data_size, parts.offsets,
                                        stamp=target.stamp, start=target.start,
                                        data_hash=data_hash)
             frames = [parts.body, ref]
@@ -333,14 +337,14 @@ class BatchEncoder:
                            f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
                            f"FD_SYNC_SHM_POOL_MB)")
                     self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a "
-                               "segment of its own: %s", size / payload_shm.MiB, why)
+                               "segment of its own: %s", size / room.MiB, why)
         if self._closed:  # since the check above (e.g. while this put created the pool)
             return None
-        no_room = payload_shm.fresh_fits(size)
+        no_room = room.fresh_fits(size)
         if no_room is None:
-            name = payload_shm.payload_name(self.name, self.dp_id, number)
+            name = names.batch_segment(self.name, self.dp_id, number)
             try:
-                shared = payload_shm.SharedPayload.create(name, size)
+                shared = payload.SharedPayload.create(name, size)
             except FileExistsError:
                 raise EndpointInUseError(
                     f"TaskQueue {self.name} dp_id={self.dp_id}: shared batch {name} exists: "
@@ -357,7 +361,7 @@ class BatchEncoder:
             self.counters["shm_socket_fallbacks"] += 1
             self._note("socket", logging.WARNING, "a %.1f MiB batch goes over the socket "
                        "(one copy per rank) instead of shared memory: %s",
-                       size / payload_shm.MiB, no_room)
+                       size / room.MiB, no_room)
         return None
 
     def _retire_damaged(self, pool, exc):
@@ -380,7 +384,7 @@ class BatchEncoder:
         if now < self._pool_retry_at:
             return None
         self._pool_retry_at = now + _POOL_RETRY_S
-        size, why = payload_shm.pool_size(self._pool_bytes, max(self._shm_min_bytes, 1 << 20))
+        size, why = room.pool_size(self._pool_bytes, max(self._shm_min_bytes, 1 << 20))
         if size == 0:
             self._note("pool-none", logging.WARNING, "no shared-memory pool (%s; "
                        "FD_SYNC_SHM_POOL_MB=%d): large batches take a segment of their own "
@@ -390,7 +394,7 @@ class BatchEncoder:
             self._note("pool-small", logging.WARNING, "shared-memory pool sized down to "
                        "%d MiB (FD_SYNC_SHM_POOL_MB=%d): %s", size >> 20, self._pool_bytes >> 20,
                        why)
-        name = payload_shm.pool_name(self.name, self.dp_id, next(self._numbers))
+        name = names.pool(self.name, self.dp_id, next(self._numbers))
         self._creating_pool = True
         self.names.add(name)  # from now on: the finalizer removes it if we die meanwhile
         return name, size
@@ -402,7 +406,7 @@ class BatchEncoder:
         created or the queue closed meanwhile."""
         pool = error = None
         try:
-            pool = payload_shm.PayloadPool.create(name, self.tp_size, size)
+            pool = PayloadPool.create(name, self.tp_size, size)
         except FileExistsError:
             error = EndpointInUseError(
                 f"TaskQueue {self.name} dp_id={self.dp_id}: pool {name} exists: another "
@@ -437,9 +441,9 @@ class BatchEncoder:
         encrypted endpoint's I/O thread would take too long to encrypt (see TaskQueue)."""
         if self._encrypted_limit is not None and size > self._encrypted_limit[0]:
             limit, why = self._encrypted_limit
-            raise ValueError(f"TaskQueue {self.name}: a {size / payload_shm.MiB:.0f} MiB batch "
+            raise ValueError(f"TaskQueue {self.name}: a {size / room.MiB:.0f} MiB batch "
                              f"is refused on this CURVE-encrypted tcp endpoint, whose limit is "
-                             f"{limit / payload_shm.MiB:.0f} MiB: {why}. Split the batch, put "
+                             f"{limit / room.MiB:.0f} MiB: {why}. Split the batch, put "
                              f"it over ipc (ranks on this node), or raise "
                              f"FD_SYNC_HEARTBEAT_TIMEOUT on the engine and the workers")
 
@@ -469,7 +473,7 @@ class BatchEncoder:
             shared = batch.shared
             if shared is not None:
                 self._kept[seq] = shared
-                if isinstance(shared, payload_shm.PoolRegion):
+                if isinstance(shared, PoolRegion):
                     shared.pool.kept(shared)
             if place is not None:
                 ring.kept(place.slot)
@@ -493,7 +497,7 @@ class BatchEncoder:
 
     def _discard(self, shared):
         with self._lock:
-            if isinstance(shared, payload_shm.PoolRegion):
+            if isinstance(shared, PoolRegion):
                 shared.pool.discarded(shared)
                 self._close_idle_pools()
             else:
@@ -510,7 +514,7 @@ class BatchEncoder:
             shared = self._kept.pop(seq, None)
             if shared is None:
                 return
-            if isinstance(shared, payload_shm.PoolRegion):
+            if isinstance(shared, PoolRegion):
                 shared.pool.consumed(shared)
                 if shared.pool.retired:
                     self._close_idle_pools()
@@ -551,7 +555,7 @@ class BatchEncoder:
         with self._lock:
             for entry in dropped.values():
                 shared = entry.shared
-                if shared is not None and not isinstance(shared, payload_shm.PoolRegion):
+                if shared is not None and not isinstance(shared, PoolRegion):
                     self._unlink(shared)
             self._close_idle_pools()
 
@@ -570,8 +574,8 @@ class BatchEncoder:
         shared = dropped.shared if dropped is not None else None
         if shared is None:
             return codec.decode_payload(frames)
-        ref = payload_shm.unpack_ref(frames[1])
-        view = shared.view() if isinstance(shared, payload_shm.PoolRegion) else shared.map()
+        ref = payload.unpack_ref(frames[1])
+        view = shared.view() if isinstance(shared, PoolRegion) else shared.map()
         data = np.frombuffer(view, dtype=np.uint8).copy()
         del view  # the mapping goes with the last view of it
         return codec.decode_payload([frames[0], ref.offsets, data])
@@ -583,7 +587,7 @@ class BatchEncoder:
         with self._lock:
             self._closed = True
             for shared in self._kept.values():
-                if not isinstance(shared, payload_shm.PoolRegion):
+                if not isinstance(shared, PoolRegion):
                     self._unlink(shared)
             self._kept.clear()
             pools = self._retired + ([self._pool] if self._pool is not None else [])

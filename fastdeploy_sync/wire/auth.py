@@ -44,8 +44,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from . import envs
-from .errors import AuthenticationError
+from .. import envs
+from ..errors import AuthenticationError
 
 __all__ = [
     "SERVER_PUBLIC",

@@ -60,13 +60,16 @@ import socket
 import threading
 import time
 
-from .errors import BarrierTimeoutError, TaskSyncError
+from ..errors import BarrierTimeoutError, TaskSyncError
+from .protocol import NO_HOOKS
 
 __all__ = ["PaddleTPGroup", "PeerLostError", "GLOO_TIMEOUT_S", "node_identity",
            "paddle_initialized", "locate_tp_group"]
 
 # gloo's kTimeoutDefault: what every collective of a paddle gloo process group waits for.
 GLOO_TIMEOUT_S = 30.0
+# wait_received polls this rank's receipt this often (nothing posts across nodes).
+_POLL_S = 0.001
 
 # gloo's messages name the peer as "pair_rank = N" (its rank in the group, -1 if unknown)
 # and/or as "[ip]:port" (the peer's gloo listening port, not its paddle endpoint).
@@ -187,6 +190,8 @@ class PaddleTPGroup:
     says False): the FastDeploy drop-in, whose ``all_client_read`` is decided otherwise.
     """
 
+    spans_nodes = True
+
     def __init__(self, tp_size: int, tp_rank: int, group=None, track_consumed: bool = True):
         import paddle
         import paddle.distributed as dist
@@ -233,8 +238,31 @@ class PaddleTPGroup:
     def min_received(self):
         return self._received  # only this rank's: the others' are known at the barrier
 
+    def wait_received(self, seq, timeout, check=None):
+        """Until this rank holds ``seq`` (True) or ``timeout`` seconds pass (False): the
+        others' receipts are known only at the barrier. Polls every ``_POLL_S`` (nothing
+        posts across nodes); ``check`` runs after every poll."""
+        deadline = time.monotonic() + timeout
+        while self._received < seq:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(remaining, _POLL_S))
+            if check is not None:
+                check()
+        return True
+
+    def wait_peers(self, seq, timeout):
+        return self._received  # the peers' receipts meet in the barrier's all-reduce
+
+    def publish_engine(self, engine):
+        pass  # each rank's engine speaks for it: the all-reduce takes what every rank holds
+
     def all_welcomed(self, engine):
         return True  # every rank offers what it can take: the all-reduce decides
+
+    def engine_split(self, engine):
+        return None
 
     def latch(self, gen, from_seq, to_seq):
         self._offer = (gen, to_seq)
@@ -251,7 +279,7 @@ class PaddleTPGroup:
     def all_consumed(self, seq):
         return self._track_consumed and self._min_consumed >= seq
 
-    def barrier(self, timeout=None, service=None, check=None, on_wait=None):
+    def barrier(self, timeout=None, hooks=NO_HOOKS):
         """One ``all_reduce(MIN)`` across the TP ranks; blocks until every rank joins it.
 
         ``timeout`` (seconds): the wait is bounded by ``min(timeout, GLOO_TIMEOUT_S)``;
@@ -260,14 +288,14 @@ class PaddleTPGroup:
         a rank's connection is reset (it died), both naming the ranks and nodes; after
         either, every call raises again (restart the TP group).
 
-        ``check`` runs first (the worker raises its prefetch failure this way); ``service``
-        runs once before the offer is computed (sync mode receives what has arrived).
-        ``on_wait`` is not called: gloo's wait has no hook of ours (the worker passes None).
+        ``hooks.check`` runs first (the worker raises its prefetch failure this way);
+        ``hooks.service`` runs once before the offer is computed (sync mode receives what
+        has arrived). ``hooks.on_wait`` is not called: gloo's wait has no hook of ours.
         """
-        if check is not None:
-            check()
-        if service is not None:
-            service()  # sync mode: receive what has arrived before offering it
+        if hooks.check is not None:
+            hooks.check()
+        if hooks.service is not None:
+            hooks.service()  # sync mode: receive what has arrived before offering it
         gen = self.gen + 1
         if self.tp_rank == 0:
             offer = self._offer[1] if self._offer and self._offer[0] == gen else self._consumed
@@ -296,10 +324,13 @@ class PaddleTPGroup:
     def peer_fault(self):
         return None
 
+    def missing_fault(self):
+        return None
+
     def wake(self):
         pass
 
-    def close(self):
+    def close(self, timeout=None):
         """Stop the helper thread (if any) once its collective ends. Never blocks."""
         if self._runner is not None:
             self._runner.stop()

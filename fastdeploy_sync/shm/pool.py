@@ -1,0 +1,268 @@
+"""The engine's pool of reused shared memory for large batches (one per worker group).
+
+Why a pool: writing a large batch into fresh tmpfs pages costs a page fault per page;
+the pool's pages are reserved and mapped in once, when it is created, and reused by
+every batch after (``docs/large-batches.md`` has the measured costs). Regions are handed
+out in ring order and a region is written again only once *every* rank has released it:
+each batch's arrays keep one small object per rank alive (a numpy view of the region),
+whose finalizer stores the batch's stamp in that rank's row of the pool's header when
+the last array is freed (``shm.payload``, the ranks' side). A rank that holds arrays for
+long holds its region: the ring cannot pass it, and batches take a segment of their own
+or the socket meanwhile. A pool is never reused across worker groups: when a group is
+retired its pool is retired with it.
+
+The pool is an owned ``Segment`` (``shm.segment``): created exclusively, mode 0600, its
+owner lock held for the engine's life, so ``cleanup`` and the next engine judge a
+leftover as every other segment.
+"""
+
+import collections
+import mmap
+import struct
+
+from ..errors import ProtocolError
+from .ownership import on_fork
+from .segment import Segment
+
+__all__ = ["PayloadPool", "PoolRegion", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
+           "FILLED", "HEADER_FIELDS", "MAX_ENTRIES", "MAX_TP", "header_bytes",
+           "released_index", "parse_header"]
+
+
+# Header, int64 words: magic, owner pid (OWNER_PID: for people), layout version, tp_size,
+# entries, data offset, data size, ready (written last); then `entries` FILLED words (FILLED[e]:
+# the stamp of the last batch the engine wrote into a region of entry e = stamp %
+# entries); then one RELEASED row of `entries` words per rank (RELEASED[r][e]: the stamp
+# of the last batch of entry e whose arrays rank r freed). Rows are 8 * entries bytes
+# apart, so ranks never share a cache line. The data starts at the next page.
+MAGIC = int.from_bytes(b"FDSYPOOL", "little")
+VERSION = 2
+_H_MAGIC, _H_VERSION, _H_TP, _H_ENTRIES, _H_DATA_OFFSET, _H_DATA_SIZE, _H_READY = 0, 2, 3, 4, 5, 6, 7
+FILLED = 8  # the first FILLED word
+HEADER_FIELDS = 8  # the words before FILLED
+POOL_ENTRIES = 256  # batches a pool holds at most at once
+MAX_ENTRIES = 1 << 16
+MAX_TP = 1 << 12
+_ALIGN = 64  # regions start on cache lines (and codec aligns buffers inside them)
+
+
+def header_bytes(tp_size: int, entries: int) -> int:
+    """The size of a pool's header (its data starts there, on a page)."""
+    words = FILLED + entries * (tp_size + 1)
+    return -(-words * 8 // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+
+
+def released_index(entries: int, rank: int, entry: int) -> int:
+    """The word where rank ``rank`` publishes its release of entry ``entry``."""
+    return FILLED + entries * (rank + 1) + entry
+
+
+def parse_header(raw: bytes):
+    """``(magic, version, tp_size, entries, data_offset, data_size, ready)`` from the first
+    ``HEADER_FIELDS`` words of a pool."""
+    words = struct.unpack(f"<{HEADER_FIELDS}q", raw)
+    return tuple(words[i] for i in (_H_MAGIC, _H_VERSION, _H_TP, _H_ENTRIES, _H_DATA_OFFSET,
+                                    _H_DATA_SIZE, _H_READY))
+
+
+# region states (engine side)
+_PENDING, _KEPT, _CONSUMED, _DISCARDED, _ABANDONED = range(5)
+
+
+class PoolRegion:
+    """One batch's place in a pool (engine side): ``start``/``size`` in the pool's data,
+    ``stamp`` (the pool's batch counter, > 0) and what became of it."""
+
+    __slots__ = ("pool", "start", "size", "span", "stamp", "state")
+
+    def __init__(self, pool, start, size, span, stamp):
+        self.pool, self.start, self.size, self.span, self.stamp = pool, start, size, span, stamp
+        self.state = _PENDING
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
+
+    def write_payload(self, parts) -> None:
+        """Copy ``parts``' buffers (``codec.EncodedPayload``) into the region (gaps zeroed),
+        then record the region as holding this stamp. Blocks for the copy; buffers of
+        1 MiB or more are copied with the GIL released."""
+        self.pool.write(self, parts)
+
+    def view(self) -> memoryview:
+        """A read-only view of the region's bytes (for decoding it again on the engine)."""
+        return self.pool.view(self)
+
+
+class PayloadPool:
+    """The engine's ring of reused shared memory for one worker group: one segment
+    (``name``) of ``data_size`` bytes of data behind a small header, pre-faulted at
+    creation, regions handed out in ring order and reused only once every rank released
+    them (see the module docstring).
+
+    Not thread-safe: ``engine.encoder.BatchEncoder`` serialises every call under its lock,
+    except ``write`` and ``view`` of a region it handed out (regions are disjoint)."""
+
+    def __init__(self, segment, tp_size, entries, data_size, header):
+        self.name, self.tp_size, self.entries, self.data_size = (segment.name, tp_size, entries,
+                                                                 data_size)
+        self._seg = segment
+        self._words = segment.view[:header // 8]
+        self._data = segment.view.cast("B")[header:header + data_size]
+        self._live = collections.deque()  # regions in ring order, oldest first
+        self._stamps = 0
+        self.retired = False  # no more regions: its group was retired or the queue closed
+        self.closed = False
+        on_fork(self)  # a forked child never unlinks the parent's pool
+
+    @classmethod
+    def create(cls, name: str, tp_size: int, data_size: int,
+               entries: int = POOL_ENTRIES) -> "PayloadPool":
+        """Create pool ``name`` with ``data_size`` bytes of data for ``tp_size`` ranks: an
+        owned ``Segment`` (exclusive, mode 0600, owner-locked for this process's life),
+        every page reserved and mapped in (the one-time cost of the page faults, paid here
+        rather than by a put: docs/large-batches.md). ``FileExistsError`` if the name
+        exists, ``OSError`` (``ENOSPC``: no room in ``/dev/shm``) with the name removed
+        again."""
+        if data_size <= 0 or data_size % _ALIGN:
+            raise ValueError(f"pool {name}: data size {data_size}, expected a positive "
+                             f"multiple of {_ALIGN}")
+        header = header_bytes(tp_size, entries)
+        seg = Segment.create(name, header + data_size)
+        try:
+            seg.reserve()
+            seg.populate(write=True)
+        except BaseException:
+            seg.unlink_if_mine()
+            seg.close()
+            raise
+        pool = cls(seg, tp_size, entries, data_size, header)
+        words = pool._words
+        words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = MAGIC, VERSION, tp_size
+        words[_H_ENTRIES], words[_H_DATA_OFFSET], words[_H_DATA_SIZE] = entries, header, data_size
+        words[_H_READY] = 1  # last: a rank that sees it sees the rest
+        return pool
+
+    # -- regions -----------------------------------------------------------------------
+
+    def allocate(self, size: int):
+        """A region of ``size`` bytes, or None when the ring has no room for it now (it
+        first reuses what every rank released). Never blocks."""
+        if self.retired:
+            return None
+        self._reclaim()
+        span = (size + _ALIGN - 1) & -_ALIGN
+        if span > self.data_size or len(self._live) >= self.entries:
+            return None
+        start = self._place(span)
+        if start is None:
+            return None
+        self._stamps += 1
+        region = PoolRegion(self, start, size, span, self._stamps)
+        self._live.append(region)
+        return region
+
+    def _place(self, span):
+        live = self._live
+        if not live:
+            return 0
+        tail, newest = live[0].start, live[-1]
+        head = newest.start + newest.span
+        if newest.start >= tail:  # live regions lie in [tail, head): room after head, then before tail
+            if self.data_size - head >= span:
+                return head
+            return 0 if tail >= span else None
+        return head if tail - head >= span else None  # wrapped: room in [head, tail)
+
+    def _reclaim(self):
+        """Drop the oldest regions while they are free: never enqueued, or consumed by
+        every rank and released by every rank's arrays."""
+        live, words = self._live, self._words
+        while live:
+            region = live[0]
+            if region.state == _CONSUMED:
+                entry = region.stamp % self.entries
+                if any(words[released_index(self.entries, rank, entry)] != region.stamp
+                       for rank in range(self.tp_size)):
+                    return
+            elif region.state != _DISCARDED:
+                return
+            live.popleft()
+
+    def write(self, region, parts) -> None:
+        """Copy ``parts`` into ``region``; ``PoolTruncated`` (nothing written) if another
+        process truncated the pool's file."""
+        self._check_length()
+        base = region.start
+        parts.write_data(self._data[base:base + region.size])
+        self._words[FILLED + region.stamp % self.entries] = region.stamp
+
+    def view(self, region) -> memoryview:
+        """A read-only view of ``region``'s bytes; ``PoolTruncated`` as ``write`` (a closed
+        pool is not asked: its mapping stays, unchecked)."""
+        self._check_length()
+        return self._data[region.start:region.start + region.size].toreadonly()
+
+    def kept(self, region):
+        region.state = _KEPT
+
+    def consumed(self, region):
+        if region.state == _KEPT:
+            region.state = _CONSUMED
+
+    def discarded(self, region):
+        region.state = _DISCARDED
+        # the newest regions can be given back at once (usually the case: a put that
+        # timed out); older ones wait for the ring's tail to reach them
+        while self._live and self._live[-1].state == _DISCARDED:
+            self._live.pop()
+
+    def abandon_kept(self):
+        """The group was retired: its batches' regions are never reused (ranks of the old
+        group may still view them), and the pool takes no new batch."""
+        self.retired = True
+        for region in self._live:
+            if region.state in (_KEPT, _CONSUMED):
+                region.state = _ABANDONED
+
+    def busy(self) -> bool:
+        """Some region is still being written, or enqueued and not yet consumed by every
+        rank: a rank may still have to open the pool by its name."""
+        return any(region.state in (_PENDING, _KEPT) for region in self._live)
+
+    def stats(self) -> dict:
+        """``regions`` (held now), ``bytes_held``, ``data_size``."""
+        if not self.retired:
+            self._reclaim()
+        held = [r for r in self._live if r.state not in (_DISCARDED,)]
+        return {"regions": len(held), "bytes_held": sum(r.span for r in held),
+                "data_size": self.data_size}
+
+    def close(self) -> None:
+        """Unlink the name and drop the ownership lock. Idempotent. The mapping stays
+        until this object is garbage: a region still being written by a put that is about
+        to fail, or decoded again for a ``LostBatch`` (whose arrays then keep it), must
+        find it mapped; the memory returns to the system with the last of them."""
+        if self.closed:
+            return
+        self.closed = self.retired = True
+        self._seg.unlink_if_mine()
+        self._seg.release_locks()
+
+    def after_fork_in_child(self):
+        """In a forked child: the pool is the parent's; the child never writes into it nor
+        unlinks it (its segment dropped the inherited lock descriptor itself)."""
+        self.closed = self.retired = True
+
+    def _check_length(self) -> None:
+        if self._seg.truncated():
+            raise PoolTruncated(f"pool {self.name} is shorter than its layout "
+                                f"({self._seg.size} bytes): another process of this user "
+                                f"truncated it; its batches are gone (not read: touching them "
+                                f"would be a SIGBUS)")
+
+
+class PoolTruncated(ProtocolError):
+    """A pool's file is shorter than its layout: another process of this uid truncated it.
+    Reading (rank) or writing (engine) its pages would kill the process with SIGBUS, so
+    it is checked (``fstat``) before they are touched."""

@@ -1,0 +1,46 @@
+"""A rank's release of a batch's shared memory, published when the last view of it is freed.
+
+Decoded arrays are zero-copy, read-only views of shared memory (a ring slot, a pool
+region) that the engine writes again only once every rank released it. Every view of one
+batch derives from one *holder* array; when the holder is garbage (so is every view), a
+finalizer stores the batch's stamp in this rank's release word: one store, in whichever
+thread frees the last view. Two decodes of one batch (the prefetch thread's and the event
+loop's) share one holder, so the release waits for both.
+"""
+
+import threading
+import weakref
+
+__all__ = ["Holders"]
+
+
+class Holders:
+    """The holders of one shared area's batches, by slot (ring) or entry (pool).
+
+    ``words``: the int64 view whose word ``release_index`` receives the stamp. Thread-safe:
+    ``holder`` may run in several threads at once, also for one batch."""
+
+    def __init__(self, words):
+        self._words = words
+        self._held = {}  # key -> (stamp, weakref to the holder)
+        self._lock = threading.Lock()
+
+    def holder(self, key, stamp: int, make, release_index: int):
+        """The holder of batch ``stamp`` at ``key``: the live one, or ``make()`` (an array
+        every view of the batch must derive from), whose freeing publishes ``stamp`` at
+        ``release_index``."""
+        with self._lock:
+            entry = self._held.get(key)
+            holder = entry[1]() if entry is not None and entry[0] == stamp else None
+            if holder is None:
+                holder = make()
+                weakref.finalize(holder, _publish_release, self._words, release_index, stamp)
+                self._held[key] = (stamp, weakref.ref(holder))
+            return holder
+
+
+def _publish_release(words, index, stamp):
+    try:
+        words[index] = stamp
+    except ValueError:  # the mapping's view was released (the process is shutting down)
+        pass

@@ -1,0 +1,301 @@
+"""ZeroMQ sockets and the process resources they need, shared by the engine and worker sides.
+
+Topology: the engine binds one ROUTER socket; every worker rank connects DEALER sockets to
+it (batches, acknowledgements, heartbeats). A ZeroMQ socket is not thread-safe, so each
+socket has exactly one owning thread at a time.
+
+Here: the options every socket shares (``new_socket``), receiving what a socket holds
+without blocking (``receive_available``), waking a polling thread (``WakePipe``), a poll
+whose answer another thread can read without the GIL changing hands (``ReadinessPoll``),
+and the process limits libzmq needs headroom in (file descriptors, heap memory).
+"""
+
+import ctypes
+import errno
+import os
+import resource
+import select
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["new_socket", "receive_available", "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds",
+           "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+
+
+# File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
+# 4.3.5, one io thread): a Context plus its first socket 6 (reaper and io-thread epoll and
+# mailbox fds), each further socket 1-2, a socket monitor 1-2, a WakePipe 2, each
+# connection 1. Measured whole: TaskQueue(tp_size=2) 10 before any rank connects, a
+# TaskClient 12-16, a Context with ServerAuth (its ZAP thread and socket) 11. The constants
+# keep about 2x headroom; the engine adds 2 per rank for the ranks' two connections.
+CLIENT_FDS = 32
+ENGINE_FDS = 32
+
+
+
+def ensure_free_fds(count: int, who: str) -> None:
+    """Raise ``OSError(errno.EMFILE, ...)`` unless ``count`` more file descriptors can be
+    opened now; never blocks, never leaves an fd open. ``who`` names the caller in the
+    message (e.g. ``"TaskClient rank 1 of 'llm' dp_id=0"``). Typical counts: ``CLIENT_FDS``
+    for a TaskClient, ``ENGINE_FDS + 2 * tp_size`` for a TaskQueue.
+
+    Call it before creating a ``zmq.Context``: libzmq aborts the whole process (SIGABRT,
+    ``Too many open files (src/epoll.cpp:38)``) when its I/O thread cannot create an fd,
+    instead of raising. We probe by opening ``/dev/null`` once and duplicating it up to
+    ``count`` times, then closing all of them (the probe itself fails with EMFILE, which
+    Python turns into an exception; nothing else in the process is affected).
+    """
+    opened = []
+    try:
+        base = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        base = None
+    try:
+        if base is not None:
+            opened.append(base)
+            while len(opened) < count:
+                opened.append(os.dup(base))
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+    finally:
+        available = len(opened)
+        for fd in opened:
+            os.close(fd)
+    if available < count:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise OSError(
+            errno.EMFILE,
+            f"{who} needs about {count} free file descriptors, {available} are available "
+            f"(ulimit -n is {soft}, hard limit {hard}): raise ulimit -n (e.g. 'ulimit -n 65536' "
+            f"in the launching shell) or close files/sockets this process does not need")
+
+
+
+def anon_rss_bytes() -> int:
+    """This process's resident memory that is not file- or shared-memory-backed (resident
+    minus shared pages, ``/proc/self/statm``): what its heaps hold. 0 where it cannot be
+    read. ~5 µs."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+
+def trim_heap() -> None:
+    """Return the heaps' free memory to the system (glibc ``malloc_trim(0)``, every arena):
+    after libzmq freed what a peer made it buffer, glibc keeps those pages otherwise (a
+    process that had buffered 1.5 GiB kept it). Takes milliseconds for a large heap; call
+    it after such an event, not routinely. Does nothing where it is missing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+
+def raise_fd_limit() -> tuple:
+    """Raise this process's soft limit of open files to its hard limit (capped by the
+    kernel's ``fs.nr_open``); returns ``(before, after)``. libzmq aborts the whole process
+    (SIGABRT, "Too many open files") when its I/O thread cannot accept a connection, so an
+    engine takes what it may have at start instead of dying at the common default of 1024
+    when many peers connect at once. Never lowers it; never raises. Note for the rest of
+    the process: descriptors above 1023 do not fit ``select.select``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (OSError, ValueError):
+            pass
+    return soft, soft
+
+
+
+def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket with the options every fastdeploy_sync socket shares.
+
+    Unlimited high-water marks: the engine bounds the number of batches in flight itself
+    (``max_inflight``), and a ZeroMQ HWM would instead drop (ROUTER) or block silently.
+    Linger 0: ``close()`` must never hang on a peer that went away.
+    """
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
+
+
+def receive_available(sock: zmq.Socket, budget: int = None, copy: bool = True):
+    """Yield the messages waiting on ``sock`` (each a list of frames), one at a time, never
+    blocking: until the socket holds none (the loop ends), or ``budget`` were yielded (None:
+    no bound). The next message is received only when the caller asks for it, so a caller
+    that stops early (``break``, an exception) leaves the rest on the socket. The calling
+    thread must own the socket (a ZeroMQ socket is not thread-safe)."""
+    count = 0
+    while budget is None or count < budget:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+        count += 1
+        yield frames
+
+
+def monitor_events(monitor: zmq.Socket, budget: int = None):
+    """Yield the events waiting on a socket monitor (``zmq.utils.monitor`` dicts: ``event``,
+    ``value``, ``endpoint``), as ``receive_available`` yields messages: never blocking, at
+    most ``budget``, the next one read only when asked for."""
+    count = 0
+    while budget is None or count < budget:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        count += 1
+        yield event
+
+class WakePipe:
+    """A self-pipe that any thread can write to, to wake a thread blocked in ``zmq.Poller``.
+
+    Writing is thread-safe (one ``os.write`` of one byte) and never blocks: if the pipe is
+    full the reader has wake-ups pending already.
+    """
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self.w, b"\0")
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # closed during shutdown
+            if exc.errno != errno.EBADF:
+                raise
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+
+class _PollFD(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+
+def _libc_poll():
+    """libc's poll(2) through ctypes (which releases the GIL around the call), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.poll
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_PollFD), ctypes.c_ulong, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+
+_POLL = _libc_poll()
+
+
+
+class ReadinessPoll:
+    """An OS-level ``poll()`` of some file descriptors (ZeroMQ sockets' ``zmq.FD``, a
+    pipe) whose result another thread can read *without the GIL changing hands*.
+
+    Why: a thread blocked in ``select.poll`` (or ``zmq.Poller``) that is woken by data must
+    get the GIL before anything of the wake-up is visible, and a thread holding the GIL (a
+    pure-Python model step) keeps it for up to the interpreter's 5 ms switch interval. Here
+    the call is libc's ``poll`` through ctypes, and the kernel writes each descriptor's
+    ``revents`` into an array this object owns before the call returns: ``ready(i)`` reads
+    it (one memoryview read, ~50 ns, no syscall, never releases the GIL), so another thread
+    can see that the waiter was woken and act on it while the waiter still waits for the
+    GIL.
+
+    ``wait(timeout_ms)`` clears the results, then blocks (GIL released) until a descriptor
+    is readable or the timeout passes; one thread waits, any thread may read ``ready``.
+    Where ctypes or libc's poll is missing it falls back to ``select.poll`` and ``ready``
+    says False (nobody is told early)."""
+
+    def __init__(self, fds):
+        self._n = len(fds)
+        self._fds = (_PollFD * self._n)()
+        for i, fd in enumerate(fds):
+            self._fds[i].fd = fd
+            self._fds[i].events = select.POLLIN
+        # int16 view: entry i's revents is short 4 * i + 3 (int fd, short events, revents)
+        self._shorts = memoryview(self._fds).cast("B").cast("h")
+        #: ``wait()`` calls so far. A reader that handled the wake-up ``ready`` reports can
+        #: note this number, and the waiter learn that it was handled (worker._drain).
+        self.polls = 0
+        self._fallback = None
+        if _POLL is None:
+            self._fallback = select.poll()
+            for fd in fds:
+                self._fallback.register(fd, select.POLLIN)
+
+    @property
+    def revents(self) -> memoryview:
+        """The results as int16s: descriptor ``i``'s is ``revents[4 * i + 3]`` (for the
+        hottest callers, which cannot afford a method call)."""
+        return self._shorts
+
+    def ready(self, i: int) -> bool:
+        """True if descriptor ``i`` was readable when the last ``wait`` returned (and the
+        waiter has not cleared it by waiting again)."""
+        return bool(self._shorts[4 * i + 3])
+
+    def ready_other_than(self, i: int) -> bool:
+        """True if a descriptor other than ``i`` was readable when the last ``wait``
+        returned."""
+        shorts = self._shorts
+        return any(shorts[4 * j + 3] for j in range(self._n) if j != i)
+
+    def wait(self, timeout_ms: float) -> None:
+        """Block (GIL released) until a descriptor is readable or ``timeout_ms`` passed.
+        Counts the calls first (``polls``): which wake-up ``ready`` describes."""
+        self.polls += 1
+        if self._fallback is not None:
+            self._fallback.poll(timeout_ms)
+            return
+        for i in range(self._n):
+            self._fds[i].revents = 0
+        if _POLL(self._fds, self._n, max(0, int(timeout_ms + 0.999))) < 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINTR, errno.EAGAIN):
+                raise OSError(err, os.strerror(err))
+

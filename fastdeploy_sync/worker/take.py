@@ -1,0 +1,59 @@
+"""Taking a step's batches on one rank: from the local slot, else decoded from the ring."""
+
+from ..errors import ProtocolError
+from ..shm import batch_ring
+from .ring_prefetch import RING_KINDS
+
+__all__ = ["Taker"]
+
+
+class Taker:
+    """``take(from_seq, to_seq)``: the event loop's half of ``get_tasks()`` (event loop
+    only). Collaborators: ``slot`` (what background threads decoded), ``rings`` (the ring,
+    for what they did not), ``faults``, ``group`` (publishes what was consumed), ``acks``
+    (tells the engine), ``counters``."""
+
+    def __init__(self, tp_rank, slot, rings, faults, group, acks, counters):
+        self._rank = tp_rank
+        self._slot, self._rings, self._faults = slot, rings, faults
+        self._group, self._acks, self._counters = group, acks, counters
+
+    def take(self, from_seq: int, to_seq: int) -> list:
+        """The batches (from_seq, to_seq], in seq order; this rank's ``taken`` becomes
+        ``to_seq``, published to the group and acknowledged to the engine (never blocks).
+        ``ProtocolError`` if this rank has not taken exactly ``from_seq`` (its history
+        disagrees with rank 0's decision) or holds a batch of the range nowhere; a batch
+        that does not decode is latched as a receiver's failure would be and raised."""
+        slot = self._slot
+        if from_seq != slot.taken:
+            raise ProtocolError(
+                f"rank {self._rank} has taken up to seq {slot.taken} but the group's step "
+                f"takes ({from_seq}, {to_seq}]: get_tasks() must be called on every rank of a "
+                f"step or on none")
+        seqs = range(from_seq + 1, to_seq + 1)
+        items = slot.claim(from_seq, to_seq)  # no background thread adds these from now on
+        ring = self._rings.reader
+        if len(items) < len(seqs):
+            for s in seqs:
+                if s in items:
+                    continue
+                if ring is None or ring.kind(s) not in RING_KINDS:
+                    raise ProtocolError(f"rank {self._rank} holds {len(items)} of the "
+                                        f"{len(seqs)} batch(es) the step takes ({from_seq}, "
+                                        f"{to_seq}]: seq {s} is missing")
+                # not decoded ahead (the prefetch thread had not got the GIL, or sync mode)
+                try:
+                    items[s] = ring.decode(s)
+                except Exception as exc:
+                    # as a receiver's failure: latched, so every later step call raises it
+                    self._faults.latch(exc)
+                    self._faults.raise_error()
+                    raise  # raise_error returns only for an engine CLOSE: not this error
+                self._counters["decoded_by_loop"] += 1
+        if ring is not None:  # large batches read through the pool, for stats()
+            self._counters["shared_batches"] += sum(ring.kind(s) == batch_ring.SHARED
+                                                    for s in seqs)
+        slot.taken = to_seq
+        self._group.publish_consumed(to_seq)
+        self._acks.acknowledge(to_seq)
+        return [items[s] for s in seqs]

@@ -5,36 +5,13 @@ Importing this package does not import paddle, nor prometheus_client, and instal
 signal handler (``install_signal_cleanup()`` does, on request).
 """
 
+from . import errors
 from .cleanup import install_signal_cleanup
 from .engine.queue import GroupLost, LostBatch, TaskProducer, TaskQueue
-from .errors import (AuthenticationError, BarrierTimeoutError, ClosedError, EndpointInUseError,
-                     EngineClosedError, EngineGoneError, EngineRejectedError,
-                     EngineUnreachableError, GroupInUseError, GroupLostError, PrefetchError,
-                     ProtocolError, TaskSyncError)
+from .errors import *  # noqa: F401,F403 -- the public exceptions: errors.__all__
+from .version import __version__  # noqa: F401
 from .wire.liveness import Heartbeat
 from .worker.client import TaskClient
 
-__version__ = "0.1.0"
-
-__all__ = [
-    "TaskQueue",
-    "TaskClient",
-    "TaskProducer",
-    "GroupLost",
-    "LostBatch",
-    "Heartbeat",
-    "TaskSyncError",
-    "PrefetchError",
-    "ProtocolError",
-    "EngineRejectedError",
-    "BarrierTimeoutError",
-    "GroupInUseError",
-    "EndpointInUseError",
-    "ClosedError",
-    "EngineGoneError",
-    "EngineClosedError",
-    "GroupLostError",
-    "EngineUnreachableError",
-    "AuthenticationError",
-    "install_signal_cleanup",
-]
+__all__ = ["TaskQueue", "TaskClient", "TaskProducer", "GroupLost", "LostBatch", "Heartbeat",
+           *errors.__all__, "install_signal_cleanup"]

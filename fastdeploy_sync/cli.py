@@ -24,8 +24,9 @@ import argparse
 import sys
 import time
 
-from . import __version__, names
+from . import names
 from .tp.layout import read_group
+from .version import __version__
 from .wire.endpoints import MAX_DP_ID, default_endpoint, validate_name
 
 

@@ -1,52 +1,46 @@
 """The engine's put path in one call: ``BatchEncoder.encode(tasks)`` pickles a batch,
-decides whether its arrays travel inline (one data frame per rank) or through node-local
-shared memory (``payload_shm``: the queue's pool, a segment of the batch's own, or, when
-neither has room, the socket after all), copies them once, and returns what the engine
-enqueues and sends: the payload frames, their checksum and the shared memory the batch
-holds.
+decides where its bytes go and copies them once: into a slot of the worker group's ring
+(``shm.batch_ring``: every rank of the node reads it), the arrays of a large one into
+node-local shared memory (``large_batches``), else one data frame per rank (the socket).
+It returns what the engine enqueues and sends.
 
 The engine only enqueues and sends. It tells the encoder what becomes of each batch
-(``keep`` once it has a sequence number, ``discard`` if it was never enqueued,
+(``enqueue`` once it has a sequence number, ``discard`` if it was never enqueued,
 ``release`` once every rank consumed it, ``drop_all``/``forget`` when a worker group is
 retired, ``close``) so that shared memory is reused or freed exactly when no rank can
-need it any more (the pool also waits for every rank's arrays to be freed: see
-``payload_shm``).
+need it any more (a pool region or ring slot also waits for every rank's arrays to be
+freed: ``shm.release``).
 
-Lock invariant: ``_lock`` guards the pools, ``_kept`` (seq -> the shared memory of a
-batch the engine retains) and ``counters``. ``encode`` holds it only to take a region;
-the copy runs outside it, and so does the pool's creation (once per worker group, by the
-put that needs it first: releases, stats and other puts never wait for it; a put that
-finds the pool being created takes a segment of its own). The engine
-calls ``keep``, ``release`` and ``drop_all`` under its own mutex, which is always taken
-before this lock, never after.
+Lock invariant: ``_lock`` guards the ring (the current group's writer and its slots),
+``_kept_ring`` (seq -> ring place of a batch the engine retains) and ``counters``;
+``large_batches`` guards its own. ``encode`` holds a lock only to take a slot or region;
+the copy runs outside it. The engine calls ``enqueue``, ``release`` and ``drop_all`` under
+its own mutex, which is always taken before these locks, never after.
 """
 
 import collections
-import itertools
+import functools
 import logging
 import os
 import threading
-import time
 import weakref
 
 import numpy as np
 
-from .. import envs, names
+from .. import envs
 from ..errors import EndpointInUseError, ProtocolError
 from ..logs import RateLimitedLog
 from ..shm import batch_ring, payload, room
-from ..shm.pool import PayloadPool, PoolRegion, PoolTruncated
+from ..shm.pool import PoolRegion, PoolTruncated
 from ..shm.segment import unlink_segment
 from ..shm.semaphores import unlink_semaphore
 from ..wire import codec
+from .large_batches import LargeBatches
 
 __all__ = ["BatchEncoder", "EncodedBatch"]
 
 log = logging.getLogger(__name__)
 
-# After a pool could not be created (no room, or an error), batches take the other paths
-# for this long before the encoder tries again.
-_POOL_RETRY_S = 60.0
 # The ring's slots take at most this much of /dev/shm per worker group.
 _RING_MAX_BYTES = 64 << 20
 
@@ -102,7 +96,7 @@ class BatchEncoder:
     ``max_message_bytes``: the largest message the workers accept. ``window``: the
     queue's ``max_inflight`` (sizes the ring).
 
-    ``counters`` (for ``TaskQueue.stats()``): ``shm_pool_batches``,
+    ``counters`` (for ``TaskQueue.stats()``): ``shm_ring_batches``, ``shm_pool_batches``,
     ``shm_segment_batches``, ``shm_socket_fallbacks`` (batches above the threshold that
     went over the socket: no room in shared memory), ``shm_pools_created``.
     """
@@ -123,15 +117,8 @@ class BatchEncoder:
         self._kept_ring = {}  # seq -> RingPlace of a batch the engine retains
         # None: never through shared memory
         self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
-        self._pool_bytes = envs.shm_pool_bytes() if node_local else 0
         self._hash_shared = envs.shm_checksum()
         self._lock = threading.Lock()
-        self._pool = None  # the current group's pool, created at its first shared batch
-        self._creating_pool = False  # a put is creating it (outside _lock)
-        self._retired = []  # retired pools a batch of the next group may still sit in
-        self._pool_retry_at = 0.0  # no pool until then (the last attempt failed)
-        self._numbers = itertools.count(1)  # names of pools and segments
-        self._kept = {}  # seq -> PoolRegion or SharedPayload
         self._closed = False
         self._log = RateLimitedLog(log, interval=60.0)
         self.counters = collections.Counter()
@@ -139,6 +126,10 @@ class BatchEncoder:
         # reference self
         self.names = set()
         self._sem_names = set()
+        self._large = LargeBatches(name, dp_id, tp_size,
+                                   envs.shm_pool_bytes() if node_local else 0,
+                                   self._shm_min_bytes, self.names, self.counters,
+                                   functools.partial(_note, self._log, name, dp_id))
         self._finalizer = weakref.finalize(self, _unlink_all, self.names, self._sem_names,
                                            os.getpid())
 
@@ -291,7 +282,7 @@ class BatchEncoder:
         reference carries the hash of the shared bytes (0: not hashed)."""
         # the body travels over the socket either way: refuse what no path can carry
         self._check_message_size([parts.body, parts.offsets])
-        target = self._place(parts.data_size)
+        target = self._large.place(parts.data_size)
         if target is None:
             return None
         try:
@@ -299,8 +290,8 @@ class BatchEncoder:
             try:
                 target.write_payload(parts)
             except PoolTruncated as exc:  # tampered with: never SIGBUS, go on
-                self._discard(target)
-                self._retire_damaged(target.pool, exc)
+                self._large.discard(target)
+                self._large.retire_damaged(target.pool, exc)
                 return None
             ref = payload.pack_ref(target.name, parts.data_size, parts.offsets,
                                        stamp=target.stamp, start=target.start,
@@ -309,129 +300,12 @@ class BatchEncoder:
             self._check_message_size(frames)
             check = codec.payload_checksum(frames)
         except BaseException:
-            self._discard(target)
+            self._large.discard(target)
             raise
         return EncodedBatch(frames, check, target)
 
-    def _place(self, size):
-        """Room for ``size`` bytes: a pool region, a segment of its own, or None."""
-        with self._lock:
-            if self._closed:
-                return None  # the put fails with ClosedError anyway
-            pool = self._pool
-            plan = self._plan_pool() if pool is None else None
-            number = next(self._numbers)
-        if plan is not None:
-            pool = self._create_pool(*plan)  # this put only: nothing else waits for it
-        if pool is not None:
-            with self._lock:
-                if pool is self._pool:  # not retired with its group meanwhile
-                    region = pool.allocate(size)
-                    if region is not None:
-                        self.counters["shm_pool_batches"] += 1
-                        return region
-                    held = pool.stats()
-                    why = (f"the pool ({pool.data_size >> 20} MiB) holds {held['regions']} "
-                           f"batch(es) not yet consumed and freed by every rank "
-                           f"({held['bytes_held'] >> 20} MiB)" if size <= pool.data_size else
-                           f"the batch is larger than the pool ({pool.data_size >> 20} MiB, "
-                           f"FD_SYNC_SHM_POOL_MB)")
-                    self._note("pool-full", logging.INFO, "a %.1f MiB batch takes a "
-                               "segment of its own: %s", size / room.MiB, why)
-        if self._closed:  # since the check above (e.g. while this put created the pool)
-            return None
-        no_room = room.fresh_fits(size)
-        if no_room is None:
-            name = names.batch_segment(self.name, self.dp_id, number)
-            try:
-                shared = payload.SharedPayload.create(name, size)
-            except FileExistsError:
-                raise EndpointInUseError(
-                    f"TaskQueue {self.name} dp_id={self.dp_id}: shared batch {name} exists: "
-                    f"another TaskQueue of this name lives in this process; close it "
-                    f"first") from None
-            except OSError as exc:  # ENOSPC: someone else filled /dev/shm meanwhile
-                no_room = f"creating {name} failed: {exc}"
-            else:
-                with self._lock:
-                    self.names.add(name)
-                    self.counters["shm_segment_batches"] += 1
-                return shared
-        with self._lock:
-            self.counters["shm_socket_fallbacks"] += 1
-            self._note("socket", logging.WARNING, "a %.1f MiB batch goes over the socket "
-                       "(one copy per rank) instead of shared memory: %s",
-                       size / room.MiB, no_room)
-        return None
-
-    def _retire_damaged(self, pool, exc):
-        """A pool another process damaged: no batch goes into it any more (the next shared
-        batch creates a new one; this one goes over the socket)."""
-        with self._lock:
-            if pool is self._pool:
-                pool.abandon_kept()
-                self._retired.append(pool)
-                self._pool = None
-            self._note("pool-damaged", logging.ERROR, "%s; a new pool replaces it", exc)
-
-    def _plan_pool(self):
-        """(name, size) of the pool this put should create, or None: pools are off, one is
-        being created by another put (this batch takes a segment of its own meanwhile),
-        or the last attempt failed less than ``_POOL_RETRY_S`` ago. Under ``_lock``."""
-        if not self._pool_bytes or self._creating_pool:
-            return None
-        now = time.monotonic()
-        if now < self._pool_retry_at:
-            return None
-        self._pool_retry_at = now + _POOL_RETRY_S
-        size, why = room.pool_size(self._pool_bytes, max(self._shm_min_bytes, 1 << 20))
-        if size == 0:
-            self._note("pool-none", logging.WARNING, "no shared-memory pool (%s; "
-                       "FD_SYNC_SHM_POOL_MB=%d): large batches take a segment of their own "
-                       "or the socket", why, self._pool_bytes >> 20)
-            return None
-        if size < self._pool_bytes:
-            self._note("pool-small", logging.WARNING, "shared-memory pool sized down to "
-                       "%d MiB (FD_SYNC_SHM_POOL_MB=%d): %s", size >> 20, self._pool_bytes >> 20,
-                       why)
-        name = names.pool(self.name, self.dp_id, next(self._numbers))
-        self._creating_pool = True
-        self.names.add(name)  # from now on: the finalizer removes it if we die meanwhile
-        return name, size
-
-    def _create_pool(self, name, size):
-        """Create the pool ``_plan_pool`` named, outside ``_lock`` (its pages are reserved
-        and faulted in: 0.17 s for 256 MiB here, during which releases, stats and other
-        puts must not wait), and make it the current pool; None if it could not be
-        created or the queue closed meanwhile."""
-        pool = error = None
-        try:
-            pool = PayloadPool.create(name, self.tp_size, size)
-        except FileExistsError:
-            error = EndpointInUseError(
-                f"TaskQueue {self.name} dp_id={self.dp_id}: pool {name} exists: another "
-                f"TaskQueue of this name lives in this process; close it first")
-        except OSError as exc:
-            error = exc
-        with self._lock:
-            self._creating_pool = False
-            if pool is None:
-                self.names.discard(name)
-                if isinstance(error, EndpointInUseError):
-                    raise error from None
-                self._note("pool-failed", logging.WARNING, "could not create the "
-                           "shared-memory pool %s (%d MiB): %s; retrying in %.0f s", name,
-                           size >> 20, error, _POOL_RETRY_S)
-                return None
-            if self._closed or self._pool is not None:
-                self._close_pool(pool)
-                return None
-            self._pool = pool
-            self.counters["shm_pools_created"] += 1
-            return pool
-
     def _note(self, key, level, msg, *args):
-        self._log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, self.name, self.dp_id, *args)
+        _note(self._log, self.name, self.dp_id, key, level, msg, *args)
 
     def _check_message_size(self, frames):
         self._check_size(sum(len(f) for f in frames))
@@ -470,11 +344,8 @@ class BatchEncoder:
                     batch.checksum = codec.payload_checksum(batch.frames)
                 place.ring.discard(place.slot)
                 batch.ring = place = None
-            shared = batch.shared
-            if shared is not None:
-                self._kept[seq] = shared
-                if isinstance(shared, PoolRegion):
-                    shared.pool.kept(shared)
+            if batch.shared is not None:
+                self._large.kept(seq, batch.shared)
             if place is not None:
                 ring.kept(place.slot)
                 self._kept_ring[seq] = place
@@ -490,18 +361,10 @@ class BatchEncoder:
         """``batch`` was never enqueued (put timed out, queue closed): no rank will ever map
         its shared memory. Any thread."""
         if batch.shared is not None:
-            self._discard(batch.shared)
+            self._large.discard(batch.shared)
         if batch.ring is not None:
             with self._lock:
                 batch.ring.ring.discard(batch.ring.slot)
-
-    def _discard(self, shared):
-        with self._lock:
-            if isinstance(shared, PoolRegion):
-                shared.pool.discarded(shared)
-                self._close_idle_pools()
-            else:
-                self._unlink(shared)
 
     def release(self, seq: int) -> None:
         """Every rank consumed ``seq``. A segment of its own is unlinked (ranks that still
@@ -511,15 +374,7 @@ class BatchEncoder:
             place = self._kept_ring.pop(seq, None)
             if place is not None:
                 place.ring.consumed(place.slot)
-            shared = self._kept.pop(seq, None)
-            if shared is None:
-                return
-            if isinstance(shared, PoolRegion):
-                shared.pool.consumed(shared)
-                if shared.pool.retired:
-                    self._close_idle_pools()
-            else:
-                self._unlink(shared)
+        self._large.release(seq)
 
     def drop_all(self, next_epoch: int) -> dict:
         """The worker group was retired: every kept batch is handed back, ``{seq:
@@ -528,14 +383,9 @@ class BatchEncoder:
         them is reused; the next group's first shared batch creates a new pool, and its
         ring (epoch ``next_epoch``) is created here, before any of its batches is put."""
         with self._lock:
-            kept, self._kept = self._kept, {}
             places, self._kept_ring = self._kept_ring, {}
             ring, self._ring = self._ring, None
-            if self._pool is not None:
-                self._pool.abandon_kept()
-                self._retired.append(self._pool)
-                self._pool = None
-                self._pool_retry_at = 0.0
+        kept = self._large.drop_all()
         dropped = {seq: Dropped(shared, None) for seq, shared in kept.items()}
         for seq, place in places.items():
             try:
@@ -552,12 +402,7 @@ class BatchEncoder:
         """Free what ``drop_all`` handed back (the decoded ``LostBatch`` arrays keep their
         pages; the retired group's ranks that had not mapped a batch are told it is
         lost)."""
-        with self._lock:
-            for entry in dropped.values():
-                shared = entry.shared
-                if shared is not None and not isinstance(shared, PoolRegion):
-                    self._unlink(shared)
-            self._close_idle_pools()
+        self._large.forget([entry.shared for entry in dropped.values()])
 
     @staticmethod
     def decode_retained(frames, dropped):
@@ -584,16 +429,9 @@ class BatchEncoder:
         """Unlink every shared name (the queue closed; its I/O thread has stopped): kept
         batches' segments and every pool. Mappings stay valid while views of them live;
         a put still copying into a pool finishes into memory that is already unnamed."""
+        self._large.close()
         with self._lock:
             self._closed = True
-            for shared in self._kept.values():
-                if not isinstance(shared, PoolRegion):
-                    self._unlink(shared)
-            self._kept.clear()
-            pools = self._retired + ([self._pool] if self._pool is not None else [])
-            self._pool, self._retired = None, []
-            for pool in pools:
-                self._close_pool(pool)
             ring, self._ring = self._ring, None
             self._kept_ring.clear()
         if ring is not None:
@@ -602,32 +440,13 @@ class BatchEncoder:
     def stats(self) -> dict:
         """``counters`` plus the current pool's ``shm_pool_bytes`` and
         ``shm_pool_held_bytes``."""
+        large = self._large.stats()
         with self._lock:
             out = dict(self.counters)
-            if self._pool is not None:
-                held = self._pool.stats()
-                out.update(shm_pool_bytes=held["data_size"], shm_pool_held_bytes=held["bytes_held"])
+            out.update(large)
             if self._ring is not None:
                 out["shm_ring_slots_held"] = self._ring.held()
         return out
-
-    # -- under _lock -----------------------------------------------------------------------
-
-    def _close_idle_pools(self):
-        """Unlink retired pools (and, after ``close``, any) no rank may still need to open:
-        no batch in them is being written or waits to be consumed."""
-        for pool in list(self._retired):
-            if not pool.busy():
-                self._retired.remove(pool)
-                self._close_pool(pool)
-
-    def _close_pool(self, pool):
-        self.names.discard(pool.name)
-        pool.close()
-
-    def _unlink(self, shared):
-        self.names.discard(shared.name)
-        shared.release()
 
 
 def _unlink_all(names, sem_names, owner_pid):
@@ -637,3 +456,8 @@ def _unlink_all(names, sem_names, owner_pid):
         unlink_segment(name)
     for name in list(sem_names):
         unlink_semaphore(name)
+
+
+def _note(rate_limited_log, name, dp_id, key, level, msg, *args):
+    """One line of the encoder's log, at most once a minute per ``key``."""
+    rate_limited_log.log(key, level, "TaskQueue %s dp_id=%d: " + msg, name, dp_id, *args)

@@ -5,7 +5,7 @@
                                               shared memory, once or refreshed every S seconds
     fastdeploy-sync clean [NAME] [--dry-run]  list and remove names (shared memory, socket
                                               files) left by processes that exited
-    fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see auth.py)
+    fastdeploy-sync keys DIR [--force]        CURVE keys for tcp:// endpoints (see wire/auth.py)
     fastdeploy-sync profile [options]         CPU interruption per worker step: this library
                                               (async, sync) side by side with a FastDeploy-style
                                               multiprocessing.managers queue

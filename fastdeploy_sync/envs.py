@@ -55,7 +55,7 @@ def ipc_dir() -> str:
 
     Default: ``$XDG_RUNTIME_DIR/fastdeploy_sync`` when ``XDG_RUNTIME_DIR`` is an absolute
     path to a directory owned by us, else ``<tempdir>/fastdeploy_sync-<uid>``. The directory
-    is created with mode 0700 and must stay private (``transport.private_dir``): a socket in
+    is created with mode 0700 and must stay private (``wire.endpoints.private_dir``): a socket in
     a directory others can write to can be bound by them first. Keep it short: a unix socket
     path is limited to 107 bytes. Only computes the path; creates nothing.
     """
@@ -81,8 +81,8 @@ def attach_timeout_s() -> float:
 
 def barrier_spin_us() -> float:
     """``FD_SYNC_BARRIER_SPIN_US`` (default 50): how long ``barrier()`` spins on shared memory
-    before blocking on a semaphore. Spinning gives sub-microsecond release when ranks arrive
-    together; blocking costs ~30 us of wake-up but no CPU while a rank is late."""
+    before blocking on a semaphore. Spinning releases ranks that arrive together at once;
+    blocking costs a semaphore's wake-up but no CPU while a rank is late (``tp.spin``)."""
     return float(os.environ.get("FD_SYNC_BARRIER_SPIN_US", "50"))
 
 
@@ -177,7 +177,7 @@ def tp_coordinator(allow_auto: bool = False) -> str:
 def profile_enabled() -> bool:
     """``FD_SYNC_PROFILE`` (default ``0``): ``1`` gives every ``TaskClient`` a
     ``StepProfiler`` (``client.profiler``) timing exist_tasks / barrier / get_tasks per step,
-    in fixed memory, at about a microsecond per step (``scripts/bench_sync.py`` section 6)."""
+    in fixed memory (docs/profiling.md has its cost per step)."""
     return _flag("FD_SYNC_PROFILE")
 
 
@@ -189,7 +189,7 @@ def profile_dir() -> str:
 
 def keys_dir() -> str:
     """``FD_SYNC_KEYS_DIR`` (default unset): the directory of CURVE keys made by
-    ``fastdeploy-sync keys DIR``, needed by ``tcp://`` endpoints (see ``auth.py``)."""
+    ``fastdeploy-sync keys DIR``, needed by ``tcp://`` endpoints (see ``wire.auth``)."""
     return os.environ.get("FD_SYNC_KEYS_DIR") or None
 
 
@@ -204,7 +204,7 @@ def shm_payload_min_bytes():
     """``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (KiB, default 1024): a node-local engine (``ipc://``
     endpoint) writes a batch whose out-of-band arrays take at least this many bytes once
     into shared memory, which every local rank maps read-only, instead of sending each
-    rank its own copy over the socket (see ``payload_shm``). ``off`` sends every batch
+    rank its own copy over the socket (see ``shm.payload``). ``off`` sends every batch
     over the socket. Read by ``TaskQueue`` at construction; ``tcp://`` endpoints ignore
     it. Returns the threshold in bytes, or None for ``off``."""
     value = _size_or_off("FD_SYNC_SHM_PAYLOAD_MIN_KB", "1024", "KiB")
@@ -214,7 +214,7 @@ def shm_payload_min_bytes():
 def shm_pool_bytes() -> int:
     """``FD_SYNC_SHM_POOL_MB`` (MiB, default 256; ``0`` or ``off`` disables it): the pool of
     reused, pre-faulted shared memory a node-local queue writes its shared batches into
-    (see ``payload_shm``). Created at the queue's first shared batch, one per worker
+    (see ``shm.pool``). Created at the queue's first shared batch, one per worker
     group; never more than half of ``/dev/shm`` nor more than leaves a quarter of it
     free (sized down, or disabled, with a WARNING). Batches that do not fit go to a
     segment of their own, or over the socket. Returns bytes (0: no pool)."""
@@ -256,11 +256,10 @@ def _size_or_off(name: str, default: str, unit: str):
 
 def shm_checksum() -> bool:
     """``FD_SYNC_SHM_CHECKSUM`` (default ``0``): ``1`` makes the engine hash the array bytes
-    of every shared-memory batch (``payload_shm``) and every rank verify the hash before
+    of every shared-memory batch (``shm.payload``) and every rank verify the hash before
     decoding. The pickle body and the reference (offsets, region, stamp) are always
     checked before anything is unpickled; the array bytes are only ever the contents of
     arrays whose dtype and shape come from the checked body, and only this user can write
-    them (see docs/large-batches.md). Costs each rank one pass over the bytes: 64 MiB to
-    TP=4 went from 5.6-7.2 to 3.3-3.5 GB/s effective here. Read by ``TaskQueue`` at
-    construction."""
+    them (see docs/large-batches.md, which has the cost: each rank makes one more pass over
+    the bytes). Read by ``TaskQueue`` at construction."""
     return _flag("FD_SYNC_SHM_CHECKSUM", "0")

@@ -92,7 +92,7 @@ class BatchEncoder:
     ``FD_SYNC_SHM_PAYLOAD_MIN_KB`` (batches whose arrays take at least this much go
     through shared memory), ``FD_SYNC_SHM_POOL_MB`` (the pool's size),
     ``FD_SYNC_SHM_CHECKSUM`` (whether the shared bytes are hashed and verified by every
-    rank; off by default, see ``payload_shm``).
+    rank; off by default, see ``shm.payload``).
     ``max_message_bytes``: the largest message the workers accept. ``window``: the
     queue's ``max_inflight`` (sizes the ring).
 

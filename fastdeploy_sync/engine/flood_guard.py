@@ -6,13 +6,13 @@ what it accounts for (``InputGuard``).
 Why not a receive high-water mark: ZeroMQ's ``RCVHWM`` would slow a flooding peer down
 by its own socket, but libzmq 4.3.5 aborts the process ("Assertion failed: !_io_error
 (src/stream_engine_base.cpp:310)") when a ZMTP heartbeat fires on a connection whose
-input the mark had stopped and whose peer then hung up: measured, a worker-key holder
-flooding the engine and exiting aborted it in 3 runs of 3 (libzmq issues #4364, #4841).
+input the mark had stopped and whose peer then hung up: a worker-key holder flooding the
+engine and exiting aborts it (libzmq issues #4364, #4841; docs/security.md).
 The engine's socket for its workers needs those heartbeats (they find a frozen rank
 without the GIL), so it has no receive mark, and what a flooder queues there is bounded
 by cutting its connection instead: after ``limit`` unwelcome messages within ``window``
-seconds (a rank of the group sends none: its messages are welcome). Measured under the
-floods of ``tests/test_floods.py`` and ``scripts/flood.py``.
+seconds (a rank of the group sends none: its messages are welcome). docs/security.md
+has the floods it is held against.
 
 Cutting: every message carries the descriptor of the connection it came on
 (``zmq.SRCFD``); ``shutdown()`` on it ends that connection as if the peer had closed it
@@ -99,8 +99,8 @@ class InputGuard:
     the socket only once its last frame has arrived (frames of an unfinished one are not
     readable, ``RCVMORE`` or not, and a high-water mark counts finished messages only): a
     peer that streams frames and never sends the last one grows the receiving process
-    without bound, out of its sight (measured: 1.8-2.1 GiB in 3 s, kept after it left).
-    So the guard watches the process's own heap (``transport.anon_rss_bytes``, at most
+    without bound, out of its sight, and glibc keeps those pages after the peer left.
+    So the guard watches the process's own heap (``wire.sockets.anon_rss_bytes``, at most
     every ``check_s``) against what the engine knowingly holds (``legit``: batches
     retained, producers' PUTs waiting) and, when the excess passes a budget, cuts the
     connections that may be holding such a message: one that has finished no message
@@ -111,7 +111,7 @@ class InputGuard:
     connections, which may not have spoken yet, are never cut either). Two budgets:
     ``small`` for the workers' socket (its peers' messages are a few KiB), ``large`` for
     the producers' (a PUT may legitimately be one maximum-size batch in flight). After a
-    cut the freed heap is given back (``transport.trim_heap``). An excess with no
+    cut the freed heap is given back (``wire.sockets.trim_heap``). An excess with no
     connection to suspect (the engine's own allocations) becomes the new baseline.
 
     Connections are known from the sockets' monitors (``accepted``/``closed``, by

@@ -43,7 +43,7 @@ _UNWELCOME_PER_S = 200
 # failed: !_io_error (src/stream_engine_base.cpp:310)") when a socket closed with a
 # linger receives a message on a connection it still flushes, that peer then hangs up,
 # and the connection's ZMTP heartbeat fires before the linger ends (libzmq issues #4364,
-# #4841; tests/integration/test_engine.py, scripts/tools/libzmq_linger_abort.py).
+# #4841; docs/failure-model.md).
 # Without a linger nothing keeps a connection's object alive past the close.
 CLOSE_LINGER_MS = 1000
 # How long TaskQueue.close() waits for the thread to stop.

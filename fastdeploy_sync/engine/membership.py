@@ -1,7 +1,7 @@
 """Worker-group membership: which worker processes serve the queue, and when a group ends.
 
 The ranks that serve a ``TaskQueue`` form one *group*, named by an incarnation id the ranks
-agree on (``tp_group``); each rank's process has its own worker id. Both ids are secrets
+agree on (``tp``); each rank's process has its own worker id. Both ids are secrets
 (a message carrying them speaks for the rank): they never leave the engine except towards
 the worker that owns them; status and logs show ``liveness.id_tag``. The engine serves one
 group at a time:

@@ -121,7 +121,7 @@ class TaskProducer:
                             f"(status {h.aux}); not enqueued")
 
     def num_tasks(self) -> int:
-        """Batches put but not yet consumed by every rank (one round trip, ~100 µs)."""
+        """Batches put but not yet consumed by every rank (one round trip to the queue)."""
         with self._lock:
             request = self._next_request()
             self._sock.send(codec.pack_header(codec.QUERY, seq=request))

@@ -76,7 +76,7 @@ _OUTBOUND_HWM = 1000
 # maximum-size batch more (a PUT in flight).
 _UNFINISHED_INPUT_BYTES = 128 << 20
 # How fast libzmq's I/O thread encrypts with CURVE, assumed low (docs/security.md has the
-# measured rate).
+# rate seen).
 _CURVE_BYTES_PER_S = 256 << 20
 # Socket-monitor events the engine follows on both sockets.
 _WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

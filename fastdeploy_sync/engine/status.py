@@ -82,8 +82,8 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         deadline = time.monotonic() + timeout
         held = anon_rss_bytes()
         # in short slices: what an unfinished reply makes libzmq buffer is seen only as
-        # memory, and a local peer can fill it at the memory's speed (a 20 ms slice let a
-        # loaded machine's client reach 1.2 GiB before it looked)
+        # memory, and a local peer can fill it at the memory's speed (a longer slice lets a
+        # loaded machine's client hold far more than the bound before it looks)
         while not sock.poll(2):
             if anon_rss_bytes() - held > _STATUS_INPUT_BOUND:
                 overrun = True

@@ -47,7 +47,7 @@ class GroupBoard:
     reader): that needs an atomic read-modify-write, which plain stores and loads cannot
     give (two ranks finishing together would both see "everyone is done"). A POSIX
     semaphore used as a mutex guards the ring of per-call slots; uncontended it costs two
-    futex operations without a syscall, ~1 µs. A rank that dies holding it makes the
+    futex operations without a system call. A rank that dies holding it makes the
     others raise ``TimeoutError`` after 5 s instead of hanging.
 
     Lock invariant: a call's slot, ``SEALED`` and ``CLEAR`` change only under the lock; a
@@ -105,7 +105,7 @@ class GroupBoard:
         return "not ready"
 
     def _lock(self):
-        """Take the board's semaphore, waiting at most 5 s in all (``shm.sem_wait``: a
+        """Take the board's semaphore, waiting at most 5 s in all (``sem_wait``: a
         handled signal neither ends nor stretches the wait)."""
         if not sem_wait(self._sem, _LOCK_TIMEOUT_S):
             raise TimeoutError(f"rank {self.tp_rank}: {self.sem_name} held for "

@@ -30,7 +30,7 @@ def _deadline(timeout):
 
 class ChannelMethods:
     """Mixed into ``EngineWorkerQueue``: FastDeploy's side-channel methods. Each method is
-    one request (a round trip to the server, ~0.1 ms on one node), or several while it
+    one request (a round trip to the server), or several while it
     waits. The class implements ``_side()``."""
 
     def _side(self):

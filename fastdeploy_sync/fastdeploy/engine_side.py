@@ -66,7 +66,8 @@ class EngineSide:
 
     def put_tasks(self, tasks, timeout=None) -> None:
         """Enqueue one batch; blocks while ``max_inflight`` batches are not yet taken by
-        every rank (polls: 50 µs doubling to FastDeploy's 1 ms). ``timeout`` (seconds,
+        every rank (polls from ``_PUT_POLL_MIN_S``, doubling to FastDeploy's own sleep,
+        ``_PUT_POLL_MAX_S``). ``timeout`` (seconds,
         None = forever) raises ``TimeoutError`` with nothing enqueued; ``GroupLostError``
         (nothing enqueued) when the worker group is lost, at once or while it waits."""
         q = self._q

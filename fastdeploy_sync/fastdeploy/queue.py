@@ -266,7 +266,8 @@ class EngineWorkerQueue(ChannelMethods):
     def put_tasks(self, tasks, timeout: float = None) -> None:
         """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP
         rank of this DP group. Blocks, as FastDeploy, while ``max_inflight`` batches are
-        not yet taken by every rank (polling 50 µs doubling to FastDeploy's 1 ms).
+        not yet taken by every rank (polling ever less often, up to FastDeploy's own 1 ms
+        sleep).
         ``timeout`` (seconds, None = forever) raises ``TimeoutError`` with nothing
         enqueued. Raises ``GroupLostError`` (nothing enqueued), at once or while it waits,
         when the worker group is lost (see ``exist_tasks``). Thread-safe: threads putting

@@ -1,18 +1,20 @@
 """The ack board: a node-local engine learns what each rank consumed from shared memory.
 
-Why: an acknowledgement sent over ZeroMQ costs the worker's event loop ~15-30 µs per
-take (a send, an eventfd write to wake libzmq's I/O thread, cold caches after a model
-step): most of the budget of a take. When the engine is on the same node (an ``ipc://``
+Why: an acknowledgement sent over ZeroMQ costs the worker's event loop a send, an eventfd
+write to wake libzmq's I/O thread, and cold caches after a model step: most of the budget
+of a take (docs/performance.md). When the engine is on the same node (an ``ipc://``
 endpoint, by construction), the worker instead writes its consumed seq into this
-engine-owned segment (one ~40 ns store), and the engine reads it when it needs room or
-a count. ``tcp://`` endpoints keep ZeroMQ ACK messages.
+engine-owned segment (one store), and the engine reads it when it needs room or a count.
+``tcp://`` endpoints keep ZeroMQ ACK messages.
 
 Layout (int64 slots): MAGIC, OWNER_PID, TP_SIZE, READY, then one cache line per rank
 holding its CONSUMED seq, tagged with the epoch of the worker group that wrote it
 (``epoch << EPOCH_SHIFT | seq``, one store, so it is never torn): a retired group's
-straggler that still writes its slot cannot advance the next group's accounting. The engine creates it before binding its socket (so a worker
-that received a batch can always find it) and unlinks it at close; a crashed engine's
-leftover is reclaimed by the next engine of the same name.
+straggler that still writes its slot cannot advance the next group's accounting. The
+engine creates it before binding its socket (so a worker that received a batch can always
+find it) and unlinks it at close; a crashed engine's leftover is reclaimed by the next
+engine of the same name. A worker attaches it only while its creator holds its owner lock
+(``shm.ownership``).
 """
 
 

@@ -22,9 +22,9 @@ ranks of one worker group as readers.
 * **Descriptors** say what each sequence number is: ``descs`` entries indexed by
   ``seq % descs`` (the in-flight window bounds how many are live), each SEQ, KIND, SLOT,
   STAMP, CHECK, DATA_HASH and three lengths. KIND is ``INLINE`` (pickle body, offsets and
-  arrays in the slot), ``SHARED`` (body and a ``payload_shm`` reference in the slot, the
+  arrays in the slot), ``SHARED`` (body and a ``shm.payload`` reference in the slot, the
   arrays in the large-batch pool or a segment of their own) or ``SOCKET`` (the batch did
-  not fit: it travels over the socket as before, and a rank can take it once every rank
+  not fit: it travels over the socket, and a rank can take it once every rank
   received it).
 * **PUBLISHED** is the highest sequence number whose descriptor is complete; descriptors
   are published in order.
@@ -32,7 +32,7 @@ ranks of one worker group as readers.
 Memory ordering: the engine writes a slot's bytes, its FILLED word and the descriptor's
 fields, then the descriptor's SEQ, then PUBLISHED; a reader reads PUBLISHED, then SEQ,
 then the fields and bytes. x86-64 keeps store->store and load->load order (as the TP
-group's protocol already assumes, ``tp_group``), so a reader that saw PUBLISHED sees the
+group's protocol already assumes, ``tp.shm_group``), so a reader that saw PUBLISHED sees the
 rest. A rank releases a slot with one store after its last view is gone.
 
 Wake-ups: one POSIX semaphore per rank, posted by the engine after each publication
@@ -40,16 +40,16 @@ Wake-ups: one POSIX semaphore per rank, posted by the engine after each publicat
 never accumulates posts). A rank's prefetch thread blocks on it with the GIL released;
 it only pre-decodes: nothing waits for it.
 
-Integrity and trust, as for ``payload_shm``: the segment is created exclusively, mode
-0600, owner-locked for the engine's life (``shm.Segment``); a rank attaches it only
+Integrity and trust, as for ``shm.payload``: the segment is created exclusively, mode
+0600, owner-locked for the engine's life (``shm.segment.Segment``); a rank attaches it only
 after checking its owner uid, magic, layout and epoch; CHECK (xxh3_64 of the body and
 offsets or reference, ``codec.payload_checksum``) is verified before anything is
 unpickled, and the lengths and slot are checked by arithmetic first. The array bytes are
 hashed only with ``FD_SYNC_SHM_CHECKSUM=1`` (DATA_HASH), as the pool's.
 
 Lifetime: one ring per worker group (its *epoch*, the ack board's tag), created by the
-engine before the group's first batch, named ``/fdsync.NAME.dpN.br<epoch>.<engine pid>``
-(semaphores: that name plus ``.w<rank>``), unlinked when the group is retired or the queue
+engine before the group's first batch, named by ``names.ring`` (its semaphores:
+``names.ring_semaphore``), unlinked when the group is retired or the queue
 closes. Mappings stay valid while arrays view them; the memory returns to the system
 with the last view.
 """
@@ -140,7 +140,7 @@ _FREE, _WRITTEN, _KEPT, _CONSUMED = range(4)
 class RingWriter:
     """The engine's end of one worker group's ring.
 
-    Not thread-safe by itself: the caller (``batch_encoder.BatchEncoder``) serialises
+    Not thread-safe by itself: the caller (``engine.encoder.BatchEncoder``) serialises
     ``allocate``, ``kept``, ``discard``, ``consumed`` and ``close`` under its lock;
     ``write_*`` of a slot it handed out runs outside it (slots are disjoint), and
     ``publish`` runs under the engine's mutex, in sequence order."""
@@ -369,7 +369,7 @@ class RingReader:
 
     ``decode`` of one seq must run in one thread at a time, and at most once per seq in
     this process (two decodes would publish two releases for one slot): the worker's
-    prefetch thread and event loop agree on who decodes each seq (``worker``)."""
+    prefetch thread and event loop agree on who decodes each seq (``worker.slot``)."""
 
     def __init__(self, segment, layout, rank, sem, shared_reader):
         self._seg = segment
@@ -419,7 +419,7 @@ class RingReader:
         return cls(seg, layout, rank, sem, shared_reader)
 
     def published(self) -> int:
-        """The highest seq every rank of the node can take (subject to ``kind``). ~50 ns."""
+        """The highest seq published (each subject to ``kind``). One shared-memory read."""
         return self._words[_H_PUBLISHED]
 
     def kind(self, seq: int) -> int:
@@ -520,7 +520,7 @@ class RingReader:
     def wait(self, timeout: float) -> bool:
         """Block until the engine posts this rank (True) or ``timeout`` seconds pass
         (False), with the GIL released; a handled signal neither ends nor stretches it
-        (``shm.sem_wait``). A semaphore closed under the wait (``close()`` of
+        (``shm.semaphores.sem_wait``). A semaphore closed under the wait (``close()`` of
         this client) reads as a timeout."""
         try:
             return sem_wait(self._sem, timeout)

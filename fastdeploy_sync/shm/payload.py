@@ -362,8 +362,8 @@ class PayloadReader:
 
         Raises ``ProtocolError`` for any failed check (naming what was expected and what
         was found), ``GroupLostError`` when the name is gone (the engine retired the group
-        or closed). Blocks only on system calls; the first batch of a pool maps it
-        (~30 ms per 256 MiB here, once).
+        or closed). Blocks only on system calls; the first batch of a pool maps it (once
+        per pool).
         """
         actual = codec.payload_checksum([body, ref])
         if actual != check:

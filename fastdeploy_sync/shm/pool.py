@@ -2,7 +2,7 @@
 
 Why a pool: writing a large batch into fresh tmpfs pages costs a page fault per page;
 the pool's pages are reserved and mapped in once, when it is created, and reused by
-every batch after (``docs/large-batches.md`` has the measured costs). Regions are handed
+every batch after (``docs/large-batches.md`` has the costs). Regions are handed
 out in ring order and a region is written again only once *every* rank has released it:
 each batch's arrays keep one small object per rank alive (a numpy view of the region),
 whose finalizer stores the batch's stamp in that rank's row of the pool's header when

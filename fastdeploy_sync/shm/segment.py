@@ -64,8 +64,8 @@ def _open_lock_fd(name: str, shm_fd: int) -> int:
 class Segment:
     """A mapped shared-memory segment. ``view`` is a memoryview of int64 slots.
 
-    Reading or writing one slot through ``view`` costs ~40 ns (numpy scalar indexing
-    costs ~2-3x that), which matters on the per-step hot path.
+    A slot is read and written through ``view`` (not numpy, whose scalar indexing costs
+    several times more: docs/performance.md), which matters on the per-step hot path.
 
     Each Segment keeps one private descriptor of the segment's file for its locks
     (``try_lock``, ``lock_held``); ``close()`` releases it with the mapping.

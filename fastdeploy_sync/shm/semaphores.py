@@ -86,18 +86,18 @@ _SYNCHRONOUS = {"SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "
 
 
 class _SignalMask:
-    """``pthread_sigmask`` through ctypes (~0.4 µs a call; ``signal.pthread_sigmask``
-    costs ~50 µs to restore a mask, which it returns as a set of ``signal.Signals``
-    members) of the signals that have a Python handler: those whose handler posix_ipc
-    would run inside its wait. Signals taken by C handlers (``faulthandler.register``,
-    a native library's) are left alone: they interrupt the wait, which is resumed, and
-    their handler runs in the waiting thread as it would without us (moved to another
-    thread, ``faulthandler`` would read this thread's frames while it runs: measured,
-    it crashed the process far more often). ``load()`` is None where libc is not
-    reachable: waits are then not masked (``SignalError`` is still retried).
+    """``pthread_sigmask`` through ctypes (a direct C call: ``signal.pthread_sigmask`` is
+    far slower to restore a mask, which it returns as a set of ``signal.Signals`` members)
+    of the signals that have a Python handler: those whose handler posix_ipc would run
+    inside its wait. Signals taken by C handlers (``faulthandler.register``, a native
+    library's) are left alone: they interrupt the wait, which is resumed, and their
+    handler runs in the waiting thread as it would without us (moved to another thread,
+    ``faulthandler`` would read this thread's frames while it runs, which crashes the
+    process). ``load()`` is None where libc is not reachable: waits are then not masked
+    (``SignalError`` is still retried).
 
     Which signals have Python handlers is read again at most every ``_REREAD_S``
-    (``signal.getsignal`` of every signal costs ~20 µs).
+    (``signal.getsignal`` of every signal is too slow to ask at every wait).
 
     Used as ``call(SIG_BLOCK, blocked, saved)`` ... ``call(SIG_SETMASK, saved, None)``,
     both direct calls of the C function: CPython runs a pending Python handler only

@@ -1,7 +1,7 @@
 """TP coordination across nodes over paddle.distributed (no home-made consensus).
 
 When the ranks of one TP group sit on several nodes, the node-local shared memory of
-``tp_group.ShmTPGroup`` cannot reach them. This coordinator replaces the shared-memory
+``tp.shm_group.ShmTPGroup`` cannot reach them. This coordinator replaces the shared-memory
 barrier with one collective per step: ``all_reduce(MIN)`` of a two-int64 tensor
 ``[offer, consumed]`` over the TP ranks' paddle.distributed group.
 
@@ -26,13 +26,13 @@ Failures and time bounds (paddle 3.3.1, gloo backend on CPU):
     and ``ProcessGroupGloo``/``GlooCommContext`` never call gloo's ``setTimeout``.
   * So ``barrier(timeout)`` with ``timeout < GLOO_TIMEOUT_S`` runs the all-reduce on a
     helper thread (paddle releases the GIL inside it) and stops waiting after
-    ``timeout``; the hand-off costs nothing measurable next to the all-reduce itself
-    (``scripts/partition_paddle.py --overhead``). ``timeout=None`` or ``>= GLOO_TIMEOUT_S``
+    ``timeout``; the hand-off costs little next to the all-reduce itself
+    (docs/across-nodes.md). ``timeout=None`` or ``>= GLOO_TIMEOUT_S``
     runs it inline, bounded by gloo's 30 s. The constructor's collective is bounded by
     gloo's 30 s too: every rank must build its group within 30 s of the others.
   * A rank whose process dies while its node stays up (killed, crashed) has its TCP
-    connections reset by its kernel: the peers learn it within milliseconds (25 ms
-    measured) and raise ``PeerLostError``. A rank that is alive but silent (stopped,
+    connections reset by its kernel: the peers learn it within milliseconds
+    (docs/across-nodes.md) and raise ``PeerLostError``. A rank that is alive but silent (stopped,
     stuck, node powered off, network partition) is only detected by the timeout:
     ``BarrierTimeoutError``.
   * Both messages name this TP rank, its node (hostname and paddle endpoint) and the
@@ -185,8 +185,8 @@ class PaddleTPGroup:
     63-bit int chosen by rank 0, identical on every rank, different for every construction.
     Raises ``PeerLostError``/``BarrierTimeoutError`` as ``barrier()`` does.
 
-    ``track_consumed=False`` reduces the offer alone (one int64 instead of two, ~25 µs
-    less per step here) for a caller that does not use ``all_consumed()`` (it then always
+    ``track_consumed=False`` reduces the offer alone (one int64 instead of two: a cheaper
+    collective) for a caller that does not use ``all_consumed()`` (it then always
     says False): the FastDeploy drop-in, whose ``all_client_read`` is decided otherwise.
     """
 
@@ -223,8 +223,8 @@ class PaddleTPGroup:
         self._all_reduce(tensor, dist.ReduceOp.MAX, None, "building the group")
         self.incarnation = int(tensor.numpy()[0])
         # One tensor for every step, written and read through a numpy view of its memory:
-        # gloo's all-reduce of a freshly made tensor cost ~370 µs more than of a reused one
-        # here (2 ranks on loopback: 570 vs 200 µs p50), about twice the collective itself.
+        # gloo's all-reduce of a freshly made tensor costs about twice the collective itself
+        # more than of a reused one (docs/across-nodes.md).
         self._track_consumed = bool(track_consumed)
         self._step_tensor = paddle.to_tensor([0, 0] if track_consumed else [0], dtype="int64")
         try:

@@ -13,7 +13,7 @@ The step protocol (the invariant: every rank takes the same batches at the same 
   * when rank 0 holds a batch that a peer does not hold yet, its check first waits for
     that peer to hold it, or to arrive at the barrier without it (``wait_peers``): the
     peer is usually receiving it at that moment, and rank 0 would wait for it at the
-    barrier anyway. Deciding before that wait cost the batch a whole step.
+    barrier anyway; deciding before that wait would cost the batch a whole step.
   * after the barrier of generation G, every rank reads the entry tagged G. An entry
     tagged otherwise means "no decision this step". Indexing by generation is what makes
     a fast rank 0, already deciding for G+1, unable to change what a slow rank takes at G;

@@ -8,7 +8,7 @@ side talks to an impostor and the traffic is encrypted. All cryptography is libs
 through libzmq (``zmq.has("curve")``); this module only manages key files.
 
 ``ipc://`` endpoints need no keys: they are protected by the private 0700 directory and
-0600 socket file (``transport.py``).
+0600 socket file (``wire.endpoints``).
 
 Key directory, made by ``fastdeploy-sync keys DIR`` (``create_keys``)::
 
@@ -387,8 +387,8 @@ def handshake_failure_message(event: int, endpoint: str, value: int = None,
     ``event`` is the monitor event (``zmq.EVENT_HANDSHAKE_FAILED_*``), ``value`` its value
     (the ZMTP error code or ZAP status code), ``keys`` the worker's key directory, or None
     when this worker uses no CURVE (tcp with ``FD_SYNC_INSECURE_TCP=1``: the worker then
-    pinned nothing). What libzmq 4.3.5 reports on the worker's socket, measured in
-    tests/test_auth.py:
+    pinned nothing). What libzmq 4.3.5 reports on the worker's socket (the auth tests
+    provoke each case):
 
     - the engine's allowlist lacks our key: ``EVENT_HANDSHAKE_FAILED_AUTH``, value 400, once
       (libzmq does not retry after a ZAP refusal);

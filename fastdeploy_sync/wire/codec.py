@@ -8,14 +8,13 @@ copying it into the pickle stream; the arrays travel in one data frame and
 ``decode_payload()`` rebuilds each as a view of a slice of the received frame: no
 per-element Python work and no copy on the worker. Token ids as numpy arrays decode
 several times faster than the same ids as Python lists, whose unpickling holds the GIL
-in the prefetch thread (section 5 of scripts/bench_sync.py measures both).
+in the prefetch thread (docs/performance.md has both).
 
 Node-local engines put the data region of a large batch in shared memory instead of a
-frame (``payload_shm``): ``encode_parts()`` collects the buffers without copying them,
+frame (``shm.payload``): ``encode_parts()`` collects the buffers without copying them,
 the engine writes them once (``EncodedPayload.write_data``), and the worker hands its
 read-only mapping to ``decode_payload()`` as the data frame (the same structure checks;
-the message's checksum covers the body and the reference to the shared bytes, see
-``payload_shm``).
+the message's checksum covers the body and the reference to the shared bytes).
 
 Buffer lifetime: arrays decoded by ``decode()`` alias the frame memory and are
 **read-only**; they stay valid for as long as the array (or anything holding it) is
@@ -29,11 +28,11 @@ structure with arithmetic only (frame count; sizes against ``MAX_BODY_BYTES``,
 ``MAX_DATA_BYTES``, ``MAX_BUFFERS``), then, when the sender's ``payload_checksum()`` is
 given, verifies it, then checks that every out-of-band buffer lies inside the data frame,
 and only then unpickles: with the checksum, corrupted bytes give ``ProtocolError``, never
-a crash or an unbounded allocation (scripts/fuzz_codec.py: none in 1 000 000 inputs).
-A checksum is not authentication: a sender that computes the checksum over bytes of its
-choosing can still crash the worker or run code in it (``scripts/fuzz_codec.py
---recompute-checksum`` measures that residual risk). Only connect workers to an engine you trust: tcp endpoints
-authenticate peers with ZeroMQ CURVE, ipc sockets are protected by file permissions.
+a crash or an unbounded allocation (docs/security.md has the fuzzing). A checksum is not
+authentication: a sender that computes the checksum over bytes of its choosing can still
+crash the worker or run code in it. Only connect workers to an engine you trust: tcp
+endpoints authenticate peers with ZeroMQ CURVE, ipc sockets are protected by file
+permissions.
 """
 
 import copyreg
@@ -91,16 +90,16 @@ HELLO = 1  # worker -> engine: rank, tp_size, seq = first seq it lacks, aux = se
 #            frames[1] = the queue name
 DATA = 2  # engine -> worker: seq (group-relative), check = payload checksum; frames[1:] =
 #           payload (encode_payload), or [body, reference] when a node-local engine put
-#           the arrays in shared memory (payload_shm; check covers body and reference)
+#           the arrays in shared memory (shm.payload; check covers body and reference)
 ACK = 3  # worker -> engine: seq = highest seq this rank has taken (cumulative)
 ERROR = 4  # engine -> worker: aux = one of the E_* codes; frames[1] = utf-8 reason
 WELCOME = 5  # engine -> worker: HELLO accepted; aux = the group's epoch (ack board tag)
-PING = 6  # worker -> engine: heartbeat (see liveness.py)
+PING = 6  # worker -> engine: heartbeat (see wire/liveness.py)
 PONG = 7  # engine -> worker: heartbeat reply
 CLOSE = 8  # engine -> worker: the queue closed cleanly; seq = the last seq sent to the group
 STATUS = 9  # anyone who passed authentication -> engine: asks for the queue's state
 STATUS_REPLY = 10  # engine -> asker: frames[1] = the state as utf-8 JSON (TaskQueue.stats())
-# On the queue's node-local producer endpoint only (TaskProducer, engine.py):
+# On the queue's node-local producer endpoint only (TaskProducer, engine.producer_endpoint):
 PUT = 11  # producer -> engine: a batch; seq = request id, aux = ms the producer waits for
 #           room, check = payload checksum; frames[1:] = payload (encode_payload)
 PUT_REPLY = 12  # engine -> producer: seq = request id, aux = P_* status, group = the queue's
@@ -194,16 +193,16 @@ MAX_DATA_BYTES = 8 << 30
 #: becomes a ~200-byte memoryview on decode; a FastDeploy batch carries hundreds at most.
 MAX_BUFFERS = 1 << 16
 
-# Payload checksum: xxh3_64 (the `xxhash` package) rather than zlib.crc32. Measured on the
-# 64 requests x 512 int64 token ids batch (256 KiB, scripts/bench_wire.py): xxh3_64 8-10 µs,
-# crc32 ~73 µs, and crc32 is only 32 bits wide. xxhash releases the GIL for updates above
-# 64 KiB (so does zlib), so the prefetch thread does not hold it for the data frame.
+# Payload checksum: xxh3_64 (the `xxhash` package) rather than zlib.crc32, which is several
+# times slower on a batch (docs/performance.md) and only 32 bits wide. xxhash releases the
+# GIL for updates above 64 KiB (so does zlib), so the prefetch thread does not hold it for
+# the data frame.
 _LENGTH = struct.Struct("<Q")
 _PICKLE5_PREFIX = b"\x80\x05"  # PROTO 5, the first opcode of every body encode_payload makes
 _PICKLE_STOP = b"."  # STOP, its last
 _ZEROS = bytes(64)  # an alignment gap is shorter than _ALIGN
 # write_data copies buffers of at least this size with numpy (GIL released); below it the
-# per-call cost of a numpy copy (~2 µs) outweighs the GIL time it would free.
+# per-call cost of a numpy copy outweighs the GIL time it would free.
 _GIL_FREE_COPY_BYTES = 1 << 20
 
 
@@ -220,7 +219,7 @@ class EncodedPayload:
     before the caller may mutate or free what was passed to ``encode_parts()``.
 
     ``data_hash()`` hashes the data region as the copy will hold it (for node-local
-    shared memory, whose bytes do not travel in a frame, see ``payload_shm``).
+    shared memory, whose bytes do not travel in a frame, see ``shm.payload``).
     """
 
     __slots__ = ("body", "buffers", "layout", "offsets", "data_size")
@@ -235,8 +234,8 @@ class EncodedPayload:
         gaps between them: the one copy of the batch, after which ``dest`` holds exactly
         the bytes ``data_hash()`` describes. Buffers of 1 MiB and more are copied by numpy,
         which releases the GIL while it copies (a memoryview assignment would hold it for
-        the whole copy: ~4 ms per 64 MiB here, long enough to delay the engine's I/O
-        thread); smaller ones by memoryview assignment, which costs less per call."""
+        the whole copy, long enough to delay the engine's I/O thread); smaller ones by
+        memoryview assignment, which costs less per call."""
         view = memoryview(dest).cast("B")
         if view.nbytes < self.data_size:
             raise ValueError(f"{view.nbytes}-byte destination for a {self.data_size}-byte "
@@ -295,8 +294,8 @@ def _reduce_ndarray(arr):
 
     numpy's own protocol-5 reduction rebuilds every array through
     ``numpy._core.numeric._frombuffer``, a Python function (``frombuffer`` then
-    ``reshape``): ~1.1 µs per array to encode and ~1.2 µs to decode, which made up most
-    of a 64-request batch's encode and decode time. Here a 1-d array (token ids) is
+    ``reshape``), whose cost per array is most of a 64-request batch's encode and decode
+    time (docs/performance.md). Here a 1-d array (token ids) is
     rebuilt by ``numpy.frombuffer(buffer, dtype)`` alone, one C call, and an n-d array by
     ``_array``; either is a view of the out-of-band buffer (read-only when the buffer is),
     its dtype (and shape) taken from the pickle body. Like numpy's own path it goes
@@ -304,11 +303,10 @@ def _reduce_ndarray(arr):
     and a buffer that is not a whole number of items (``ValueError``; decode turns it
     into ``ProtocolError``): ``numpy.ndarray(shape, dtype, buffer)``, one call too, would
     build an object array over raw bytes, read as pointers when touched. (A dtype whose
-    pickled state was corrupted can carry wrong flags and pass that check, here as
-    before: what the body checksum is for; ``scripts/fuzz_codec.py --recompute-checksum``
-    measures that residual risk.) Arrays this does not cover (below ``OOB_MIN_BYTES``, not C-contiguous, holding Python objects, or of a
-    dtype the buffer protocol cannot export, such as datetime64) keep numpy's
-    reduction."""
+    pickled state was corrupted can carry wrong flags and pass that check, as it can
+    numpy's: what the body checksum is for.) Arrays this does not cover (below
+    ``OOB_MIN_BYTES``, not C-contiguous, holding Python objects, or of a dtype the buffer
+    protocol cannot export, such as datetime64) keep numpy's reduction."""
     if arr.nbytes >= OOB_MIN_BYTES and arr.flags.c_contiguous and not arr.dtype.hasobject:
         try:
             buffer = pickle.PickleBuffer(arr)
@@ -360,7 +358,7 @@ def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
     The first half of ``encode_payload()``: the same checks and errors (``TypeError`` if
     ``obj`` cannot be pickled, ``ValueError`` beyond ``MAX_BODY_BYTES``, ``MAX_BUFFERS`` or
     ``MAX_DATA_BYTES``); the data region is left for the caller to fill, into a frame
-    (``EncodedPayload.frames()``) or into shared memory (``payload_shm``).
+    (``EncodedPayload.frames()``) or into shared memory (``shm.payload``).
 
     ``max_body_bytes`` (None: ``MAX_BODY_BYTES``; the smaller of the two counts): pickling
     stops with ``ValueError`` once the body passes it, so a batch too large to send costs
@@ -372,8 +370,8 @@ def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
     size = 0
 
     def keep_out_of_band(pickle_buffer):
-        # lays the buffer out as it comes (one pass: a second loop over 64 buffers cost
-        # ~16 µs of a 64-request batch's encode)
+        # lays the buffer out as it comes (one pass: a second loop over the buffers would
+        # be a noticeable share of a 64-request batch's encode)
         nonlocal size
         raw = pickle_buffer.raw()
         length = raw.nbytes
@@ -417,8 +415,8 @@ def encode_payload(obj) -> list:
     Large contiguous buffers (numpy arrays, bytes-like objects supporting protocol 5) go
     out of band, concatenated into one ``data`` frame at 64-byte aligned offsets
     (``offsets`` holds (start, length) pairs as int64). One frame rather than one per
-    array, because every ZeroMQ frame costs ~1 µs to receive and again to free on the
-    worker, and a 64-request batch would otherwise carry 64 of them.
+    array, because every ZeroMQ frame costs the worker a receive and a free, and a
+    64-request batch would otherwise carry 64 of them.
 
     The concatenation is the one copy made, on the engine side, so a caller who mutates an
     array after ``put_tasks()`` returns cannot change a batch that is still retained for a
@@ -438,7 +436,7 @@ def payload_checksum(frames) -> int:
     another, dropping, duplicating or reordering frames all change the result. Never 0 (on
     the wire 0 means "no checksum"; a hash of 0 is reported as 1). ``frames`` may be
     ``zmq.Frame`` objects (their ``.buffer`` is read), bytes or memoryviews; nothing is
-    copied. Costs ~10 µs per 256 KiB batch (scripts/bench_wire.py).
+    copied (docs/performance.md has its cost).
 
     This detects corruption, not forgery: anyone who can send a batch can compute it.
     """

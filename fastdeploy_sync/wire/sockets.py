@@ -78,7 +78,7 @@ def ensure_free_fds(count: int, who: str) -> None:
 def anon_rss_bytes() -> int:
     """This process's resident memory that is not file- or shared-memory-backed (resident
     minus shared pages, ``/proc/self/statm``): what its heaps hold. 0 where it cannot be
-    read. ~5 µs."""
+    read. One small file read: for a guard that asks a few times a second."""
     try:
         with open("/proc/self/statm", "rb") as f:
             fields = f.read().split()
@@ -242,7 +242,7 @@ class ReadinessPoll:
     pure-Python model step) keeps it for up to the interpreter's 5 ms switch interval. Here
     the call is libc's ``poll`` through ctypes, and the kernel writes each descriptor's
     ``revents`` into an array this object owns before the call returns: ``ready(i)`` reads
-    it (one memoryview read, ~50 ns, no syscall, never releases the GIL), so another thread
+    it (one memoryview read, no system call, never releases the GIL), so another thread
     can see that the waiter was woken and act on it while the waiter still waits for the
     GIL.
 
@@ -260,7 +260,7 @@ class ReadinessPoll:
         # int16 view: entry i's revents is short 4 * i + 3 (int fd, short events, revents)
         self._shorts = memoryview(self._fds).cast("B").cast("h")
         #: ``wait()`` calls so far. A reader that handled the wake-up ``ready`` reports can
-        #: note this number, and the waiter learn that it was handled (worker._drain).
+        #: note this number, and the waiter learn that it was handled (``Receiver.drain``).
         self.polls = 0
         self._fallback = None
         if _POLL is None:

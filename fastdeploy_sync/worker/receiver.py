@@ -105,11 +105,11 @@ class Receiver:
         lock = self._conn.recv_lock
         if not lock.acquire(False):
             # The background thread is handling what arrived and needs the GIL to finish.
-            # Yielding once let it run only to its next release of the GIL and this rank
-            # then arrived at the barrier without the batch, so rank 0 could not take it at
-            # this step (tp wait_peers): wait for the thread to finish, bounded. Not when
-            # this thread emptied the socket for this wake-up: the thread's pass then only
-            # re-arms its poll.
+            # Yielding once would let it run only to its next release of the GIL, and this
+            # rank would arrive at the barrier without the batch, so rank 0 could not take
+            # it at this step (tp wait_peers): wait for the thread to finish, bounded. Not
+            # when this thread emptied the socket for this wake-up: the thread's pass then
+            # only re-arms its poll.
             if not handled and lock.acquire(timeout=_DRAIN_WAIT_S):
                 lock.release()
             return False

@@ -10,8 +10,7 @@ A step is what a worker's event loop does once per iteration::
 Memory is fixed at construction: a ring of the last ``capacity`` steps (three ``int64``
 per step, in ``array.array`` buffers) plus lifetime counters. Recording a step stores
 three integers and updates four counters; nothing is allocated except the integers
-``perf_counter_ns`` returns. ``scripts/bench_sync.py`` measures the overhead per step
-(docs/profiling.md quotes it).
+``perf_counter_ns`` returns (docs/profiling.md has the overhead per step).
 
 Enable it on a ``TaskClient`` with ``FD_SYNC_PROFILE=1`` (or ``TaskClient(profile=True)``);
 the client's ``profiler`` attribute then holds one. With ``FD_SYNC_PROFILE_DIR`` set,
@@ -79,7 +78,7 @@ class StepProfiler:
 
     def _fold_ring(self) -> None:
         # Lifetime sum and max are folded in once per lap of the ring (one numpy pass per
-        # `capacity` steps) instead of being updated at every step: it saves ~100 ns a step.
+        # `capacity` steps) instead of being updated at every step, whose budget is small.
         step = self._ring_step_ns()
         self._folded_total_ns += int(step.sum())
         self._folded_max_ns = max(self._folded_max_ns, int(step.max()))
@@ -110,8 +109,8 @@ class StepProfiler:
         then, with whatever ``exist_tasks``/``barrier`` took since the previous one.
         A call that raises is not recorded. Returns self.
         """
-        # Every name the wrappers touch is a closure variable or a local: attribute and
-        # method lookups cost tens of ns each, and the budget is ~1 us for the whole step.
+        # Every name the wrappers touch is a closure variable or a local: each attribute or
+        # method lookup would be a noticeable share of the profiler's budget per step.
         now = time.perf_counter_ns
         exist_tasks, barrier, get_tasks = client.exist_tasks, client.barrier, client.get_tasks
         check_ring, barrier_ring, take_ring = self._rings

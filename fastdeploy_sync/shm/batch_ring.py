@@ -125,14 +125,6 @@ class _Layout:
         return self.released + rank * self.row + slot
 
 
-def _to_signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _to_unsigned(value: int) -> int:
-    return value + (1 << 64) if value < 0 else value
-
-
 # slot states (engine side)
 _FREE, _WRITTEN, _KEPT, _CONSUMED = range(4)
 

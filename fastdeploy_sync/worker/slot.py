@@ -54,10 +54,6 @@ class LocalSlot:
             held = self._held
             return {s: held.pop(s) for s in range(from_seq + 1, to_seq + 1) if s in held}
 
-    def held_count(self) -> int:
-        with self._lock:
-            return len(self._held)
-
     def snapshot(self):
         """``(received, held count)`` read together (for ``stats()``)."""
         with self._lock:

@@ -16,7 +16,7 @@ Enable it on a ``TaskClient`` with ``FD_SYNC_PROFILE=1`` (or ``TaskClient(profil
 the client's ``profiler`` attribute then holds one. With ``FD_SYNC_PROFILE_DIR`` set,
 ``TaskClient.close()`` also writes the summary to
 ``{dir}/fdsync-profile-{name}-dp{dp}-r{rank}-{pid}.json``. Any other loop (the
-FastDeploy-style baseline in ``profile``) calls :meth:`StepProfiler.record` itself.
+FastDeploy-style baseline in ``profile``) can call :meth:`StepProfiler.record` itself.
 """
 
 import array
@@ -113,8 +113,7 @@ class StepProfiler:
         # method lookup would be a noticeable share of the profiler's budget per step.
         now = time.perf_counter_ns
         exist_tasks, barrier, get_tasks = client.exist_tasks, client.barrier, client.get_tasks
-        check_ring, barrier_ring, take_ring = self._rings
-        mask = self._mask
+        record = self.record
         profiler = self
 
         def timed_exist_tasks():
@@ -132,16 +131,8 @@ class StepProfiler:
             t0 = now()
             result = get_tasks()
             take = now() - t0
-            # record(), inlined
-            p = profiler
-            i = p.count & mask
-            check_ring[i] = p._check_ns
-            barrier_ring[i] = p._barrier_ns
-            take_ring[i] = take
-            p._check_ns = p._barrier_ns = 0
-            p.count += 1
-            if i == mask:
-                p._fold_ring()
+            record(profiler._check_ns, profiler._barrier_ns, take)
+            profiler._check_ns = profiler._barrier_ns = 0
             return result
 
         for wrapper, original in ((timed_exist_tasks, exist_tasks), (timed_barrier, barrier),

@@ -45,24 +45,27 @@ def _queue_name(text):
     return text
 
 
-def _dp_id(text):
+def _number(text, convert, ok, kind, bound="", shown=None):
+    """``convert(text)`` if it converts and ``ok`` accepts it, else a one-line usage error:
+    ``"<text>: expected <kind>"``, or ``<kind><bound>`` for a value out of bounds (named as
+    ``shown(value)``, else as typed)."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an int in 0..{MAX_DP_ID}") from None
-    if not 0 <= value <= MAX_DP_ID:
-        raise argparse.ArgumentTypeError(f"{value}: expected an int in 0..{MAX_DP_ID}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {kind}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{shown(value) if shown else repr(text)}: expected "
+                                         f"{kind}{bound}")
     return value
+
+
+def _dp_id(text):
+    return _number(text, int, lambda v: 0 <= v <= MAX_DP_ID, f"an int in 0..{MAX_DP_ID}",
+                   shown=str)
 
 
 def _seconds(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
-    return value
+    return _number(text, float, lambda v: v > 0, "a number of seconds", " > 0")
 
 
 def _status(args) -> int:

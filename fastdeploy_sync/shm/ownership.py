@@ -28,8 +28,10 @@ import stat
 import struct
 import weakref
 
+import posix_ipc
+
 __all__ = ["OWNER_LOCK", "MODE", "try_lock", "lock_held", "unlock", "owner_lock_held",
-           "same_file", "is_own_file", "check_owner", "on_fork", "pid_alive"]
+           "same_file", "is_own_file", "check_owner", "remove_name", "on_fork", "pid_alive"]
 
 # Every name this package creates: read and write for its owner only.
 MODE = 0o600
@@ -125,6 +127,19 @@ def check_owner(st, what: str, path: str) -> None:
             f"(mode {oct(stat.S_IMODE(st.st_mode))}): another user created it, so it is neither "
             f"used nor removed. Remove it as its owner or root (rm {path}), or use another "
             f"name/dp_id")
+
+
+def remove_name(remove, name: str, what: str) -> bool:
+    """``remove(name)`` (``posix_ipc.unlink_shared_memory`` or ``unlink_semaphore``): True if
+    the name was removed, False if it was gone already; ``PermissionError`` naming ``what``
+    when this process may not remove it. The caller has checked that the name is ours."""
+    try:
+        remove(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+    except posix_ipc.PermissionsError as exc:
+        raise PermissionError(errno.EPERM, f"may not remove {what} {name}: {exc}") from None
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,9 +25,9 @@ import weakref
 import posix_ipc
 
 from ..names import shm_path
+from .ownership import (MODE, OWNER_LOCK, check_owner, is_own_file, lock_held, on_fork,
+                        remove_name, same_file, try_lock, unlock)
 from .semaphores import unlink_semaphore
-from .ownership import (MODE, OWNER_LOCK, check_owner, is_own_file, lock_held, on_fork, same_file,
-                        try_lock, unlock)
 
 __all__ = ["Segment", "SegmentInUse", "SegmentNotReady", "OWNER_PID", "create_exclusive",
            "create_reclaiming", "attach_when_ready", "open_checked", "owner_alive",
@@ -334,13 +334,7 @@ def unlink_segment(name: str) -> bool:
 
 
 def _unlink_name(name: str) -> bool:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-        return True
-    except posix_ipc.ExistentialError:
-        return False
-    except posix_ipc.PermissionsError as exc:
-        raise PermissionError(errno.EPERM, f"may not remove shared memory {name}: {exc}") from None
+    return remove_name(posix_ipc.unlink_shared_memory, name, "shared memory")
 
 
 def _created_here(name: str, fd: int) -> bool:

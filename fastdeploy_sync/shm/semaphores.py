@@ -21,7 +21,7 @@ import time
 import posix_ipc
 
 from ..names import semaphore_path as _sem_file
-from .ownership import MODE, check_owner, is_own_file
+from .ownership import MODE, check_owner, is_own_file, remove_name
 
 __all__ = ["create_semaphore", "create_fresh_semaphore", "open_semaphore",
            "check_semaphore_owner", "unlink_semaphore", "sem_wait", "SIGNAL_SLICE_S"]
@@ -208,13 +208,7 @@ def unlink_semaphore(name: str) -> bool:
     user's, a symlink or anything else is left alone (False). Never blocks."""
     if not is_own_file(_sem_file(name)):
         return False
-    try:
-        posix_ipc.unlink_semaphore(name)
-        return True
-    except posix_ipc.ExistentialError:
-        return False
-    except posix_ipc.PermissionsError as exc:
-        raise PermissionError(errno.EPERM, f"may not remove semaphore {name}: {exc}") from None
+    return remove_name(posix_ipc.unlink_semaphore, name, "semaphore")
 
 
 def create_fresh_semaphore(name: str, initial_value: int = 0) -> "posix_ipc.Semaphore":

@@ -50,10 +50,14 @@ pytestmark = [
 def _private_tmp():
     """Shell that mounts a private tmpfs over /tmp, keeping visible what the ranks need
     that lives under the host's /tmp: this checkout (a CI clone may sit in /tmp; the
-    editable install points into it) and any import path there. The host's /tmp is held
+    editable install points into it), the Python environment (a virtual environment
+    may live in /tmp) and any import path there. The host's /tmp is held
     through a bind mount under the node's own /dev/shm while those are bound back, then
     detached, so nothing else of it is reachable."""
-    needed = {os.path.dirname(HERE), *(p for p in sys.path if p)}
+    # sys.prefix / exec_prefix: a virtual environment under /tmp (its interpreter, its
+    # pyvenv.cfg, its site-packages and the editable install's finder) must stay visible
+    needed = {os.path.dirname(HERE), sys.prefix, sys.exec_prefix,
+              os.path.dirname(os.path.abspath(sys.executable)), *(p for p in sys.path if p)}
     under = sorted(p for p in needed if p.startswith("/tmp/") and os.path.isdir(p))
     keep = [p for p in under if not any(p.startswith(q + "/") for q in under)]
     parts = ["mkdir /dev/shm/.host-tmp", "mount --bind /tmp /dev/shm/.host-tmp",

@@ -17,7 +17,7 @@ setup(
     ],
     extras_require={
         # paddlepaddle (CPU build) for the cross-node coordinator's tests; mkdocs so that
-        # tests/test_docs.py can build the documentation site (a broken link fails CI)
+        # tests/integration/test_docs.py can build the documentation site (a broken link fails CI)
         "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6",
                  "mkdocs>=1.6", "mkdocs-material>=9.5", "prometheus_client>=0.17",
                  "tqdm>=4.60", "matplotlib>=3.5"],

@@ -6,6 +6,9 @@ import uuid
 import pytest
 
 SPAWN = multiprocessing.get_context("spawn")
+# tests/ (the helper modules and scripts the tests start) and the checkout's root
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture
@@ -68,5 +71,5 @@ def socket_delivery(monkeypatch):
 @pytest.fixture
 def loopback_tcp(monkeypatch):
     """Tests about the protocol, not authentication, run tcp on loopback without keys
-    (tests/test_auth.py and tests/test_trust.py cover CURVE)."""
+    (tests/integration/test_auth.py and tests/integration/test_trust.py cover CURVE)."""
     monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")

@@ -1,5 +1,5 @@
 """One TP rank of a FastDeploy worker group on a simulated node (run by
-tests/test_fastdeploy_multinode.py inside its own mount and UTS namespace, with a private
+tests/integration/test_fastdeploy_multinode.py inside its own mount and UTS namespace, with a private
 /dev/shm and /tmp): paddle.distributed over gloo on 127.0.0.1, the drop-in on a tcp
 address, FastDeploy's ``nnode > 1`` loop (tests/fd_loops.py, ``multi_node=True``) with
 ``paddle.distributed.barrier`` as the TP barrier.

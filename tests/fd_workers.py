@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_fastdeploy_dropin.py: FastDeploy's ``event_loop_normal``
+"""Worker processes for tests/integration/test_fastdeploy_dropin.py: FastDeploy's ``event_loop_normal``
 task path over the drop-in, with the test's own TP barrier and shared signal standing in
 for FastDeploy's (``paddle.distributed.barrier`` and the ``exist_task_signal`` IPCSignal).
 

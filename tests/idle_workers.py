@@ -1,4 +1,4 @@
-"""Worker-process bodies for tests/test_idle_wait.py (module-level so that spawn can import
+"""Worker-process bodies for tests/integration/test_idle_wait.py (module-level so that spawn can import
 them). Each reports ``(tag, rank, payload)`` to a multiprocessing queue; an exception is
 reported as ``("error", rank, repr)`` (see ``workers._report_errors``)."""
 

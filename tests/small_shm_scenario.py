@@ -1,5 +1,5 @@
 """One engine and its TP workers on a node whose /dev/shm is small or fills up, run by
-tests/test_small_shm.py inside a private mount namespace (``unshare -m``) with a small
+tests/integration/test_small_shm.py inside a private mount namespace (``unshare -m``) with a small
 tmpfs over /dev/shm (Docker gives containers 64 MiB). Prints one JSON line: what every
 rank took (batch ids and content digests, in order), the engine's shared-memory
 counters, what it logged, and any error. Exit status 0 unless the scenario itself broke.

@@ -1,7 +1,7 @@
 """FastDeploy's engine<->worker task queue, reproduced for benchmarks (``FDManagerQueue``).
 
 This module is the *baseline* the benchmarks (``fastdeploy-sync profile --modes fd-manager``,
-``scripts/bench_sync.py``) compare against. It reproduces the calls, and therefore the cost
+``scripts/benchmarks/bench_sync.py``) compare against. It reproduces the calls, and therefore the cost
 profile, of FastDeploy's ``EngineWorkerQueue`` as shipped in
 
     PaddlePaddle/FastDeploy  fastdeploy/inter_communicator/engine_worker_queue.py
@@ -28,7 +28,7 @@ the protocol and the sequence of manager calls are FastDeploy's:
 
 Round trips per call, counted as manager requests (``tp`` = ``tp_size``; a manager-side
 error such as the ``IndexError`` that ends a proxy iteration is still one round trip;
-``tests/test_fd_baseline.py`` counts them):
+``tests/integration/test_fd_baseline.py`` counts them):
 
 =====================  ==============================  ===================================
 call                   single node (default)           across nodes (``single_node=False``)

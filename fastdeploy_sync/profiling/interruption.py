@@ -36,7 +36,7 @@ that part of its wait in the run queue, so when the cores are busy the blocked t
 is a *lower* bound. Every wait for the GIL blocks at least once, so it lies inside the
 intervals that have a voluntary switch: all their off-CPU time is an *upper* bound (it also
 holds whatever preemption by other processes fell into those intervals). On an idle
-machine the two nearly meet; under load they part (``scripts/gil_wait_check.py`` prints
+machine the two nearly meet; under load they part (``scripts/tools/gil_wait_check.py`` prints
 both beside the holding time of a thread that holds the GIL for known times, and
 docs/profiling.md quotes it).
 

@@ -309,7 +309,7 @@ def _summarize_idle(segments, modes, tp, boot):
         if targets[0]["verdict"] != "met":
             note += (". For less, let rank 0 block in client.wait_for_tasks(timeout) instead of "
                      "polling exist_tasks() and sleeping 1 ms (docs: Sleeping while idle; "
-                     "scripts/bench_idle.py measures both loops)")
+                     "scripts/benchmarks/bench_idle.py measures both loops)")
         notes.append(note)
     return {"modes": out}, targets, notes
 

@@ -93,7 +93,7 @@ DEFINITIONS = {
                 "busy cores waits in the run queue). Close on an idle machine, apart under "
                 "load. Resolution: a few us per step (the clocks are read one after "
                 "another); checked against a thread holding the GIL for known times "
-                "(scripts/gil_wait_check.py); the meter's own cost is paid in every mode",
+                "(scripts/tools/gil_wait_check.py); the meter's own cost is paid in every mode",
     "gil_wait_added": "100 * (G - G0) / R; G, G0: the mode's and none's mean GIL wait per "
                       "step, over the same rounds, for each bound; the target's interval runs "
                       "from the lower bound's low end to the upper bound's high end",

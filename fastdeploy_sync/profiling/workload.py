@@ -10,7 +10,7 @@ the CPU to a background thread must get longer, or the profiler could not see th
 ``paddle``  forwards of a small transformer block on paddle CPU (attention + MLP); each
             op releases and re-takes the GIL, as a GPU model's kernel launches do, so a
             thread holding the GIL delays it more than the ``python`` step, which gives the
-            GIL up only at the interpreter's switch interval (``scripts/gil_wait_check.py``
+            GIL up only at the interpreter's switch interval (``scripts/tools/gil_wait_check.py``
             measures both). Imports paddle in the worker, and only there.
 ``gpu``     a transformer decode step on a GPU through paddle or torch, ending with the host
             waiting for the chosen token ids (``gpu_step``): the step FastDeploy's decode

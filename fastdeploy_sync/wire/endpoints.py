@@ -18,7 +18,7 @@ import re
 import socket
 import stat
 
-from .. import envs
+from .. import envs, names
 from ..errors import EndpointInUseError
 
 __all__ = ["validate_name", "default_endpoint", "ipc_path", "private_dir", "check_private_dir",
@@ -59,8 +59,7 @@ def default_endpoint(name: str, dp_id: int, kind: str = "") -> str:
     """
     validate_name(name, dp_id)
     directory = envs.ipc_dir()
-    suffix = f".{kind}" if kind else ""
-    path = os.path.join(directory, f"fdsync-{name}-dp{dp_id}{suffix}.ipc")
+    path = os.path.join(directory, names.socket_file(name, dp_id, kind))
     if len(path.encode()) > _UNIX_PATH_MAX:
         raise ValueError(f"ipc path {path!r} is longer than {_UNIX_PATH_MAX} bytes: "
                          f"set FD_SYNC_IPC_DIR to a shorter directory or use a shorter name")

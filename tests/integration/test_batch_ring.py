@@ -1,0 +1,134 @@
+"""The node-local ring (batch_ring): slots reused only once every view is freed, a full ring
+falls back to the socket in order, and what another process of this user does to the ring
+(overwrites, truncates) is an error, never a wrong batch or a SIGBUS."""
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue
+from fastdeploy_sync.shm.segment import Segment
+
+from workers import wait_until
+
+from conftest import TESTS
+
+
+def _take(client, timeout=10):
+    assert wait_until(client.exist_tasks, timeout=timeout), "no batch became takeable"
+    client.barrier(timeout=timeout)
+    return client.get_tasks()[0]
+
+
+def _ring_name(name):
+    (path,) = glob.glob(f"/dev/shm/fdsync.{name}.dp0.br1.*")
+    return "/" + os.path.basename(path)
+
+
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_a_slot_is_reused_only_once_every_view_of_it_is_freed(name, async_prefetch):
+    """max_inflight=1: a ring of 4 slots. The first batch's array stays held while 12 more
+    pass: they take the 3 other slots in turn, and the held array never changes."""
+    with TaskQueue(name, 1, max_inflight=1) as queue, \
+            TaskClient(name, 1, 0, async_prefetch=async_prefetch) as client:
+        queue.put_tasks({"ids": np.full(4096, 7, dtype=np.int64)}, timeout=5)
+        (first,) = _take(client)
+        held = first["ids"]
+        assert not held.flags.writeable
+        for i in range(12):
+            queue.put_tasks({"ids": np.full(4096, 100 + i, dtype=np.int64)}, timeout=5)
+            (batch,) = _take(client)
+            assert (batch["ids"] == 100 + i).all()
+            del batch
+        assert (held == 7).all(), "a slot was written while a rank still viewed it"
+        stats = queue.stats()
+        assert stats["shm_ring_batches"] == 13 and stats.get("sent", 0) == 0, stats
+
+
+def test_a_full_ring_falls_back_to_the_socket_in_order(name):
+    """Every slot held by arrays the rank keeps: the next batches travel over the socket,
+    and the rank takes them all, in put order; once the arrays are freed, the ring again."""
+    with TaskQueue(name, 1, max_inflight=1) as queue, \
+            TaskClient(name, 1, 0, async_prefetch=True) as client:
+        kept = []
+        for i in range(8):
+            queue.put_tasks({"i": i, "ids": np.full(1024, i, dtype=np.int64)}, timeout=5)
+            (batch,) = _take(client)
+            assert batch["i"] == i and (batch["ids"] == i).all()
+            kept.append(batch)
+        stats = queue.stats()
+        assert stats["shm_ring_batches"] == 4 and stats["sent"] == 4, stats
+        kept.clear()  # every view freed: the slots come back
+        queue.put_tasks({"i": 8, "ids": np.zeros(1024, dtype=np.int64)}, timeout=5)
+        assert _take(client)[0]["i"] == 8
+        assert queue.stats()["shm_ring_batches"] == 5
+
+
+def test_an_overwritten_batch_is_refused_before_it_is_unpickled(name):
+    """Another process of this user writes into a slot after the engine published the
+    batch: the checksum over the pickle body fails before anything is unpickled. (Sync
+    mode: no prefetch thread decodes the batch before the overwrite; both threads decode
+    through the same checks.)"""
+    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=False) as client:
+        assert wait_until(lambda: client.num_tasks() >= 0 and client.stats()["ring"],
+                          timeout=10)
+        queue.put_tasks({"ids": np.arange(512, dtype=np.int64), "tag": "x" * 64}, timeout=5)
+        seg = Segment.attach(_ring_name(name))
+        try:
+            words = seg.view
+            slot_bytes, descs, data_offset = words[5], words[6], words[10]
+            desc = 16 + (1 % descs) * 8  # seq 1's descriptor: kind | slot << 8, ..., lengths
+            slot, body_len, offsets_len, data_len = words[desc + 1] >> 8, *words[desc + 5:desc + 8]
+            body = data_offset + slot * slot_bytes + data_len + offsets_len
+            raw = words.cast("B")
+            raw[body + body_len // 2] ^= 0xFF  # one byte in the middle of the pickle body
+            del raw, words
+        finally:
+            seg.close()
+        with pytest.raises(ProtocolError, match="checksum"):
+            _take(client)
+
+
+_TRUNCATE = textwrap.dedent("""
+    import glob, os, sys, time
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError
+    from workers import wait_until
+    name = {name!r}
+    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=False) as client:
+        wait_until(lambda: client.num_tasks() >= 0 and client.stats()["ring"], timeout=10)
+        (path,) = glob.glob(f"/dev/shm/fdsync.{{name}}.dp0.br1.*")
+        queue.put_tasks({{"ids": np.arange(4096, dtype=np.int64)}}, timeout=5)
+        os.truncate(path, 8192)  # the header survives, the slots do not
+        try:
+            wait_until(client.exist_tasks, timeout=5)
+            client.barrier(timeout=5)
+            client.get_tasks()
+            print("TOOK")
+        except TaskSyncError as exc:
+            print("RAISED", type(exc).__name__, exc)
+        # the engine's next put must not write into the missing pages either
+        try:
+            queue.put_tasks({{"ids": np.arange(4096, dtype=np.int64)}}, timeout=2)
+            print("PUT", queue.stats().get("sent", 0))
+        except Exception as exc:
+            print("PUT RAISED", type(exc).__name__)
+""")
+
+
+def test_a_truncated_ring_is_an_error_not_a_sigbus(name):
+    """Another process of this user truncates the ring: the rank's take raises
+    ProtocolError and the engine's next put goes over the socket; nobody dies of SIGBUS."""
+    tests = TESTS
+    code = _TRUNCATE.format(tests=tests, name=name)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ))
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "RAISED ProtocolError" in proc.stdout and "truncated" in proc.stdout, proc.stdout
+    assert "PUT 1" in proc.stdout, proc.stdout

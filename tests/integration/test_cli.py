@@ -1,0 +1,140 @@
+"""fastdeploy-sync status: read a live group's watermarks without joining it."""
+
+import os
+import subprocess
+import sys
+import time
+import pytest
+from fastdeploy_sync import TaskQueue
+from workers import collect, hold_group_rank, take_n_rank, wait_until
+
+
+def _status(name, *extra):
+    return subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "status", name, *extra],
+                          capture_output=True, text=True, timeout=30)
+
+
+def _rows(stdout):
+    """The shared-memory table's rows (rank, pid, alive, received, consumed, ...)."""
+    return [line.split() for line in stdout.splitlines()
+            if line.strip()[:1].isdigit() and line.split()[1].isdigit()]
+
+
+def _engine_rows(stdout):
+    """The engine table's rows (rank, state, consumed, silent, worker, reason)."""
+    return [line.split() for line in stdout.splitlines()
+            if line.strip()[:1].isdigit() and not line.split()[1].isdigit()]
+
+
+def test_status_of_a_live_group(name, procs, results):
+    """Two ranks that can take 3 batches from the ring and take none: status shows the
+    ring holding 3 and the ranks having consumed none."""
+    with TaskQueue(name, 2) as queue:
+        for rank in range(2):
+            procs(hold_group_rank, results, rank, name, 2, 3.0)
+        pids = collect(results, "ready", 2)
+        for i in range(3):
+            queue.put_tasks(i, timeout=5)
+        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout)
+        out = _status(name)
+    assert out.returncode == 0, out.stderr
+    assert "tp_size=2" in out.stdout and f"owner pid {pids[0]} (alive)" in out.stdout
+    rows = _rows(out.stdout)
+    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [
+        ("0", str(pids[0]), "True", "0"), ("1", str(pids[1]), "True", "0")]
+    assert f"engine {name!r} dp_id=0 tp_size=2" in out.stdout and "last seq 3" in out.stdout
+    assert [(r[0], r[1]) for r in _engine_rows(out.stdout)] == [("0", "connected"),
+                                                                ("1", "connected")]
+
+
+def test_status_asks_the_engine_whatever_the_coordinator(name, procs, results, monkeypatch):
+    """A TP=1 group on a tcp endpoint has no node-local shared memory: the engine's view is
+    still there (the same path serves paddle-coordinated groups)."""
+    monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
+    with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0") as queue:
+        procs(take_n_rank, results, 0, name, 1, 2, endpoint=queue.endpoint)
+        for i in range(2):
+            queue.put_tasks(i, timeout=5)
+        collect(results, "taken", 1)
+        assert wait_until(lambda: queue.stats()["consumed"] == [2])
+        out = _status(name, "--endpoint", queue.endpoint)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no node-local group segment" in out.stdout
+    # the rank's process exits once it took its batches: the engine may already know
+    rows = _engine_rows(out.stdout)
+    assert [(r[0], r[2]) for r in rows] == [("0", "2")]
+    assert rows[0][1] in ("connected", "disconnected"), rows
+
+
+def test_status_of_no_group(name):
+    out = _status(name, "--timeout", "0.5")
+    assert out.returncode == 1
+    assert "no TaskQueue answered" in out.stdout and "no node-local group segment" in out.stdout
+
+
+def _cli(*argv, timeout=30):
+    return subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["status", "bad/name"], "NAME 'bad/name'"),
+    (["status", "x", "--dp-id", "5000"], "--dp-id: 5000"),
+    (["status", "x", "--timeout", "-1"], "--timeout"),
+    (["clean", ".hidden"], "NAME '.hidden'"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_usage_errors_are_one_line_with_exit_status_2(argv, says):
+    out = _cli(*argv)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr and says in lines[0] and "--help" in lines[0]
+
+
+def test_runtime_error_is_one_line_without_traceback(tmp_path):
+    """A private ipc directory that is not private: the command says what to do, exit 1."""
+    loose = tmp_path / "ipc"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    out = subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "status", "x"],
+                         capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, FD_SYNC_IPC_DIR=str(loose)))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "chmod 700" in out.stderr
+
+
+def test_status_says_plainly_that_no_engine_answered(name):
+    out = _status(name, "--timeout", "0.3")
+    assert out.returncode == 1
+    assert out.stdout.startswith("no engine answered: ")
+    assert "whole story" not in out.stdout
+    assert f"nothing of {name!r} dp 0 runs on this node" in out.stdout
+
+
+def test_status_watch_refreshes_until_interrupted(name, procs, results):
+    import signal
+
+    with TaskQueue(name, 2):
+        for rank in range(2):
+            procs(hold_group_rank, results, rank, name, 2, 5.0)
+        collect(results, "ready", 2)
+        # SIGINT as in a terminal (a shell running the suite in the background would hand
+        # the child SIGINT ignored)
+        watch = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                                  "--watch", "0.2"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            time.sleep(2.0)
+        finally:
+            watch.send_signal(signal.SIGINT)
+            stdout, stderr = watch.communicate(timeout=20)
+    assert watch.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    snapshots = stdout.count(f"fastdeploy-sync status {name} --dp-id 0")
+    assert snapshots >= 3, stdout
+    # every snapshot but perhaps the one Ctrl-C cut short shows the engine's view
+    assert stdout.count(f"engine {name!r} dp_id=0 tp_size=2") >= snapshots - 1

@@ -1,0 +1,144 @@
+"""ThreadInterruption: the profile's per-step off-CPU / run-queue / GIL-wait split.
+
+Orderings, not timings: a thread that deliberately holds the GIL must show up as GIL wait
+in a pure-Python step (clearly above zero), and without it the GIL wait stays near zero;
+the meter itself must not release the GIL (it would hand a waiting thread a free switch
+and make the measured step friendlier than the real one)."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastdeploy_sync.profiling.interruption import ThreadInterruption
+
+from conftest import TESTS
+
+pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+                                reason="needs Linux /proc/<pid>/task/<tid>/schedstat")
+
+STEPS = 150
+
+
+def _python_work():
+    """~1 ms of bytecode that never releases the GIL and does no I/O."""
+    x = 1
+    for i in range(8000):
+        x = (x * 1103515245 + i) & 0xFFFFFFFF
+    return x
+
+
+def _gil_holder(stop, held_ns):
+    """Sleep 2 ms (GIL released), then spin 1 ms in Python (GIL held), until stopped."""
+    while not stop.is_set():
+        time.sleep(0.002)
+        c0 = time.thread_time_ns()
+        end = time.perf_counter_ns() + 1_000_000
+        while time.perf_counter_ns() < end:
+            pass
+        held_ns.append(time.thread_time_ns() - c0)
+
+
+def _measure(with_holder):
+    meter = ThreadInterruption(STEPS)
+    stop, held = threading.Event(), []
+    holder = threading.Thread(target=_gil_holder, args=(stop, held), daemon=True)
+    if with_holder:
+        holder.start()
+    try:
+        for _ in range(STEPS):
+            meter.begin()
+            _python_work()
+            meter.end()
+    finally:
+        stop.set()
+        if with_holder:
+            holder.join(timeout=10)
+        meter.close()
+    return meter.arrays(), held
+
+
+def _in_fresh_interpreter(test_name):
+    """Run ``test_name``'s body in a child interpreter: threads left running by earlier
+    tests in this process (queue feeders, I/O threads being torn down) also take the GIL
+    and would make "no other thread" untrue here."""
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(__file__)!r}, {TESTS!r}]; "
+            f"import test_interruption as t; t._{test_name}(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_gil_wait_is_clearly_above_zero_with_a_gil_holding_thread_and_near_zero_without():
+    _in_fresh_interpreter("gil_wait_with_and_without_a_holder")
+
+
+def test_the_meter_does_not_release_the_gil():
+    _in_fresh_interpreter("meter_does_not_release_the_gil")
+
+
+def _gil_wait_with_and_without_a_holder():
+    alone, _ = _measure(with_holder=False)
+    holder, held = _measure(with_holder=True)
+    assert len(held) > 0, "the holder thread never ran"
+    # Without another thread there is nothing to block on: no voluntary switch, so no
+    # GIL wait at all by construction, whatever the machine does.
+    assert alone["voluntary"].sum() == 0
+    assert alone["gil_ns"].sum() == 0
+    # With the holder the step blocked on the GIL, and the blocked time is far above the
+    # zero of the quiet case.
+    assert holder["voluntary"].sum() > 0
+    assert holder["gil_ns"].sum() > 0
+    # The parts add up to the whole in every interval; the upper bound is above the lower.
+    for a in (alone, holder):
+        assert np.array_equal(a["runq_ns"] + a["gil_ns"] + a["other_ns"], a["off_cpu_ns"])
+        assert (a["runq_ns"] >= 0).all() and (a["gil_ns"] >= 0).all()
+        assert (a["gil_upper_ns"] >= a["gil_ns"]).all()
+        assert len(a["wall_ns"]) == STEPS
+    assert alone["gil_upper_ns"].sum() == 0 < holder["gil_upper_ns"].sum()
+
+
+def _meter_does_not_release_the_gil():
+    """A thread that re-takes the GIL whenever it is released: while the main thread runs
+    only the meter, it gets a turn only when the interpreter forces a switch (every
+    switch interval, 5 ms); while the main thread calls os.pread, which releases the GIL,
+    it gets hundreds."""
+    seconds = 0.15
+
+    def turns_while(body):
+        stop, count = threading.Event(), [0]
+
+        def spinner():
+            while not stop.is_set():
+                count[0] += 1
+                time.sleep(0)  # releases the GIL; running again needs it back
+        t = threading.Thread(target=spinner, daemon=True)
+        t.start()
+        time.sleep(0.01)
+        count[0] = 0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            body()
+        n = count[0]
+        stop.set()
+        t.join(timeout=10)
+        return n
+
+    meter = ThreadInterruption(0)
+    fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+    try:
+        with_meter = turns_while(lambda: (meter.begin(), meter.end()))
+        with_os_pread = turns_while(lambda: os.pread(fd, 64, 0))
+    finally:
+        os.close(fd)
+        meter.close()
+    # Forced switches come every switch interval (5 ms: ~30 in 0.15 s), more when the OS
+    # deschedules the main thread on a loaded machine; a GIL-releasing call gives a turn
+    # per call (hundreds to thousands). An ordering with a wide margin, not a timing.
+    assert with_meter * 4 < with_os_pread, (with_meter, with_os_pread)
+
+

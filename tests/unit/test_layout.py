@@ -1,0 +1,55 @@
+"""The package's layout, read from its source (scripts/tools/layout_check.py): no import runs
+back up a layer, no import circle, no module reaches into another's private members, and
+no class grows past the size one concept needs."""
+
+import importlib.util
+import os
+
+from conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location(
+    "layout_check", os.path.join(ROOT, "scripts", "tools", "layout_check.py"))
+layout_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout_check)
+
+# "No class over ~400 lines" (docstrings included), with the slack "about" allows.
+MAX_CLASS_LINES = 440
+
+
+def test_no_import_runs_back_up_and_there_is_no_circle():
+    mods = layout_check.modules(ROOT)
+    graph = layout_check.imports(mods)
+    assert layout_check.upward(graph) == []
+    assert layout_check.circles(graph) == []
+
+
+def test_no_module_reaches_into_another_modules_private_members():
+    assert layout_check.private_reaches(layout_check.modules(ROOT)) == []
+
+
+def test_no_class_is_larger_than_one_concept():
+    classes, _ = layout_check.sizes(layout_check.modules(ROOT), 5)
+    assert all(lines <= MAX_CLASS_LINES for lines, _, _ in classes), classes
+
+
+def _write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_checks_find_each_kind_of_fault(tmp_path):
+    """The checks can fail: a tree with an upward import, a circle and a private reach."""
+    _write(tmp_path, "fastdeploy_sync/__init__.py", "")
+    _write(tmp_path, "fastdeploy_sync/errors.py", "from .wire import codec\n")  # upward
+    _write(tmp_path, "fastdeploy_sync/wire/__init__.py", "")
+    _write(tmp_path, "fastdeploy_sync/wire/codec.py",
+           "from . import auth\n\n\ndef f(x):\n    return x._secret\n")  # circle, private
+    _write(tmp_path, "fastdeploy_sync/wire/auth.py", "from .codec import f\n")
+    mods = layout_check.modules(str(tmp_path))
+    graph = layout_check.imports(mods)
+    assert ("fastdeploy_sync.errors", "fastdeploy_sync.wire.codec") in layout_check.upward(graph)
+    assert any(set(c) == {"fastdeploy_sync.wire.codec", "fastdeploy_sync.wire.auth"}
+               for c in layout_check.circles(graph))
+    assert [(m, what) for m, _, what in layout_check.private_reaches(mods)] == [
+        ("fastdeploy_sync.wire.codec", "._secret")]

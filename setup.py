@@ -13,12 +13,13 @@ setup(
         "pyzmq>=25",
         "numpy>=1.22",
         "posix_ipc>=1.1",
-        "xxhash>=3.0",  # payload checksum (xxh3_64), fastdeploy_sync/codec.py
+        "xxhash>=3.0",  # payload checksum (xxh3_64), fastdeploy_sync/wire/codec.py
     ],
     extras_require={
         # paddlepaddle (CPU build) for the cross-node coordinator's tests; mkdocs so that
         # tests/integration/test_docs.py can build the documentation site (a broken link fails CI)
-        "test": ["pytest>=7", "pytest-timeout>=2", "paddlepaddle>=2.6",
+        # pytest-xdist: .ci/run and README run the suite three tests at a time
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "paddlepaddle>=2.6",
                  "mkdocs>=1.6", "mkdocs-material>=9.5", "prometheus_client>=0.17",
                  "tqdm>=4.60", "matplotlib>=3.5"],
         # fastdeploy-sync profile: its progress bar and --plot (it runs without them)

@@ -149,6 +149,7 @@ def test_worker_clear_data_drops_the_same_batches_on_every_rank(name, procs, res
     assert taken == [(0, k) for k in range(dropped, n)] + [STOP], (dropped, taken)
 
 
+@pytest.mark.serial
 def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
     """The caller's contract broken on purpose: rank 1 calls get_tasks() once more at step
     3. A rank raises ProtocolError within a few steps instead of the group drifting a call

@@ -51,6 +51,7 @@ def _wait_connected(engine, tp, timeout=30.0):
         time.sleep(0.01)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("killed", [0, 1])
 def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_heartbeat,
                                                      killed):

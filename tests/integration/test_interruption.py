@@ -73,6 +73,7 @@ def _in_fresh_interpreter(test_name):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+@pytest.mark.serial
 def test_gil_wait_is_clearly_above_zero_with_a_gil_holding_thread_and_near_zero_without():
     _in_fresh_interpreter("gil_wait_with_and_without_a_holder")
 

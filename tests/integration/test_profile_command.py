@@ -198,6 +198,7 @@ def _children(pid):
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="needs /proc/<pid>/task/<tid>/children")
+@pytest.mark.serial
 def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch):
     """The fd-manager's server stops answering (SIGSTOP) before the run ends: the workers'
     manager clients then hang while closing, and the runner kills them after its exit

@@ -185,6 +185,7 @@ def _zmtp_endless_server(path, stop):
     return srv, thread
 
 
+@pytest.mark.serial
 def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
     """A peer that answers with a message it never finishes: libzmq buffers it out of the
     client's sight, so the client watches its own memory. Before: 1.55 GiB within the

@@ -65,6 +65,7 @@ def _endless_peer(path, frame_bytes, seconds):
     return sent >> 20, cut
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("endpoint", ["workers", "producers"])
 def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, monkeypatch):
     """3 s of an unfinished message at full speed: the engine's heap stays within a few

@@ -137,6 +137,7 @@ _RING_IDLE_CHECK_S = 0.1
 # (CLOSE, errors, batches that did not fit the ring) while it waits on the ring.
 _SYNC_RING_CHECK_S = 0.05
 _RING_KINDS = (batch_ring.INLINE, batch_ring.SHARED)
+_PUBLISHED = batch_ring.PUBLISHED
 # Socket-monitor events a worker watches: connection up and down, and handshakes.
 _MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
 
@@ -239,12 +240,13 @@ class TaskClient:
         self.worker_id = secrets.randbits(63) | 1
         profile = envs.profile_enabled() if profile is None else bool(profile)
         self.profiler = StepProfiler() if profile else None
-        # Lock invariant: _held maps seq -> decoded tasks for seqs above _taking that a
-        # background thread decoded ahead of the event loop (socket batches, ring batches
-        # the prefetch thread pre-decoded); _taking (event loop) only grows, and nothing at
-        # or below it is added. _received (the highest seq received over the socket, every
-        # earlier one that travelled over the socket received too) only grows and is
-        # written, with _held, under _lock by the socket's receiver.
+        # Lock invariant: _held maps seq -> (decoded tasks, whether they were read through
+        # the large-batch pool) for seqs above _taking that a background thread decoded
+        # ahead of the event loop (socket batches, ring batches the prefetch thread
+        # pre-decoded); _taking (event loop) only grows, and nothing at or below it is
+        # added. _received (the highest seq received over the socket, every earlier one
+        # that travelled over the socket received too) only grows and is written, with
+        # _held, under _lock by the socket's receiver.
         self._lock = threading.Lock()
         self._held = {}
         self._taking = 0
@@ -253,6 +255,7 @@ class TaskClient:
         # when the engine is node-local and made one; its prefetch thread (async mode), and
         # the event the thread sets after each wake-up (wait_for_tasks in async mode).
         self._ring = None
+        self._ring_words = None  # the ring's words (batch_ring.PUBLISHED), set with _ring
         self._peers_welcomed = False  # event loop: every rank attached (all_welcomed)
         self._ring_thread = None
         self._ring_woke = threading.Event()
@@ -415,10 +418,13 @@ class TaskClient:
         if self._data_ready[3]:  # sync: always; async: a batch woke the prefetch thread
             self._receive_now() if not self.async_prefetch else self._drain()
         taken = self._taken
-        ring = self._ring
-        if ring is not None:
+        words = self._ring_words
+        if words is not None:
             # the ring says what every rank of the node can take: no rank's thread needs to
             # have run (batches that travelled over the socket: once every rank received them)
+            if words[_PUBLISHED] <= taken:
+                return False  # nothing published this rank has not taken: one read
+            ring = self._ring
             if not self._peers_welcomed:
                 if not self._group.all_welcomed(self._engine_instance):
                     return False  # a peer has not attached the ring yet
@@ -630,9 +636,12 @@ class TaskClient:
             self._raise_error()
         if not self.async_prefetch:
             self._receive_now()
-        if self._ring is not None:
-            return self._ring.ready_upto(self._taken, self._own_received) - self._taken
-        return self._received - self._taken
+        words, taken = self._ring_words, self._taken
+        if words is not None:
+            if words[_PUBLISHED] <= taken:
+                return 0  # nothing published this rank has not taken: one read
+            return self._ring.ready_upto(taken, self._own_received) - taken
+        return self._received - taken
 
     def _own_received(self) -> int:
         return self._received
@@ -1197,7 +1206,7 @@ class TaskClient:
             tasks = codec.decode_payload(frames[1:], header.check)
         with self._lock:
             if seq > self._taking:
-                self._held[seq] = tasks
+                self._held[seq] = (tasks, False)  # a shared batch was counted by the decode
             self._received = seq
         self._group.publish_received(seq)  # after _held: whoever sees it can take it
 
@@ -1223,7 +1232,8 @@ class TaskClient:
         except FileNotFoundError:
             self._counters["no_ring"] += 1
             return
-        self._ring = ring  # last: from here on the event loop reads it
+        self._ring = ring
+        self._ring_words = ring.words  # last: from here on the event loop reads the ring
         if self.async_prefetch and not self._closed:
             self._ring_thread = threading.Thread(
                 target=self._ring_main, daemon=True,
@@ -1247,7 +1257,8 @@ class TaskClient:
                 if self._closed:
                     return
                 next_seq = self._predecode(ring, next_seq)
-                self._ring_woke.set()  # also for what it does not decode (socket batches)
+                if not self._ring_woke.is_set():
+                    self._ring_woke.set()  # also for what it does not decode (socket batches)
         except BaseException as exc:  # never silent: raised on the event loop
             self._fail(exc)
 
@@ -1255,9 +1266,10 @@ class TaskClient:
         """Decode every published ring batch from ``next_seq`` on that the event loop has
         not taken yet into ``_held``; returns the next seq to look at. Raises what a
         decode raises."""
+        words = ring.words
         while not self._closed:
             seq = max(next_seq, self._taking + 1)
-            if seq > ring.published():
+            if seq > words[_PUBLISHED]:
                 return seq
             kind = ring.kind(seq)
             if kind == 0:
@@ -1268,11 +1280,12 @@ class TaskClient:
             tasks = ring.decode(seq)
             with self._lock:
                 if seq > self._taking:
-                    self._held[seq] = tasks
+                    self._held[seq] = (tasks, kind == batch_ring.SHARED)
                     self._counters["predecoded"] += 1
             del tasks
             self._ring_woke.set()
-            time.sleep(0)  # the GIL goes back to the step between two batches
+            if words[_PUBLISHED] > seq:
+                time.sleep(0)  # the GIL goes back to the step before the next batch
         return next_seq
 
     def _decode_shared(self, body, ref, check):
@@ -1320,19 +1333,20 @@ class TaskClient:
             # from now on no background thread adds these: they are this thread's to decode
             self._taking = to_seq
             held = self._held
-            items = {s: held.pop(s) for s in seqs if s in held}
+            items = {s: held.pop(s) for s in seqs if s in held}  # seq -> (tasks, shared)
         if len(items) < len(seqs):
             ring = self._ring
             for s in seqs:
                 if s in items:
                     continue
-                if ring is None or ring.kind(s) not in _RING_KINDS:
+                kind = ring.kind(s) if ring is not None else 0
+                if kind not in _RING_KINDS:
                     raise ProtocolError(f"rank {self.tp_rank} holds {len(items)} of the "
                                         f"{len(seqs)} batch(es) the step takes ({from_seq}, "
                                         f"{to_seq}]: seq {s} is missing")
                 # not decoded ahead (the prefetch thread had not got the GIL, or sync mode)
                 try:
-                    items[s] = ring.decode(s)
+                    items[s] = (ring.decode(s), kind == batch_ring.SHARED)
                 except Exception as exc:
                     # as a receiver's failure: latched, so every later step call raises it
                     if self._error is None or isinstance(self._error, EngineClosedError):
@@ -1340,9 +1354,12 @@ class TaskClient:
                     self._raise_error()
                     raise  # _raise_error returns only for an engine CLOSE: not this error
                 self._counters["decoded_by_loop"] += 1
-        if self._ring is not None:  # large batches read through the pool, for stats()
-            self._counters["shared_batches"] += sum(self._ring.kind(s) == batch_ring.SHARED
-                                                    for s in seqs)
+        tasks = []
+        for s in seqs:
+            batch, shared = items[s]
+            tasks.append(batch)
+            if shared:  # a large batch read through the pool, for stats()
+                self._counters["shared_batches"] += 1
         self._taken = to_seq
         self._group.publish_consumed(to_seq)
         board = self._board
@@ -1350,7 +1367,7 @@ class TaskClient:
             board.publish(self.tp_rank, self._epoch_tag | to_seq)
         else:
             self._send_ack(to_seq)
-        return [items[s] for s in seqs]
+        return tasks
 
     def _send_ack(self, seq: int) -> None:
         """Send the cumulative ACK ``seq`` without blocking and without raising: the step

@@ -565,7 +565,8 @@ def delivery_rank(name, tp, rank, n, out):
             tasks, _ = client.get_tasks()
             taken += len(tasks)
             del tasks
-        cpu = (client.prefetch_cpu_seconds() - cpu0) / n * 1e9
+        cpu1 = client.prefetch_cpu_seconds()  # None: the threads have stopped already
+        cpu = (cpu1 - cpu0) / n * 1e9 if cpu0 is not None and cpu1 is not None else np.nan
     out.put(("times", rank, (received, published, cpu, decode_times)))
 
 

@@ -46,6 +46,7 @@ from ..wire.sockets import CLIENT_FDS, ensure_free_fds
 from .background import stop_threads, threads_cpu_seconds
 from .idle_wait import IdleWait
 from .parts import assemble
+from .ring_prefetch import PUBLISHED
 from .step_profiler import StepProfiler
 
 __all__ = ["TaskClient"]
@@ -230,10 +231,13 @@ class TaskClient:
             self._receiver.receive_now() if not self.async_prefetch else self._receiver.drain()
         taken = self._slot.taken
         group = self._group
-        ring = self._rings.reader
-        if ring is not None:
+        words = self._rings.words
+        if words is not None:
             # the ring says what every rank of the node can take: no rank's thread needs to
             # have run (batches that travelled over the socket: once every rank received them)
+            if words[PUBLISHED] <= taken:
+                return False  # nothing published this rank has not taken: one read
+            ring = self._rings.reader
             if not self._peers_welcomed:
                 if not group.all_welcomed(self._watch.engine):
                     return False  # a peer has not attached the ring yet
@@ -359,10 +363,11 @@ class TaskClient:
             faults.raise_error()
         if not self.async_prefetch:
             self._receiver.receive_now()
-        ring = self._rings.reader
-        taken = self._slot.taken
-        if ring is not None:
-            return ring.ready_upto(taken, self._own_received) - taken
+        words, taken = self._rings.words, self._slot.taken
+        if words is not None:
+            if words[PUBLISHED] <= taken:
+                return 0  # nothing published this rank has not taken: one read
+            return self._rings.reader.ready_upto(taken, self._own_received) - taken
         return self._slot.received - taken
 
     def _own_received(self) -> int:

@@ -14,10 +14,12 @@ import time
 
 from ..shm import batch_ring
 
-__all__ = ["RingPrefetch", "RING_KINDS"]
+__all__ = ["RingPrefetch", "RING_KINDS", "PUBLISHED"]
 
 # Kinds of ring batches a rank reads from the ring itself (the rest travel over the socket).
 RING_KINDS = (batch_ring.INLINE, batch_ring.SHARED)
+# ``words[PUBLISHED]`` is the ring's ``published()``, read without a method call.
+PUBLISHED = batch_ring.PUBLISHED
 # The prefetch thread re-checks the ring this often without a post (a safety net: errors
 # and close() wake it at once).
 _RING_WAIT_S = 1.0
@@ -26,7 +28,9 @@ _RING_WAIT_S = 1.0
 class RingPrefetch:
     """One rank's ring (``reader``: a ``batch_ring.RingReader``, None until the engine
     welcomed this rank, and for good when the engine had no room for one: every batch then
-    comes over the socket) and, in async mode, its prefetch thread (``thread``).
+    comes over the socket) and, in async mode, its prefetch thread (``thread``). ``words``
+    (None with ``reader``) is the ring's int64 words, read-only: ``words[PUBLISHED]`` is
+    what was published, one read where a step finds nothing new.
 
     ``woke`` is set after every wake-up of the thread (each post, a failure, close):
     ``wait_for_tasks`` in async mode waits on it."""
@@ -41,6 +45,7 @@ class RingPrefetch:
         self._counters = counters
         self._fail = fail  # called with what stopped the thread
         self.reader = None
+        self.words = None
         self.thread = None
         self.woke = threading.Event()
 
@@ -55,7 +60,8 @@ class RingPrefetch:
         except FileNotFoundError:
             self._counters["no_ring"] += 1
             return
-        self.reader = reader  # last: from here on the event loop reads it
+        self.reader = reader
+        self.words = reader.words  # last: from here on the event loop reads the ring
         if self._async and not self._closing.is_set():
             self.thread = threading.Thread(target=self._main, daemon=True,
                                            name=f"fdsync-prefetch-{self._name}-r{self._rank}")
@@ -81,7 +87,8 @@ class RingPrefetch:
                 if self._closing.is_set():
                     return
                 next_seq = self._predecode(reader, next_seq)
-                self.woke.set()  # also for what it does not decode (socket batches)
+                if not self.woke.is_set():
+                    self.woke.set()  # also for what it does not decode (socket batches)
         except BaseException as exc:  # never silent: raised on the event loop
             self._fail(exc)
 
@@ -90,9 +97,10 @@ class RingPrefetch:
         not claimed yet into the slot; returns the next seq to look at. Raises what a
         decode raises."""
         slot = self._slot
+        words = reader.words
         while not self._closing.is_set():
             seq = max(next_seq, slot.taking + 1)
-            if seq > reader.published():
+            if seq > words[PUBLISHED]:
                 return seq
             kind = reader.kind(seq)
             if kind == 0:
@@ -101,11 +109,12 @@ class RingPrefetch:
             if kind not in RING_KINDS:
                 continue  # travels over the socket: the receiver's
             tasks = reader.decode(seq)
-            if slot.hold(seq, tasks):
+            if slot.hold(seq, tasks, kind == batch_ring.SHARED):
                 self._counters["predecoded"] += 1
             del tasks
             self.woke.set()
-            time.sleep(0)  # the GIL goes back to the step between two batches
+            if words[PUBLISHED] > seq:
+                time.sleep(0)  # the GIL goes back to the step before the next batch
         return next_seq
 
     def stop(self) -> None:

@@ -9,9 +9,9 @@ __all__ = ["LocalSlot"]
 class LocalSlot:
     """The batches a rank holds, by sequence number, until its event loop takes them.
 
-    Lock invariant: ``held`` maps seq -> decoded tasks for seqs above ``taking`` that a
-    background thread decoded ahead of the event loop (socket batches; ring batches the
-    prefetch thread pre-decoded); ``taking`` (written by the event loop, under the lock)
+    Lock invariant: ``held`` maps seq -> (decoded tasks, whether they were read through the
+    large-batch pool) for seqs above ``taking`` that a background thread decoded ahead of
+    the event loop (socket batches; ring batches the prefetch thread pre-decoded); ``taking`` (written by the event loop, under the lock)
     only grows, and nothing at or below it is added. ``received`` (the highest seq received
     over the socket, every earlier one that travelled over the socket received too) only
     grows and is written, with ``held``, under the lock by the socket's receiver.
@@ -34,21 +34,22 @@ class LocalSlot:
         the event loop already took it, and advance ``received``."""
         with self._lock:
             if seq > self.taking:
-                self._held[seq] = tasks
+                self._held[seq] = (tasks, False)  # a shared batch was counted by the decode
             self.received = seq
 
-    def hold(self, seq: int, tasks) -> bool:
-        """A thread decoded ``seq`` ahead of the event loop: hold it, unless the event loop
-        claimed it meanwhile (False: it decodes the batch itself and this copy is dropped)."""
+    def hold(self, seq: int, tasks, shared: bool) -> bool:
+        """A thread decoded ``seq`` ahead of the event loop (``shared``: through the
+        large-batch pool): hold it, unless the event loop claimed it meanwhile (False: it
+        decodes the batch itself and this copy is dropped)."""
         with self._lock:
             if seq > self.taking:
-                self._held[seq] = tasks
+                self._held[seq] = (tasks, shared)
                 return True
             return False
 
     def claim(self, from_seq: int, to_seq: int) -> dict:
         """The event loop takes (from_seq, to_seq]: from now on no thread adds those seqs;
-        returns ``{seq: tasks}`` of the ones held (the rest are the caller's to decode)."""
+        returns ``{seq: (tasks, shared)}`` of the ones held (the rest are the caller's to decode)."""
         with self._lock:
             self.taking = to_seq
             held = self._held

@@ -37,23 +37,27 @@ class Taker:
             for s in seqs:
                 if s in items:
                     continue
-                if ring is None or ring.kind(s) not in RING_KINDS:
+                kind = ring.kind(s) if ring is not None else 0
+                if kind not in RING_KINDS:
                     raise ProtocolError(f"rank {self._rank} holds {len(items)} of the "
                                         f"{len(seqs)} batch(es) the step takes ({from_seq}, "
                                         f"{to_seq}]: seq {s} is missing")
                 # not decoded ahead (the prefetch thread had not got the GIL, or sync mode)
                 try:
-                    items[s] = ring.decode(s)
+                    items[s] = (ring.decode(s), kind == batch_ring.SHARED)
                 except Exception as exc:
                     # as a receiver's failure: latched, so every later step call raises it
                     self._faults.latch(exc)
                     self._faults.raise_error()
                     raise  # raise_error returns only for an engine CLOSE: not this error
                 self._counters["decoded_by_loop"] += 1
-        if ring is not None:  # large batches read through the pool, for stats()
-            self._counters["shared_batches"] += sum(ring.kind(s) == batch_ring.SHARED
-                                                    for s in seqs)
+        tasks = []
+        for s in seqs:
+            batch, shared = items[s]
+            tasks.append(batch)
+            if shared:  # a large batch read through the pool, for stats()
+                self._counters["shared_batches"] += 1
         slot.taken = to_seq
         self._group.publish_consumed(to_seq)
         self._acks.acknowledge(to_seq)
-        return [items[s] for s in seqs]
+        return tasks

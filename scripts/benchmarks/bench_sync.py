@@ -567,7 +567,8 @@ def delivery_rank(name, tp, rank, n, out):
             tasks, _ = client.get_tasks()
             taken += len(tasks)
             del tasks
-        cpu = (client.prefetch_cpu_seconds() - cpu0) / n * 1e9
+        cpu1 = client.prefetch_cpu_seconds()  # None: the threads have stopped already
+        cpu = (cpu1 - cpu0) / n * 1e9 if cpu0 is not None and cpu1 is not None else np.nan
     out.put(("times", rank, (received, published, cpu, decode_times)))
 
 
@@ -589,16 +590,19 @@ def timed_sends(queue):
     return first
 
 
-def bench_delivery(n, tp=2):
-    """Put -> every rank holds a 64 x 512 batch, over the socket and through the
-    shared-memory pool, puts alternating between the two queues (2-5 ms apart, the ranks
-    idle in between). Per row: {"held", "put", "send", "transport", "decode"} arrays, us
-    ("send": the call to the first DATA message leaving the engine)."""
+DELIVERY_MODES = (("socket (FD_SYNC_SHM_RING_KB=off)", {"FD_SYNC_SHM_RING_KB": "off"}),
+                  ("pool (ring off, FD_SYNC_SHM_PAYLOAD_MIN_KB=64)",
+                   {"FD_SYNC_SHM_RING_KB": "off", "FD_SYNC_SHM_PAYLOAD_MIN_KB": "64"}),
+                  ("ring (the default)", {}))
+
+
+def bench_delivery(n, tp=2, modes=DELIVERY_MODES):
+    """Put -> every rank holds a 64 x 512 batch, through each of ``modes`` (the socket,
+    the shared-memory pool, the ring), puts alternating between their queues (2-5 ms
+    apart, the ranks idle in between). Per row: {"held", "put", "send", "transport",
+    "decode", "cpu", "decode_calls"}, us ("send": the call to the first DATA message
+    leaving the engine)."""
     batch = make_requests()
-    modes = (("socket (FD_SYNC_SHM_RING_KB=off)", {"FD_SYNC_SHM_RING_KB": "off"}),
-             ("pool (ring off, FD_SYNC_SHM_PAYLOAD_MIN_KB=64)",
-              {"FD_SYNC_SHM_RING_KB": "off", "FD_SYNC_SHM_PAYLOAD_MIN_KB": "64"}),
-             ("ring (the default)", {}))
     queues, procs, outs = {}, [], {}
     try:
         for label, env in modes:

@@ -11,10 +11,11 @@ wake-up per rank: no socket, no I/O thread. It has nothing the library's path ca
 (order across engine lives, retention for a rank that joins late, backpressure,
 authentication, liveness, a buffer per batch in flight): a floor to measure, not a design.
 
-The library's rows are ``bench_sync.py`` section 7's: over the socket, and through the
-shared-memory pool (64 KiB threshold). Same batch, same spacing (2-5 ms apart, ranks idle
-in between), TP=2; floor and library alternate by rounds. Medians of put -> the last rank
-holds it. Asserts nothing.
+The library's rows are ``bench_sync.py`` section 7's: over the socket, through the
+shared-memory pool (64 KiB threshold) and through the ring, the three queues side by side;
+and the ring alone, as the floor runs (no other queue's ranks on the cores). Same batch,
+same spacing (2-5 ms apart, ranks idle in between), TP=2; floor and library alternate by
+rounds. Medians of put -> the last rank holds it decoded. Asserts nothing.
 
     python scripts/benchmarks/put_floor.py [--puts 200] [--rounds 2]
 """
@@ -125,9 +126,16 @@ def main():
     ap.add_argument("--puts", type=int, default=200, help="puts per path and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    rows = {"floor: shared buffer + one semaphore post per rank": []}
+    floor = "floor: shared buffer + one semaphore post per rank"
+    rows = {floor: []}
+    ring = [m for m in bench_sync.DELIVERY_MODES if m[0].startswith("ring")]
     for _ in range(args.rounds):
-        rows["floor: shared buffer + one semaphore post per rank"].extend(bench_floor(args.puts))
+        rows[floor].extend(bench_floor(args.puts))
+        # the ring alone, as the floor runs alone: the other paths' ranks would share the
+        # two cores with it
+        for label, parts in bench_sync.bench_delivery(args.puts, modes=ring).items():
+            rows.setdefault(f"library alone, {label}", []).extend(
+                np.asarray(parts["held"]) / 1000.0)
         for label, parts in bench_sync.bench_delivery(args.puts).items():
             rows.setdefault(f"library, {label}", []).extend(np.asarray(parts["held"]) / 1000.0)
     print(f"put -> every rank holds a 64 x 512 batch, TP={TP}, {args.rounds} rounds of "

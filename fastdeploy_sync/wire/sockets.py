@@ -5,9 +5,11 @@ it (batches, acknowledgements, heartbeats). A ZeroMQ socket is not thread-safe, 
 socket has exactly one owning thread at a time.
 
 Here: the options every socket shares (``new_socket``), receiving what a socket holds
-without blocking (``receive_available``), waking a polling thread (``WakePipe``), a poll
-whose answer another thread can read without the GIL changing hands (``ReadinessPoll``),
-and the process limits libzmq needs headroom in (file descriptors, heap memory).
+without blocking (``recv_nowait``, ``monitor_event_nowait``: the one place that turns
+ZeroMQ's ``Again`` into "nothing waiting"; ``receive_available``, ``monitor_events`` for a
+loop with a budget), waking a polling thread (``WakePipe``), a poll whose answer another
+thread can read without the GIL changing hands (``ReadinessPoll``), and the process limits
+libzmq needs headroom in (file descriptors, heap memory).
 """
 
 import ctypes
@@ -19,8 +21,8 @@ import select
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["new_socket", "receive_available", "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds",
-           "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+__all__ = ["new_socket", "recv_nowait", "monitor_event_nowait", "receive_available",
+           "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
 
 
 # File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
@@ -143,35 +145,45 @@ def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
+def recv_nowait(sock: zmq.Socket, copy: bool = True):
+    """The next message waiting on ``sock`` (a list of frames), or None when none is
+    waiting; never blocks. The calling thread must own the socket (a ZeroMQ socket is not
+    thread-safe). A plain call, not a generator: a worker's step call receives through it
+    (``while (frames := recv_nowait(sock)) is not None``)."""
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+    except zmq.Again:
+        return None
 
 
-def receive_available(sock: zmq.Socket, budget: int = None, copy: bool = True):
-    """Yield the messages waiting on ``sock`` (each a list of frames), one at a time, never
-    blocking: until the socket holds none (the loop ends), or ``budget`` were yielded (None:
-    no bound). The next message is received only when the caller asks for it, so a caller
-    that stops early (``break``, an exception) leaves the rest on the socket. The calling
-    thread must own the socket (a ZeroMQ socket is not thread-safe)."""
-    count = 0
-    while budget is None or count < budget:
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-        except zmq.Again:
+def monitor_event_nowait(monitor: zmq.Socket):
+    """The next event waiting on a socket monitor (a ``zmq.utils.monitor`` dict: ``event``,
+    ``value``, ``endpoint``), or None when none is waiting; never blocks."""
+    try:
+        return recv_monitor_message(monitor, zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def receive_available(sock: zmq.Socket, budget: int, copy: bool = True):
+    """Yield at most ``budget`` of the messages waiting on ``sock``, one at a time, never
+    blocking (``recv_nowait``). The next message is received only when the caller asks for
+    it, so a caller that stops early (``break``, an exception) leaves the rest on the
+    socket."""
+    for _ in range(budget):
+        frames = recv_nowait(sock, copy)
+        if frames is None:
             return
-        count += 1
         yield frames
 
 
-def monitor_events(monitor: zmq.Socket, budget: int = None):
-    """Yield the events waiting on a socket monitor (``zmq.utils.monitor`` dicts: ``event``,
-    ``value``, ``endpoint``), as ``receive_available`` yields messages: never blocking, at
-    most ``budget``, the next one read only when asked for."""
-    count = 0
-    while budget is None or count < budget:
-        try:
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)
-        except zmq.Again:
+def monitor_events(monitor: zmq.Socket, budget: int):
+    """Yield at most ``budget`` of the events waiting on a socket monitor, as
+    ``receive_available`` yields messages."""
+    for _ in range(budget):
+        event = monitor_event_nowait(monitor)
+        if event is None:
             return
-        count += 1
         yield event
 
 class WakePipe:

@@ -230,13 +230,13 @@ class TaskClient:
         if self._data_ready[3]:  # sync: always; async: a batch woke the background thread
             self._receiver.receive_now() if not self.async_prefetch else self._receiver.drain()
         taken = self._slot.taken
-        group = self._group
         words = self._rings.words
         if words is not None:
             # the ring says what every rank of the node can take: no rank's thread needs to
             # have run (batches that travelled over the socket: once every rank received them)
             if words[PUBLISHED] <= taken:
                 return False  # nothing published this rank has not taken: one read
+            group = self._group
             ring = self._rings.reader
             if not self._peers_welcomed:
                 if not group.all_welcomed(self._watch.engine):
@@ -249,6 +249,7 @@ class TaskClient:
             received = self._slot.received
             if received <= taken:  # this rank holds nothing new: no shared memory read
                 return False
+            group = self._group
             upto = group.min_received()
             if upto < received and self._waits_for_peers:
                 # a peer is still receiving what this rank holds: take it this step

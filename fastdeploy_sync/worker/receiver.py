@@ -26,7 +26,7 @@ from ..logs import RateLimitedLog
 from ..wire import codec
 from ..wire.auth import HANDSHAKE_FAILED_EVENTS, handshake_failure_message
 from ..wire.endpoints import ipc_path
-from ..wire.sockets import ReadinessPoll, WakePipe, monitor_events, receive_available
+from ..wire.sockets import ReadinessPoll, WakePipe, monitor_event_nowait, recv_nowait
 
 __all__ = ["Receiver"]
 
@@ -172,9 +172,10 @@ class Receiver:
     def _receive_data(self) -> bool:
         """Every message waiting on the data socket, until it is empty (True) or the engine
         said CLOSE (False: nothing after it is ours)."""
-        for frames in receive_available(self._conn.data, copy=False):
+        data, watch = self._conn.data, self._watch
+        while (frames := recv_nowait(data, copy=False)) is not None:
             self.on_message(frames)
-            if self._watch.close_seq is not None:
+            if watch.close_seq is not None:
                 return False
         return True
 
@@ -182,14 +183,15 @@ class Receiver:
         """The background thread's own socket: its connection is the one the engine is
         judged by (``watch``), its messages are the engine's PONGs."""
         self._receive_monitor(self._conn.hb_monitor, watch=True)
-        for frames in receive_available(self._conn.hb, copy=False):
+        hb = self._conn.hb
+        while (frames := recv_nowait(hb, copy=False)) is not None:
             self.on_message(frames)
 
     def _receive_monitor(self, monitor, watch):
         """Handle the socket-monitor events of one of our sockets: re-HELLO on a data
         socket reconnection, authentication failures, and (``watch``: the socket whose
         connection the liveness judgement follows) the connection going down."""
-        for event in monitor_events(monitor):
+        while (event := monitor_event_nowait(monitor)) is not None:
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_CONNECTED:
                 self._watch.connected()

@@ -33,10 +33,10 @@ tell those apart from death. So the two questions are answered by different mean
 
 What counts as life for ZMTP: libzmq (4.3.5) cancels a heartbeat timeout only when a
 *frame* has been decoded completely; bytes of a frame still in transit do not count.
-Measured: a DEALER with ``HEARTBEAT_TIMEOUT`` 0.3 s never receives a 600 MiB frame that
-takes 1.5 s to cross loopback: its own PINGs re-arm the timeout during the transfer, the
-connection is dropped mid-frame, and again after every reconnect. A TTL asked by the
-sender does the same to a single big frame. Hence:
+So a socket whose heartbeat timeout is shorter than a frame's transfer never receives that
+frame: its own PINGs re-arm the timeout during the transfer, the connection is dropped
+mid-frame, and again after every reconnect (docs/failure-model.md, "Measured"). A TTL asked
+by the sender does the same to a single big frame. Hence:
   * the engine's socket runs the heartbeats (``configure_engine_socket``): its PINGs
     leave after whatever message it is sending, and the workers' answers travel on the
     direction that carries only small messages, so a big batch does not trip it (a batch

@@ -25,15 +25,12 @@ __all__ = ["new_socket", "recv_nowait", "monitor_event_nowait", "receive_availab
            "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
 
 
-# File descriptors our objects need, counted in /proc/self/fd before and after (libzmq
-# 4.3.5, one io thread): a Context plus its first socket 6 (reaper and io-thread epoll and
-# mailbox fds), each further socket 1-2, a socket monitor 1-2, a WakePipe 2, each
-# connection 1. Measured whole: TaskQueue(tp_size=2) 10 before any rank connects, a
-# TaskClient 12-16, a Context with ServerAuth (its ZAP thread and socket) 11. The constants
-# keep about 2x headroom; the engine adds 2 per rank for the ranks' two connections.
+# File descriptors our objects need (a Context's reaper and I/O thread, each socket, each
+# socket monitor, a WakePipe, each connection; counted in docs/failure-model.md): the
+# constants keep about twice what an object was counted to use; the engine adds 2 per rank
+# for the ranks' two connections.
 CLIENT_FDS = 32
 ENGINE_FDS = 32
-
 
 
 def ensure_free_fds(count: int, who: str) -> None:
@@ -76,7 +73,6 @@ def ensure_free_fds(count: int, who: str) -> None:
             f"in the launching shell) or close files/sockets this process does not need")
 
 
-
 def anon_rss_bytes() -> int:
     """This process's resident memory that is not file- or shared-memory-backed (resident
     minus shared pages, ``/proc/self/statm``): what its heaps hold. 0 where it cannot be
@@ -89,9 +85,7 @@ def anon_rss_bytes() -> int:
         return 0
 
 
-
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 
 
 def trim_heap() -> None:
@@ -103,7 +97,6 @@ def trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
 
 
 def raise_fd_limit() -> tuple:
@@ -128,7 +121,6 @@ def raise_fd_limit() -> tuple:
         except (OSError, ValueError):
             pass
     return soft, soft
-
 
 
 def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -222,10 +214,8 @@ class WakePipe:
                 pass
 
 
-
 class _PollFD(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
-
 
 
 def _libc_poll():
@@ -240,9 +230,7 @@ def _libc_poll():
     return fn
 
 
-
 _POLL = _libc_poll()
-
 
 
 class ReadinessPoll:

@@ -107,12 +107,13 @@ def _text(value, limit: int = 200) -> str:
 
 def _engine_status(endpoint, args) -> bool:
     """What the engine knows: every rank's state and watermark (any coordinator). Whatever
-    the endpoint answers is checked (``query_status``) and printed escaped (``_text``)."""
-    from .engine.queue import query_status
+    the endpoint answers is checked (``query_status_isolated``) and printed escaped
+    (``_text``)."""
+    from .engine.status import query_status_isolated
     from .errors import ProtocolError, TaskSyncError
 
-    try:
-        st = query_status(endpoint, keys_dir=args.keys, timeout=args.timeout)
+    try:  # in a child: a peer's endless reply cannot make this process grow (see there)
+        st = query_status_isolated(endpoint, keys_dir=args.keys, timeout=args.timeout)
     except TimeoutError as exc:
         print(f"no engine answered: {_text(exc, 400)}")
         return False

@@ -9,6 +9,10 @@ bytes are not trusted to be a status.
 """
 
 import json
+import os
+import resource
+import select
+import signal
 import time
 
 import zmq
@@ -19,7 +23,7 @@ from ..wire.auth import ClientAuth
 from ..wire.endpoints import check_ipc_endpoint, ipc_path
 from ..wire.sockets import anon_rss_bytes, new_socket, trim_heap
 
-__all__ = ["StatusReply", "query_status"]
+__all__ = ["StatusReply", "query_status", "query_status_isolated"]
 
 # A STATUS reply is rebuilt at most this often (a status is for people and scrapers).
 _STATUS_CACHE_S = 0.2
@@ -112,6 +116,104 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         ctx.destroy(linger=0)
         if overrun:
             trim_heap()
+
+
+# query_status_isolated's child may grow its data segment by this much past what it holds
+# when it forks: query_status's own bound, libzmq's I/O thread and its buffers, with room.
+_CHILD_DATA_HEADROOM = 192 << 20
+
+
+def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
+                          timeout: float = 2.0) -> dict:
+    """``query_status`` in a forked child whose data segment is capped (``RLIMIT_DATA``, what
+    it holds plus ~192 MiB): the same result and the same exceptions, but a peer that streams
+    a reply it never finishes cannot make this process or the child hold more, however the
+    machine schedules the threads. ``query_status`` watches its memory every 2 ms, and a
+    local peer fills memory faster than a descheduled watcher looks; libzmq has no bound on
+    an unfinished multipart message, and aborts the process when an allocation fails, so the
+    hard bound needs a process of its own.
+
+    For single-threaded callers (the CLI): it forks. Blocks at most ``timeout`` + 5 s;
+    raises ``TimeoutError``/``ProtocolError``/``OSError`` as ``query_status`` does, and
+    ``ProtocolError`` naming the endpoint when the child dies (the cap reached)."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            os.close(reader)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)  # libzmq's "out of memory" line is the parent's to word
+            held = _data_bytes()
+            if held:
+                limit = held + _CHILD_DATA_HEADROOM
+                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+            try:
+                answer = {"status": query_status(endpoint, keys_dir=keys_dir,
+                                                 insecure_tcp=insecure_tcp, timeout=timeout)}
+            except (TimeoutError, ProtocolError, OSError) as exc:
+                answer = {"error": type(exc).__name__, "message": str(exc)}
+            data = json.dumps(answer).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(writer, view):]
+        except BaseException:  # noqa: BLE001 - the child reports by its exit status only
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(writer)
+    try:
+        data = _read_all(reader, time.monotonic() + timeout + 5.0)
+    finally:
+        os.close(reader)
+        if data is None:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if data is None:
+        raise TimeoutError(f"asking {endpoint} did not end within {timeout + 5.0:g} s")
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        code = os.waitstatus_to_exitcode(status)
+        raise ProtocolError(f"{endpoint} sent more than the "
+                            f"{_CHILD_DATA_HEADROOM >> 20} MiB this asker may hold without "
+                            f"finishing a reply: not a fastdeploy_sync engine (the asking "
+                            f"process ended with status {code})")
+    if "status" in answer:
+        return answer["status"]
+    kind = {"TimeoutError": TimeoutError}.get(answer.get("error"), ProtocolError)
+    if answer.get("error") not in ("TimeoutError", "ProtocolError"):
+        kind = OSError  # OSError and its subclasses: their text says what failed
+    raise kind(str(answer.get("message")))
+
+
+def _data_bytes() -> int:
+    """This process's data segment (``VmData``, what ``RLIMIT_DATA`` counts); 0 if unknown."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmData:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _read_all(fd: int, deadline: float):
+    """Everything written to ``fd`` until its writer closes it, or None past ``deadline``."""
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)  # retried on EINTR (PEP 475)
+        if ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
 
 # The fields of a status the CLI reads, and their types (JSON: int, float, str, None).

@@ -214,10 +214,9 @@ def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
 
 def test_status_endless_reply_is_bounded_even_when_the_memory_watch_never_looks(name):
     """The 2 ms memory watch is a schedule, not a bound: on a loaded machine the watching
-    thread stays off the CPU while libzmq's I/O thread reads on (a CI run's asker reached
-    1.1 GiB). Here the watch is switched off, as a starved watcher is, so only the hard cap
-    remains: the asking child's data segment limit. Before the child: the asker grew until
-    its timeout (GiBs)."""
+    thread stays off the CPU while libzmq's I/O thread reads on. Here the watch is switched
+    off, as a starved watcher is, so only the hard cap remains: the asking child's data
+    segment limit (without the child the asker grows until its timeout)."""
     path = ipc_path(default_endpoint(name, 0))
     stop = threading.Event()
     srv, thread = _zmtp_endless_server(path, stop)

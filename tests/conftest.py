@@ -1,6 +1,10 @@
 import glob
 import multiprocessing
 import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
 import uuid
 
 import pytest
@@ -73,3 +77,28 @@ def loopback_tcp(monkeypatch):
     """Tests about the protocol, not authentication, run tcp on loopback without keys
     (tests/integration/test_auth.py and tests/integration/test_trust.py cover CURVE)."""
     monkeypatch.setenv("FD_SYNC_INSECURE_TCP", "1")
+
+
+@pytest.fixture
+def ipc_env(monkeypatch):
+    """A private ipc directory of its own, no FD_SYNC_IPC_DIR or XDG_RUNTIME_DIR set: short,
+    since pytest's tmp_path can push a socket path past the 107-byte unix limit."""
+    monkeypatch.delenv("FD_SYNC_IPC_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    path = tempfile.mkdtemp(prefix="fdsp-", dir="/tmp")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _unshare_pid_namespace_allowed():
+    try:
+        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# For tests that run a process in a pid namespace of its own (a container sharing /dev/shm)
+needs_pid_namespace = pytest.mark.skipif(
+    not _unshare_pid_namespace_allowed(),
+    reason="this machine does not allow a new pid namespace (unshare -p -f --mount-proc)")

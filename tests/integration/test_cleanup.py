@@ -16,7 +16,7 @@ from fastdeploy_sync import envs
 
 from workers import wait_until
 
-from conftest import TESTS
+from conftest import TESTS, needs_pid_namespace
 
 PROCS = os.path.join(TESTS, "cleanup_procs.py")
 
@@ -319,17 +319,7 @@ def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
                 pass
 
 
-def _unshare_pid_namespace_allowed():
-    try:
-        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
-                    reason="this machine does not allow a new pid namespace "
-                           "(unshare -p -f --mount-proc)")
+@needs_pid_namespace
 @pytest.mark.parametrize("where", ["pool", "own segment"])
 def test_clean_from_another_pid_namespace_leaves_a_live_group_alone(name, where, monkeypatch):
     """A sidecar container sharing /dev/shm (a pid namespace of its own) runs clean: every

@@ -17,6 +17,7 @@ from fastdeploy_sync.shm.segment import OWNER_PID, Segment, owner_alive
 from fastdeploy_sync.tp.layout import R_PID, RANK_BASE, RANK_STRIDE
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
+from conftest import needs_pid_namespace
 from workers import collect, hold_engine, hold_group_rank
 
 
@@ -79,17 +80,7 @@ def test_a_rank_whose_pid_was_reused_is_reported_exited(name, procs, doomed, liv
         rank0.close()
 
 
-def _unshare_pid_namespace_allowed():
-    try:
-        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
-                    reason="this machine does not allow a new pid namespace "
-                           "(unshare -p -f --mount-proc)")
+@needs_pid_namespace
 def test_a_live_owner_in_another_pid_namespace_is_never_stolen_from(name, procs, results):
     """The group's rank 0 lives in this pid namespace; a rank 0 of the same name starts in
     another one that shares /dev/shm (as containers with --ipc=host do). The owner's pid

@@ -38,20 +38,6 @@ def _mode(path):
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.fixture
-def ipc_env(monkeypatch):
-    # A short directory of its own: pytest's tmp_path can push a socket path past the
-    # 107-byte unix limit.
-    import pathlib
-    import shutil
-
-    monkeypatch.delenv("FD_SYNC_IPC_DIR", raising=False)
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    path = tempfile.mkdtemp(prefix="fdsp-", dir="/tmp")
-    yield pathlib.Path(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @needs_root
 def test_socket_file_of_another_user_is_refused_and_kept(ipc_env):
     d = private_dir(str(ipc_env / "ours"))

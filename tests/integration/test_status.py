@@ -7,7 +7,7 @@ import time
 from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.engine.queue import query_status
 
-from conftest import SPAWN
+from conftest import SPAWN, needs_pid_namespace
 from workers import _report_errors, collect, wait_until
 
 
@@ -185,18 +185,25 @@ def _zmtp_endless_server(path, stop):
     return srv, thread
 
 
-@pytest.mark.serial
-def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
-    """A peer that answers with a message it never finishes: libzmq buffers it out of the
-    client's sight, so the client watches its own memory. Before: 1.55 GiB within the
-    2 s timeout, then a timeout. Now: gives up past ~64 MiB, one line, exit status 1."""
+def _status_against_an_endless_reply(name, argv):
+    """Run ``argv`` (a ``fastdeploy-sync status NAME`` of some kind) against a peer that
+    streams an endless reply at NAME's endpoint; returns (exit code, stdout, stderr, peak
+    RSS in KiB of the process and the children it waited for)."""
     path = ipc_path(default_endpoint(name, 0))
     stop = threading.Event()
     srv, thread = _zmtp_endless_server(path, stop)
     try:
-        p = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
-                              "--timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(p.pid, 0)
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while True:  # wait4 with a bound: the asker's own timeouts end it within 10 s
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                p.kill()
+                p.wait(timeout=10)
+                raise AssertionError(f"{argv} did not end within 60 s")
+            time.sleep(0.05)
         out, err = p.stdout.read().decode(), p.stderr.read().decode()
         p.stdout.close()
         p.stderr.close()
@@ -205,11 +212,21 @@ def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
         thread.join(timeout=15)
         srv.close()
         os.unlink(path)
-    assert os.waitstatus_to_exitcode(status) == 1, out + err
+    return os.waitstatus_to_exitcode(status), out, err, usage.ru_maxrss
+
+
+def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
+    """A peer that answers with a message it never finishes: libzmq buffers it out of the
+    client's sight. Before: 1.55 GiB within the 2 s timeout, then a timeout. Now: the
+    asking child gives up (its memory watch, or its data segment's cap), one line, exit
+    status 1."""
+    code, out, err, peak_kib = _status_against_an_endless_reply(
+        name, [sys.executable, "-m", "fastdeploy_sync.cli", "status", name, "--timeout", "5"])
+    assert code == 1, out + err
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
-    # KiB: the child that asks is capped at what it held plus 192 MiB
-    assert usage.ru_maxrss < 640 << 10, usage.ru_maxrss
+    # the child that asks is capped at what it held plus 192 MiB
+    assert peak_kib < 640 << 10, peak_kib
 
 
 def test_status_endless_reply_is_bounded_even_when_the_memory_watch_never_looks(name):
@@ -217,41 +234,18 @@ def test_status_endless_reply_is_bounded_even_when_the_memory_watch_never_looks(
     thread stays off the CPU while libzmq's I/O thread reads on. Here the watch is switched
     off, as a starved watcher is, so only the hard cap remains: the asking child's data
     segment limit (without the child the asker grows until its timeout)."""
-    path = ipc_path(default_endpoint(name, 0))
-    stop = threading.Event()
-    srv, thread = _zmtp_endless_server(path, stop)
     code = ("import sys; from fastdeploy_sync.engine import status; "
             "status._STATUS_INPUT_BOUND = 1 << 50; from fastdeploy_sync import cli; "
             f"sys.exit(cli.main(['status', {name!r}, '--timeout', '5']))")
-    try:
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(p.pid, 0)
-        out, err = p.stdout.read().decode(), p.stderr.read().decode()
-        p.stdout.close()
-        p.stderr.close()
-    finally:
-        stop.set()
-        thread.join(timeout=15)
-        srv.close()
-        os.unlink(path)
-    assert os.waitstatus_to_exitcode(status) == 1, out + err
+    code, out, err, peak_kib = _status_against_an_endless_reply(
+        name, [sys.executable, "-c", code])
+    assert code == 1, out + err
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
-    assert usage.ru_maxrss < 640 << 10, usage.ru_maxrss
+    assert peak_kib < 640 << 10, peak_kib
 
 
-def _unshare_pid_namespace_allowed():
-    try:
-        return subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _unshare_pid_namespace_allowed(),
-                    reason="this machine does not allow a new pid namespace "
-                           "(unshare -p -f --mount-proc)")
+@needs_pid_namespace
 def test_status_from_another_pid_namespace_sees_a_live_group_alive(name, procs, results):
     """`fastdeploy-sync status` in a sidecar container (its own pid namespace, the same
     /dev/shm) reads who is alive from the locks the owner and the ranks hold, not from

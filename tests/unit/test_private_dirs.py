@@ -20,20 +20,6 @@ def _mode(path):
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.fixture
-def ipc_env(monkeypatch):
-    # A short directory of its own: pytest's tmp_path can push a socket path past the
-    # 107-byte unix limit.
-    import pathlib
-    import shutil
-
-    monkeypatch.delenv("FD_SYNC_IPC_DIR", raising=False)
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    path = tempfile.mkdtemp(prefix="fdsp-", dir="/tmp")
-    yield pathlib.Path(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_default_dir_under_xdg_runtime_dir_is_created_0700(ipc_env, monkeypatch):
     runtime = ipc_env / "run"
     runtime.mkdir(mode=0o700)

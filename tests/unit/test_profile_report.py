@@ -96,6 +96,36 @@ def _verdicts(summary):
     return {(t["step_kind"], t["target"]): t["verdict"] for t in summary["targets"]}
 
 
+def test_report_far_from_every_target_gives_met_or_missed():
+    from fastdeploy_sync.profiling import report
+
+    raw = _fake_raw(crit_us={"async": 10.0}, gil_us={"async": 5.0}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[("python", "async critical path p50 <= 30 us")] == "met"
+    assert words[("python", "async critical path p50 >= 20x below fd-manager's")] == "met"
+    assert words[("python", "async critical path p50 >= 5x below sync mode's")] == "met"
+    assert words[("python", "async GIL wait added <= 3 % of none's step")] == "met"
+    assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "met"
+    assert words[(None, "async idle worker CPU <= 1 % of a core")] == "MISSED"  # 1.5 %
+    # ... and what task sync adds to the bare loop's 1.0 % is judged apart: +0.5 points is
+    # not below 0.5; +0.2 is, while the absolute row stays MISSED (1.2 %)
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] != "met"
+    raw = _fake_raw(idle_cpu={"async": 1.2}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] == "met"
+    assert words[(None, "async idle worker CPU <= 1 % of a core")] == "MISSED"
+    raw = _fake_raw(idle_cpu={"async": 2.5}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[(None, "async idle CPU <= 0.5 points above none's")] == "MISSED"
+
+    raw = _fake_raw(crit_us={"async": 60.0}, gil_us={"async": 200.0},
+                    delivery_ms={"async": 8.0}, round_noise=0.05)
+    words = _verdicts(report.summarize(raw))
+    assert words[("python", "async critical path p50 <= 30 us")] == "MISSED"
+    assert words[("python", "async GIL wait added <= 3 % of none's step")] == "MISSED"  # 10 %
+    assert words[("python", "async delivery p50 <= sync mode's (ratio <= 1)")] == "MISSED"
+
+
 def test_verdict_words_follow_the_interval():
     from fastdeploy_sync.profiling.intervals import verdict
 

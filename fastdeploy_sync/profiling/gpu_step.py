@@ -192,6 +192,20 @@ def resolve(name: str = "auto") -> GpuBackend:
 
 # -- the decode step, one class per framework (the same ops in both) -----------------------
 
+def _weights(randn, shape: DecodeShape):
+    """The first hidden state, every layer's weights and KV cache, and the head, drawn by
+    ``randn(*size, scale=)`` (the backend's): the same shapes in every backend."""
+    b, h, n, length = shape.batch, shape.hidden, shape.heads, shape.kv_len
+    d = h // n
+    layers = [{"wqkv": randn(h, 3 * h, scale=h ** -0.5),
+               "wo": randn(h, h, scale=h ** -0.5),
+               "w1": randn(h, 4 * h, scale=h ** -0.5),
+               "w2": randn(4 * h, h, scale=(4 * h) ** -0.5),
+               "k": randn(b, n, d, length), "v": randn(b, n, length, d)}
+              for _ in range(shape.layers)]
+    return randn(b, h), layers, randn(h, shape.vocab, scale=h ** -0.5)
+
+
 class TorchDecode:
     """The decode step's weights, KV cache and state on ``device`` (any torch device:
     "cuda:0", or "cpu" in the tests)."""
@@ -199,21 +213,14 @@ class TorchDecode:
     def __init__(self, torch, device, shape: DecodeShape, dtype):
         self.torch, self.shape = torch, shape
         F = torch.nn.functional
-        b, h, n, length = shape.batch, shape.hidden, shape.heads, shape.kv_len
+        b, h, n = shape.batch, shape.hidden, shape.heads
         d = h // n
         gen = torch.Generator(device=device).manual_seed(0)
 
         def randn(*size, scale=1.0):
             return torch.randn(*size, generator=gen, device=device, dtype=dtype) * scale
 
-        self.x0 = randn(b, h)
-        self.layers = [{"wqkv": randn(h, 3 * h, scale=h ** -0.5),
-                        "wo": randn(h, h, scale=h ** -0.5),
-                        "w1": randn(h, 4 * h, scale=h ** -0.5),
-                        "w2": randn(4 * h, h, scale=(4 * h) ** -0.5),
-                        "k": randn(b, n, d, length), "v": randn(b, n, length, d)}
-                       for _ in range(shape.layers)]
-        self.head = randn(h, shape.vocab, scale=h ** -0.5)
+        self.x0, self.layers, self.head = _weights(randn, shape)
         self.scale = d ** -0.5
         self.F, self.dims = F, (b, h, n, d)
         self.x, self.next = self.x0, 0
@@ -247,20 +254,13 @@ class PaddleDecode:
         paddle.set_device(device)
         paddle.seed(0)
         F = paddle.nn.functional
-        b, h, n, length = shape.batch, shape.hidden, shape.heads, shape.kv_len
+        b, h, n = shape.batch, shape.hidden, shape.heads
         d = h // n
 
         def randn(*size, scale=1.0):
             return (paddle.randn(list(size)) * scale).astype(dtype)
 
-        self.x0 = randn(b, h)
-        self.layers = [{"wqkv": randn(h, 3 * h, scale=h ** -0.5),
-                        "wo": randn(h, h, scale=h ** -0.5),
-                        "w1": randn(h, 4 * h, scale=h ** -0.5),
-                        "w2": randn(4 * h, h, scale=(4 * h) ** -0.5),
-                        "k": randn(b, n, d, length), "v": randn(b, n, length, d)}
-                       for _ in range(shape.layers)]
-        self.head = randn(h, shape.vocab, scale=h ** -0.5)
+        self.x0, self.layers, self.head = _weights(randn, shape)
         self.scale = d ** -0.5
         self.F, self.dims = F, (b, h, n, d)
         self.x, self.next = self.x0, 0

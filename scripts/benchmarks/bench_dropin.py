@@ -20,8 +20,10 @@ Modes: ``dropin`` = ``fastdeploy_sync.fastdeploy.EngineWorkerQueue`` (async pref
 ``fastdeploy_sync.profiling.fd_baseline.FDManagerQueue`` (FastDeploy's manager queue, single
 node: shared-memory exist flag; its calls and round trips are FastDeploy's).
 
-Prints per mode p50/p99 over all steps and over steps that took a batch, and the ratios
-fd-manager / dropin measured in this run. These machines are noisy: compare ratios, and
+Prints per mode p50/p99 over all steps and over steps that took a batch, the mean over all
+steps and the sum per step that took a batch (the whole cost, wherever a batch's receive
+and decode fell: a mode that decodes at the take and one that decodes a step earlier differ
+in "p50 batch", not here), and the ratios fd-manager / dropin measured in this run. These machines are noisy: compare ratios, and
 run it twice.
 """
 
@@ -250,7 +252,8 @@ def main():
           f"{'GIL-holding' if args.gil_step else 'GIL-releasing'} step; task sync per step per "
           f"rank (µs, barrier excluded); delivery = put -> every rank took it (ms)")
     print(f"{'mode':<12} {'steps':>6} {'p50 all':>8} {'p99 all':>8} {'p50 batch':>9} "
-          f"{'p99 batch':>9} {'deliv/s':>8} {'deliv p50':>9} {'deliv p99':>9}")
+          f"{'p99 batch':>9} {'deliv/s':>8} {'deliv p50':>9} {'deliv p99':>9} {'mean all':>8} "
+          f"{'per batch':>9}")
     stats = {}
     for _ in range(args.rounds):
         for mode in modes:
@@ -260,10 +263,14 @@ def main():
             with_batch = sync[took]
             s = (np.percentile(sync, 50), np.percentile(sync, 99),
                  np.percentile(with_batch, 50), np.percentile(with_batch, 99), per_s,
-                 np.percentile(delivery, 50), np.percentile(delivery, 99))
+                 np.percentile(delivery, 50), np.percentile(delivery, 99),
+                 # the whole cost: wherever a batch's receive and decode fell, every step
+                 # of the run, per step and per step that took a batch
+                 np.mean(sync), np.sum(sync) / max(1, len(with_batch)))
             stats.setdefault(mode, []).append(s)
             print(f"{mode:<12} {len(sync):>6} {s[0]:>8.1f} {s[1]:>8.1f} {s[2]:>9.1f} "
-                  f"{s[3]:>9.1f} {s[4]:>8.1f} {s[5]:>9.2f} {s[6]:>9.2f}", flush=True)
+                  f"{s[3]:>9.1f} {s[4]:>8.1f} {s[5]:>9.2f} {s[6]:>9.2f} {s[7]:>8.1f} "
+                  f"{s[8]:>9.1f}", flush=True)
     if "fd-manager" in stats:
         f = np.median(np.array(stats["fd-manager"]), axis=0)
         for mode in modes:

@@ -360,12 +360,13 @@ def _engine_cause(exc):
 @_report_errors
 def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=None,
                           report_after=0, deadline_s=60.0, heartbeat=FAST_HEARTBEAT,
-                          retry_barrier_timeouts=False):
+                          retry_barrier_timeouts=False, leave=None):
     """sync_step() until a step call raises a TaskSyncError; report ("took_n", rank, ids)
     once ``report_after`` batches are taken, then ("raised", rank, {...}) with the type of
     the exception, of its engine-side cause, the message, the monotonic time and every
     batch taken. With ``retry_barrier_timeouts``, BarrierTimeoutError is retried (as a
-    loop that does not know better would) until something else is raised."""
+    loop that does not know better would) until something else is raised. With ``leave``
+    (an Event), the client stays open after reporting until it is set (at most 60 s)."""
     from fastdeploy_sync import BarrierTimeoutError, Heartbeat, TaskSyncError
 
     taken = []
@@ -390,6 +391,8 @@ def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=Non
                                               cause=type(cause).__name__, message=str(cause),
                                               at=time.monotonic(), taken=taken,
                                               barrier_retries=barrier_retries)))
+                if leave is not None:
+                    leave.wait(60)
                 return
             if tasks:
                 before = len(taken)
@@ -413,6 +416,7 @@ def serve_engine(out, rank, name, tp, n, endpoint=None, heartbeat=FAST_HEARTBEAT
         time.sleep(seconds)
 
 
+@_report_errors
 @_report_errors
 def construct_rank(out, rank, name, tp, heartbeat=FAST_HEARTBEAT):
     """Build a TaskClient and report whether that raised (type, message) or worked."""

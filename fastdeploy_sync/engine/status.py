@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, TaskSyncError
 from ..wire import codec
 from ..wire.auth import ClientAuth
 from ..wire.endpoints import check_ipc_endpoint, ipc_path
@@ -133,9 +133,12 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
     an unfinished multipart message, and aborts the process when an allocation fails, so the
     hard bound needs a process of its own.
 
-    For single-threaded callers (the CLI): it forks. Blocks at most ``timeout`` + 5 s;
-    raises ``TimeoutError``/``ProtocolError``/``OSError`` as ``query_status`` does, and
-    ``ProtocolError`` naming the endpoint when the child dies (the cap reached)."""
+    For single-threaded callers (the CLI): it forks. Blocks at most ``timeout`` + 5 s (the
+    child is killed and reaped then, and on any exception here, KeyboardInterrupt
+    included). Raises what ``query_status`` raises, of the same kind (``TimeoutError``,
+    ``ProtocolError``, other ``TaskSyncError``, ``OSError`` and its common subclasses,
+    ``ValueError``; anything else as a ``TaskSyncError`` naming it), and ``ProtocolError``
+    naming the endpoint when the child ends without an answer (the cap reached)."""
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -151,8 +154,11 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
             try:
                 answer = {"status": query_status(endpoint, keys_dir=keys_dir,
                                                  insecure_tcp=insecure_tcp, timeout=timeout)}
-            except (TimeoutError, ProtocolError, OSError) as exc:
-                answer = {"error": type(exc).__name__, "message": str(exc)}
+            except MemoryError:
+                raise  # the cap: no answer, the parent words it
+            except Exception as exc:  # noqa: BLE001 - passed on to the parent by kind
+                kind = next((k for k in _FORWARDED if isinstance(exc, _FORWARDED[k])), "")
+                answer = {"error": kind or type(exc).__name__, "message": str(exc)}
             data = json.dumps(answer).encode()
             view = memoryview(data)
             while view:
@@ -162,9 +168,10 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
         finally:
             os._exit(code)
     os.close(writer)
+    data = None
     try:
         data = _read_all(reader, time.monotonic() + timeout + 5.0)
-    finally:
+    finally:  # also on KeyboardInterrupt: the child never outlives the call
         os.close(reader)
         if data is None:
             os.kill(pid, signal.SIGKILL)
@@ -180,13 +187,21 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
         raise ProtocolError(f"{endpoint} sent more than the "
                             f"{_CHILD_DATA_HEADROOM >> 20} MiB this asker may hold without "
                             f"finishing a reply: not a fastdeploy_sync engine (the asking "
-                            f"process ended with status {code})")
+                            f"process ended without an answer, status {code})")
     if "status" in answer:
         return answer["status"]
-    kind = {"TimeoutError": TimeoutError}.get(answer.get("error"), ProtocolError)
-    if answer.get("error") not in ("TimeoutError", "ProtocolError"):
-        kind = OSError  # OSError and its subclasses: their text says what failed
-    raise kind(str(answer.get("message")))
+    kind, message = answer.get("error"), str(answer.get("message"))
+    if kind in _FORWARDED:
+        raise _FORWARDED[kind](message)
+    raise TaskSyncError(f"asking {endpoint} failed: {kind}: {message}")
+
+
+# What query_status_isolated passes on from its child as the same kind (most specific
+# first); anything else becomes a TaskSyncError that names it.
+_FORWARDED = {"TimeoutError": TimeoutError, "ProtocolError": ProtocolError,
+              "TaskSyncError": TaskSyncError, "PermissionError": PermissionError,
+              "FileNotFoundError": FileNotFoundError, "OSError": OSError,
+              "ValueError": ValueError}
 
 
 def _data_bytes() -> int:

@@ -48,6 +48,7 @@ def test_scraping_the_status_does_not_make_the_engine_probe_its_ranks(name, proc
 
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import struct  # noqa: E402
 import subprocess  # noqa: E402
@@ -243,6 +244,62 @@ def test_status_endless_reply_is_bounded_even_when_the_memory_watch_never_looks(
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
     assert peak_kib < 640 << 10, peak_kib
+
+
+def test_status_errors_of_the_asking_child_keep_their_kind_and_words(name):
+    """The asking child passes on what it raised, by kind and with its words: an endpoint
+    whose path is too long for a unix socket (libzmq: "File name too long") is one line
+    that says so, not a peer's overrun. Before: "sent more than 192 MiB ... not a
+    fastdeploy_sync engine"."""
+    from fastdeploy_sync.envs import ipc_dir
+
+    endpoint = "ipc://" + os.path.join(ipc_dir(), "x" * 200 + ".ipc")
+    p = subprocess.run([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                        "--endpoint", endpoint, "--timeout", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "File name too long" in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and "sent more than" not in p.stdout + p.stderr
+
+
+def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
+    """Ctrl-C while the asking child waits for an endpoint that never answers: exit status
+    130, no traceback, and the child is gone at once (not left to its own timeout). Before:
+    a NameError traceback from the call's cleanup."""
+    path = ipc_path(default_endpoint(name, 0))
+    silent = socket.socket(socket.AF_UNIX)  # accepts, never speaks: the handshake hangs
+    silent.bind(path)
+    os.chmod(path, 0o600)
+    silent.listen(4)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
+                              "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            deadline = time.monotonic() + 30
+            children = []
+            while time.monotonic() < deadline and not children:  # the asking child forked
+                time.sleep(0.05)
+                try:
+                    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+                        children = [int(c) for c in f.read().split()]
+                except FileNotFoundError:
+                    break
+            assert children, "the CLI never forked its asking child"
+            time.sleep(0.3)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=15)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    finally:
+        silent.close()
+        os.unlink(path)
+    assert p.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    for child in children:
+        assert not os.path.exists(f"/proc/{child}"), f"asking child {child} outlived the CLI"
 
 
 @needs_pid_namespace

@@ -52,6 +52,9 @@ class StatusReply:
 # libzmq buffers out of our sight) is abandoned.
 _STATUS_MAX_BYTES = 4 << 20
 _STATUS_INPUT_BOUND = 64 << 20
+# An ask that got no reply while this process's peak memory rose by more than this (two
+# maximum frames and libzmq's own, with room) was sent a reply that was dropped unfinished.
+_STATUS_ABANDONED_BOUND = 32 << 20
 _STATUS_MAX_RANKS = 1 << 16
 
 
@@ -85,6 +88,7 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
         sock.send(codec.pack_header(codec.STATUS))
         deadline = time.monotonic() + timeout
         held = anon_rss_bytes()
+        peak = _peak_rss_bytes()
         # in short slices: what an unfinished reply makes libzmq buffer is seen only as
         # memory, and a local peer can fill it at the memory's speed (a longer slice lets a
         # loaded machine's client hold far more than the bound before it looks)
@@ -94,6 +98,15 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
                 raise ProtocolError(f"{endpoint} sent more than {_STATUS_INPUT_BOUND >> 20} MiB "
                                     f"without finishing a reply: not a fastdeploy_sync engine")
             if time.monotonic() >= deadline:
+                grown = _peak_rss_bytes() - peak
+                if grown > _STATUS_ABANDONED_BOUND:
+                    # a reply grew this process and was dropped unfinished (the peer hung
+                    # up, or libzmq's allocation was refused under query_status_isolated's
+                    # cap): not a quiet endpoint
+                    overrun = True
+                    raise ProtocolError(f"{endpoint} sent {grown >> 20} MiB or more without "
+                                        f"finishing a reply, then it was dropped: not a "
+                                        f"fastdeploy_sync engine")
                 raise TimeoutError(f"no TaskQueue answered at {endpoint} within {timeout:g} s "
                                    f"(none running there, or keys that do not match)")
         frames = [sock.recv()]
@@ -202,6 +215,11 @@ _FORWARDED = {"TimeoutError": TimeoutError, "ProtocolError": ProtocolError,
               "TaskSyncError": TaskSyncError, "PermissionError": PermissionError,
               "FileNotFoundError": FileNotFoundError, "OSError": OSError,
               "ValueError": ValueError}
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
 
 
 def _data_bytes() -> int:

@@ -144,10 +144,11 @@ def test_status_against_a_hostile_endpoint_prints_one_safe_line(name, fake_engin
         assert "answered with" in out.splitlines()[0], out
 
 
-def _zmtp_endless_server(path, stop):
+def _zmtp_endless_server(path, stop, limit=None):
     """A raw ZMTP 3.0 peer (NULL security, a ROUTER) on unix socket ``path``: it greets, then
     answers the first thing it reads with an endless multipart message (4 KiB frames, each
-    flagged MORE) until the client goes away."""
+    flagged MORE) until the client goes away, or, with ``limit``, until it sent that many
+    bytes: then it hangs up, the message unfinished."""
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path)
     os.chmod(path, 0o600)
@@ -175,9 +176,11 @@ def _zmtp_endless_server(path, stop):
             conn.settimeout(10)
             frame = bytes([0x03]) + struct.pack(">Q", 4096) + bytes(4096)  # MORE | LONG
             blob = frame * 256
+            sent = 0
             try:
-                while not stop.is_set():
+                while not stop.is_set() and (limit is None or sent < limit):
                     conn.sendall(blob)
+                    sent += len(blob)
             except OSError:
                 pass  # the client gave up: what we want
 
@@ -186,34 +189,44 @@ def _zmtp_endless_server(path, stop):
     return srv, thread
 
 
-def _status_against_an_endless_reply(name, argv):
+# Starts argv (JSON in argv[1]) and reports its peak RSS with its children's (wait4) as the
+# last line of stderr. A process forked from a large one (a pytest worker that grew) keeps
+# that process's resident pages as its own peak across exec, so the measured command is
+# started from this small launcher, never from the test's process.
+_LAUNCHER = """
+import json, os, sys
+argv = json.loads(sys.argv[1])
+pid = os.posix_spawn(argv[0], argv, os.environ)
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nMAXRSS_KIB {usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def _status_against_an_endless_reply(name, argv, limit=None):
     """Run ``argv`` (a ``fastdeploy-sync status NAME`` of some kind) against a peer that
     streams an endless reply at NAME's endpoint; returns (exit code, stdout, stderr, peak
-    RSS in KiB of the process and the children it waited for)."""
+    RSS in KiB of that process and the children it waited for)."""
     path = ipc_path(default_endpoint(name, 0))
     stop = threading.Event()
-    srv, thread = _zmtp_endless_server(path, stop)
+    srv, thread = _zmtp_endless_server(path, stop, limit)
     try:
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while True:  # wait4 with a bound: the asker's own timeouts end it within 10 s
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                p.kill()
-                p.wait(timeout=10)
-                raise AssertionError(f"{argv} did not end within 60 s")
-            time.sleep(0.05)
-        out, err = p.stdout.read().decode(), p.stderr.read().decode()
-        p.stdout.close()
-        p.stderr.close()
+        p = subprocess.Popen([sys.executable, "-c", _LAUNCHER, json.dumps(argv)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:  # the asker's own timeouts end it within 10 s
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate(timeout=10)
+            raise AssertionError(f"{argv} did not end within 60 s") from None
     finally:
         stop.set()
         thread.join(timeout=15)
         srv.close()
         os.unlink(path)
-    return os.waitstatus_to_exitcode(status), out, err, usage.ru_maxrss
+    err, _, last = err.rstrip().rpartition("\n")
+    assert last.startswith("MAXRSS_KIB "), last
+    return p.returncode, out, err, int(last.split()[1])
 
 
 def test_status_against_an_endless_reply_gives_up_within_bounded_memory(name):
@@ -235,15 +248,33 @@ def test_status_endless_reply_is_bounded_even_when_the_memory_watch_never_looks(
     thread stays off the CPU while libzmq's I/O thread reads on. Here the watch is switched
     off, as a starved watcher is, so only the hard cap remains: the asking child's data
     segment limit (without the child the asker grows until its timeout)."""
-    code = ("import sys; from fastdeploy_sync.engine import status; "
-            "status._STATUS_INPUT_BOUND = 1 << 50; from fastdeploy_sync import cli; "
-            f"sys.exit(cli.main(['status', {name!r}, '--timeout', '5']))")
     code, out, err, peak_kib = _status_against_an_endless_reply(
-        name, [sys.executable, "-c", code])
+        name, [sys.executable, "-c", _BLIND_STATUS.format(name=name)])
     assert code == 1, out + err
     assert "Traceback" not in err, err
     assert "without finishing a reply" in out, out
     assert peak_kib < 640 << 10, peak_kib
+
+
+def test_status_a_reply_abandoned_midway_is_named_even_when_the_memory_watch_never_looks(name):
+    """A peer that streams 48 MiB of a reply and hangs up: libzmq drops the unfinished
+    message and the ask times out, but this process's peak memory says what happened (as
+    when the cap above makes libzmq drop the connection instead of aborting): one line that
+    names the overrun, not "no TaskQueue answered". Before: the timeout's words."""
+    code, out, err, peak_kib = _status_against_an_endless_reply(
+        name, [sys.executable, "-c", _BLIND_STATUS.format(name=name)], limit=48 << 20)
+    assert code == 1, out + err
+    assert "Traceback" not in err, err
+    assert "without finishing a reply" in out, out
+    assert "the asking process ended" not in out, out  # the child answered: under its cap
+    assert peak_kib < 640 << 10, peak_kib
+
+
+# `fastdeploy-sync status NAME --timeout 3` whose 2 ms memory watch never sees growth (as a
+# watcher kept off the CPU): only the asking child's cap and its peak memory remain
+_BLIND_STATUS = ("import sys; from fastdeploy_sync.engine import status; "
+                 "status.anon_rss_bytes = lambda: 0; from fastdeploy_sync import cli; "
+                 "sys.exit(cli.main(['status', {name!r}, '--timeout', '3']))")
 
 
 def test_status_errors_of_the_asking_child_keep_their_kind_and_words(name):

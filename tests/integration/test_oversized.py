@@ -1,6 +1,6 @@
 """Oversized batches are refused before they grow the engine: the size is known before
 anything is copied, and pickling stops at the limit. Real engine processes; their peak
-RSS (ru_maxrss) is read from inside."""
+RSS (VmHWM) is read from inside."""
 
 import subprocess
 import sys
@@ -12,7 +12,7 @@ import pytest
 # peak RSS grew (MiB) across the put. The batch is built first: np.zeros leaves its pages
 # untouched (they cost no RSS until written), and the bytes objects are counted before.
 _PUT_TOO_BIG = textwrap.dedent("""
-    import resource, sys
+    import sys
     import numpy as np
     from fastdeploy_sync import TaskQueue
     name, endpoint, kind = sys.argv[1], sys.argv[2] or None, sys.argv[3]
@@ -20,8 +20,9 @@ _PUT_TOO_BIG = textwrap.dedent("""
         batch = [np.zeros(2 << 30, dtype=np.uint8)]                  # 2 GiB, out of band
     else:
         batch = [bytes([i]) * (1 << 20) for i in range(64)]          # 64 MiB, in the pickle
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    def peak():  # MiB; VmHWM, not ru_maxrss, which keeps the forking process's peak
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) >> 10
     with TaskQueue(name, 1, endpoint=endpoint) as queue:
         before = peak()
         try:

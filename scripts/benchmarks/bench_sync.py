@@ -513,6 +513,19 @@ def bench_profiler_overhead(blocks=200, steps=2000):
     return np.asarray(plain_means), np.asarray(profiled_means)
 
 
+def take_batches(client, rank, n):
+    """Take ``n`` batches, then return: rank 0 blocks in ``wait_for_tasks()``, every rank
+    in the barrier (the idle ranks of section 7, ``put_floor.py`` and ``ring_parts.py``)."""
+    taken = 0
+    while taken < n:
+        if rank == 0:
+            client.wait_for_tasks(1.0)
+        client.barrier(timeout=60)
+        tasks, _ = client.get_tasks()
+        taken += len(tasks)
+        del tasks
+
+
 def delivery_rank(name, tp, rank, n, out):
     """Take ``n`` batches (rank 0 blocks in wait_for_tasks, the others in the barrier) and
     report, per seq, when this rank began to decode it and when it held it decoded
@@ -559,14 +572,7 @@ def delivery_rank(name, tp, rank, n, out):
             ring.decode = timed_decode
         out.put(("ready", rank, None))
         cpu0 = client.prefetch_cpu_seconds()
-        taken = 0
-        while taken < n:
-            if rank == 0:
-                client.wait_for_tasks(1.0)
-            client.barrier(timeout=60)
-            tasks, _ = client.get_tasks()
-            taken += len(tasks)
-            del tasks
+        take_batches(client, rank, n)
         cpu1 = client.prefetch_cpu_seconds()  # None: the threads have stopped already
         cpu = (cpu1 - cpu0) / n * 1e9 if cpu0 is not None and cpu1 is not None else np.nan
     out.put(("times", rank, (received, published, cpu, decode_times)))

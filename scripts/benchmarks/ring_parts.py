@@ -61,14 +61,7 @@ def _rank(name, tp, rank, n, out):
         threads = (client._background.thread, rings.thread)
         before = [threads_cpu_seconds((t,)) for t in threads]
         out.put(("ready", rank, None))
-        taken = 0
-        while taken < n:
-            if rank == 0:
-                client.wait_for_tasks(1.0)
-            client.barrier(timeout=60)
-            tasks, _ = client.get_tasks()
-            taken += len(tasks)
-            del tasks
+        bench_sync.take_batches(client, rank, n)
         receiver, prefetch = ((threads_cpu_seconds((t,)) - b) / n * 1e6
                               for t, b in zip(threads, before))
         row = {"receiver": receiver, "prefetch": prefetch,

@@ -192,35 +192,23 @@ def resolve(name: str = "auto") -> GpuBackend:
 
 # -- the decode step, one class per framework (the same ops in both) -----------------------
 
-def _weights(randn, shape: DecodeShape):
-    """The first hidden state, every layer's weights and KV cache, and the head, drawn by
-    ``randn(*size, scale=)`` (the backend's): the same shapes in every backend."""
-    b, h, n, length = shape.batch, shape.hidden, shape.heads, shape.kv_len
-    d = h // n
-    layers = [{"wqkv": randn(h, 3 * h, scale=h ** -0.5),
-               "wo": randn(h, h, scale=h ** -0.5),
-               "w1": randn(h, 4 * h, scale=h ** -0.5),
-               "w2": randn(4 * h, h, scale=(4 * h) ** -0.5),
-               "k": randn(b, n, d, length), "v": randn(b, n, length, d)}
-              for _ in range(shape.layers)]
-    return randn(b, h), layers, randn(h, shape.vocab, scale=h ** -0.5)
+class _Decode:
+    """What both frameworks' decode steps share: the weights drawn by the backend's
+    ``randn(*size, scale=)`` (the same shapes in every backend), the state, and the order
+    of the layers. Subclasses give ``layer()`` and ``finish()``."""
 
-
-class TorchDecode:
-    """The decode step's weights, KV cache and state on ``device`` (any torch device:
-    "cuda:0", or "cpu" in the tests)."""
-
-    def __init__(self, torch, device, shape: DecodeShape, dtype):
-        self.torch, self.shape = torch, shape
-        F = torch.nn.functional
-        b, h, n = shape.batch, shape.hidden, shape.heads
+    def __init__(self, randn, shape: DecodeShape, F):
+        b, h, n, length = shape.batch, shape.hidden, shape.heads, shape.kv_len
         d = h // n
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def randn(*size, scale=1.0):
-            return torch.randn(*size, generator=gen, device=device, dtype=dtype) * scale
-
-        self.x0, self.layers, self.head = _weights(randn, shape)
+        self.shape = shape
+        self.x0 = randn(b, h)  # drawn in this order: x0, the layers, the head
+        self.layers = [{"wqkv": randn(h, 3 * h, scale=h ** -0.5),
+                        "wo": randn(h, h, scale=h ** -0.5),
+                        "w1": randn(h, 4 * h, scale=h ** -0.5),
+                        "w2": randn(4 * h, h, scale=(4 * h) ** -0.5),
+                        "k": randn(b, n, d, length), "v": randn(b, n, length, d)}
+                       for _ in range(shape.layers)]
+        self.head = randn(h, shape.vocab, scale=h ** -0.5)
         self.scale = d ** -0.5
         self.F, self.dims = F, (b, h, n, d)
         self.x, self.next = self.x0, 0
@@ -228,10 +216,29 @@ class TorchDecode:
     def step_parts(self):
         return self.layer, self.finish
 
-    def layer(self) -> None:
-        torch, F, (b, h, n, d) = self.torch, self.F, self.dims
+    def _next_weights(self) -> dict:
+        """The next layer's weights (the layers run in turn; ``finish`` starts afresh)."""
         w = self.layers[self.next]
         self.next = (self.next + 1) % len(self.layers)
+        return w
+
+
+class TorchDecode(_Decode):
+    """The decode step's weights, KV cache and state on ``device`` (any torch device:
+    "cuda:0", or "cpu" in the tests)."""
+
+    def __init__(self, torch, device, shape: DecodeShape, dtype):
+        self.torch = torch
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*size, scale=1.0):
+            return torch.randn(*size, generator=gen, device=device, dtype=dtype) * scale
+
+        super().__init__(randn, shape, torch.nn.functional)
+
+    def layer(self) -> None:
+        torch, F, (b, h, n, d) = self.torch, self.F, self.dims
+        w = self._next_weights()
         x = self.x
         q, k, v = (F.layer_norm(x, (h,)) @ w["wqkv"]).view(b, 3, n, 1, d).unbind(1)
         scores = torch.softmax((q @ w["k"]) * self.scale, dim=-1)  # (b, n, 1, kv_len)
@@ -246,32 +253,22 @@ class TorchDecode:
         return ids.cpu()  # blocks until the device is done: the host needs the ids to go on
 
 
-class PaddleDecode:
+class PaddleDecode(_Decode):
     """The same decode step in paddle, on ``device`` ("gpu:0", or "cpu" in the tests)."""
 
     def __init__(self, paddle, device, shape: DecodeShape, dtype):
-        self.paddle, self.shape = paddle, shape
+        self.paddle = paddle
         paddle.set_device(device)
         paddle.seed(0)
-        F = paddle.nn.functional
-        b, h, n = shape.batch, shape.hidden, shape.heads
-        d = h // n
 
         def randn(*size, scale=1.0):
             return (paddle.randn(list(size)) * scale).astype(dtype)
 
-        self.x0, self.layers, self.head = _weights(randn, shape)
-        self.scale = d ** -0.5
-        self.F, self.dims = F, (b, h, n, d)
-        self.x, self.next = self.x0, 0
-
-    def step_parts(self):
-        return self.layer, self.finish
+        super().__init__(randn, shape, paddle.nn.functional)
 
     def layer(self) -> None:
         paddle, F, (b, h, n, d) = self.paddle, self.F, self.dims
-        w = self.layers[self.next]
-        self.next = (self.next + 1) % len(self.layers)
+        w = self._next_weights()
         with paddle.no_grad():
             x = self.x
             qkv = paddle.matmul(F.layer_norm(x, [h]), w["wqkv"]).reshape([b, 3, n, 1, d])

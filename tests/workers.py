@@ -532,7 +532,10 @@ def rebuild_storm_rank(out, rank, name, tp, seconds, seed, async_prefetch=True,
                     errors["rebuilt on purpose"] += 1
                     break
         except TaskSyncError as exc:
-            errors[type(_engine_cause(exc)).__name__] += 1
+            cause = _engine_cause(exc)
+            errors[type(cause).__name__] += 1
+            if type(cause).__name__ == "ProtocolError":  # never expected: keep its words
+                errors[f"ProtocolError: {cause}"[:400]] += 1
         time.sleep(rng.random() * cleanup_s)  # the server's own clean-up, old client still open
         client.close()
     out.put(("lives", rank, (dict(lives), dict(errors))))

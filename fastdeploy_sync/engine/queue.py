@@ -177,7 +177,8 @@ class TaskQueue:
             claim_ipc_path(self._ipc_path)
             # before bind: a worker that was welcomed always finds the board
             try:
-                self._board = AckBoard.create(self.name, self.dp_id, self.tp_size)
+                self._board = AckBoard.create(self.name, self.dp_id, self.tp_size,
+                                             self.instance)
             except FileExistsError as exc:
                 raise EndpointInUseError(f"TaskQueue {self.name!r} dp_id={self.dp_id}: "
                                          f"{exc}") from None

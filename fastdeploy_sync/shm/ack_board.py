@@ -7,14 +7,17 @@ endpoint, by construction), the worker instead writes its consumed seq into this
 engine-owned segment (one store), and the engine reads it when it needs room or a count.
 ``tcp://`` endpoints keep ZeroMQ ACK messages.
 
-Layout (int64 slots): MAGIC, OWNER_PID, TP_SIZE, READY, then one cache line per rank
+Layout (int64 slots): MAGIC, OWNER_PID, TP_SIZE, READY, ENGINE, then one cache line per rank
 holding its CONSUMED seq, tagged with the epoch of the worker group that wrote it
 (``epoch << EPOCH_SHIFT | seq``, one store, so it is never torn): a retired group's
 straggler that still writes its slot cannot advance the next group's accounting. The
 engine creates it before binding its socket (so a worker that received a batch can always
 find it) and unlinks it at close; a crashed engine's leftover is reclaimed by the next
 engine of the same name. A worker attaches it only while its creator holds its owner lock
-(``shm.ownership``).
+(``shm.ownership``), and only the board of the engine instance that welcomed it (ENGINE): a
+worker that reads a WELCOME late, after its engine died and the next engine of the name
+made its board, must not write its acks there, where a group of the same epoch number
+would count them (and the ring it names would be the other engine's).
 """
 
 
@@ -27,7 +30,7 @@ EPOCH_SHIFT = 40  # seqs below 2**40 (a trillion batches), epochs below 2**23
 _SEQ_MASK = (1 << EPOCH_SHIFT) - 1
 
 MAGIC = 0x46445359_41434B01  # "FDSY" "ACK" layout 1
-B_MAGIC, B_TP_SIZE, B_READY = 0, 2, 3  # word OWNER_PID (1): the engine's pid
+B_MAGIC, B_TP_SIZE, B_READY, B_ENGINE = 0, 2, 3, 4  # word OWNER_PID (1): the engine's pid
 BASE = 8
 STRIDE = 8  # one 64-byte cache line per rank
 
@@ -43,27 +46,29 @@ class AckBoard:
         self._slots = [BASE + r * STRIDE for r in range(tp_size)]
 
     @classmethod
-    def create(cls, name: str, dp_id: int, tp_size: int) -> "AckBoard":
-        """Engine: create the board, reclaiming a crashed engine's leftover.
-        Raises ``FileExistsError`` if a live process owns a board of this name."""
+    def create(cls, name: str, dp_id: int, tp_size: int, engine: int) -> "AckBoard":
+        """Engine instance ``engine``: create the board, reclaiming a crashed engine's
+        leftover. Raises ``FileExistsError`` if a live process owns a board of this name."""
         size = (BASE + tp_size * STRIDE) * 8
         seg = create_reclaiming(names.ack_board(name, dp_id), size)  # SegmentInUse: FileExistsError
         v = seg.view
-        v[B_MAGIC], v[B_TP_SIZE] = MAGIC, tp_size
+        v[B_MAGIC], v[B_TP_SIZE], v[B_ENGINE] = MAGIC, tp_size, engine
         v[B_READY] = 1
         return cls(seg, tp_size, owner=True)
 
     @classmethod
-    def attach(cls, name: str, dp_id: int, tp_size: int):
-        """Worker: the live engine's board, or None if there is none usable (then the
-        worker acknowledges over ZeroMQ instead). Never blocks."""
+    def attach(cls, name: str, dp_id: int, tp_size: int, engine: int):
+        """Worker: the board of live engine instance ``engine`` (the one that welcomed
+        it), or None if there is none usable, or the board is another engine's (then the
+        worker acknowledges over ZeroMQ instead, and reads no ring). Never blocks."""
         try:
             seg = Segment.attach(names.ack_board(name, dp_id))
         except FileNotFoundError:
             return None
         v = seg.view
         if (seg.size != (BASE + tp_size * STRIDE) * 8 or v[B_MAGIC] != MAGIC
-                or v[B_READY] != 1 or v[B_TP_SIZE] != tp_size or not seg.owner_alive()):
+                or v[B_READY] != 1 or v[B_TP_SIZE] != tp_size or v[B_ENGINE] != engine
+                or not seg.owner_alive()):
             seg.close()
             return None
         return cls(seg, tp_size, owner=False)

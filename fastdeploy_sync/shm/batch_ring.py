@@ -428,6 +428,14 @@ class RingReader:
             return 0
         return words[d + _D_KIND] & 0xFF
 
+    def describe(self, seq: int) -> str:
+        """What this rank's ring says of ``seq``, for an error message: the ring, what it
+        published, and what ``seq``'s descriptor holds."""
+        d = self._layout.desc(seq)
+        w = self._words
+        return (f"ring {self.name} published up to {w[_H_PUBLISHED]}; the descriptor of seq "
+                f"{seq} holds seq {w[d + _D_SEQ]}, kind {w[d + _D_KIND] & 0xFF}")
+
     def ready_upto(self, taken: int, socket_min) -> int:
         """The highest seq s >= ``taken`` such that every seq in (taken, s] is published and
         can be taken by every rank now: read from the ring, or, for a SOCKET batch, held

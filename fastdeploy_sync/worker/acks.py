@@ -27,15 +27,16 @@ class Acknowledger:
         self.unsent = 0  # the cumulative ACK a send could not queue; 0: none
         self._counters = counters
 
-    def welcomed(self, epoch: int):
-        """The engine welcomed this rank into worker group ``epoch``. At the first WELCOME
-        of a node-local engine, attach its ack board: returns it (None otherwise, or when
-        the engine has none usable: ACK messages then)."""
+    def welcomed(self, epoch: int, engine: int):
+        """Engine instance ``engine`` welcomed this rank into worker group ``epoch``. At the
+        first WELCOME of a node-local engine, attach that engine's ack board: returns it
+        (None otherwise, or when there is none usable, or the board is another engine's:
+        ACK messages then)."""
         self._epoch_tag = epoch << EPOCH_SHIFT
         if not self._board_wanted:
             return None
         self._board_wanted = False
-        self.board = AckBoard.attach(self._name, self._dp_id, self._tp_size)
+        self.board = AckBoard.attach(self._name, self._dp_id, self._tp_size, engine)
         return self.board
 
     def acknowledge(self, seq: int) -> None:

@@ -249,7 +249,7 @@ class Receiver:
         elif kind == codec.PONG:
             self._counters["pongs"] += 1
         elif kind == codec.WELCOME:
-            board = self._acks.welcomed(header.aux)
+            board = self._acks.welcomed(header.aux, header.engine)
             if board is not None:
                 self._rings.attach(header.aux, board.owner_pid)
             if not watch.bound:

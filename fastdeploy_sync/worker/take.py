@@ -39,9 +39,10 @@ class Taker:
                     continue
                 kind = ring.kind(s) if ring is not None else 0
                 if kind not in RING_KINDS:
+                    where = ring.describe(s) if ring is not None else "no ring attached"
                     raise ProtocolError(f"rank {self._rank} holds {len(items)} of the "
                                         f"{len(seqs)} batch(es) the step takes ({from_seq}, "
-                                        f"{to_seq}]: seq {s} is missing")
+                                        f"{to_seq}]: seq {s} is missing ({where})")
                 # not decoded ahead (the prefetch thread had not got the GIL, or sync mode)
                 try:
                     items[s] = (ring.decode(s), kind == batch_ring.SHARED)

@@ -196,7 +196,7 @@ def test_a_bogus_value_on_the_ack_board_is_ignored(name):
     with TaskQueue(name, 1, max_inflight=1) as queue, TaskClient(name, 1, 0) as client:
         queue.put_tasks("a", timeout=1)
         assert wait_until(lambda: client.num_tasks() == 1)
-        board = AckBoard.attach(name, 0, 1)
+        board = AckBoard.attach(name, 0, 1, queue.instance)
         try:
             board.publish(0, (1 << EPOCH_SHIFT) | 10**6)  # claims batches never put
             assert queue.num_tasks() == 1
@@ -207,6 +207,22 @@ def test_a_bogus_value_on_the_ack_board_is_ignored(name):
             board.close()
         with pytest.raises(TimeoutError):
             queue.put_tasks("b", timeout=0.1)
+
+
+def test_a_worker_attaches_only_the_ack_board_of_the_engine_that_welcomed_it(name):
+    """The board is found by name, and the next engine of the name makes a new one: a worker
+    that reads its WELCOME late (its engine died meanwhile) must not attach the successor's
+    board, where its acks, tagged with its own engine's epochs, would count for a group of
+    the same epoch number (the rebuild storm freed a ring slot a rank had not read: "the
+    slot of seq 2 holds stamp 11, not 1"). Before: attached whatever board had the name."""
+    from fastdeploy_sync.shm.ack_board import AckBoard
+
+    with TaskQueue(name, 1) as queue:
+        other = queue.instance ^ (1 << 40)  # the engine that welcomed the worker, gone
+        assert AckBoard.attach(name, 0, 1, other) is None
+        board = AckBoard.attach(name, 0, 1, queue.instance)
+        assert board is not None
+        board.close()
 
 
 def test_process_exit_without_close_leaves_nothing(name):

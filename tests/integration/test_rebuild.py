@@ -40,7 +40,8 @@ def test_rebuild_storm_keeps_every_rank_identical(name, procs, results, async_pr
     assert taken > 0, f"nothing was taken: {errors}"
     problems = check_lives(lives_by_rank)
     assert not problems, "\n".join(problems[:10]) + f"\nerrors: {errors}"
-    assert not any("ProtocolError" in e for err in errors.values() for e in err), errors
+    protocol = [(rank, e) for rank, err in errors.items() for e in err if "ProtocolError" in e]
+    assert not protocol, protocol
 
 
 @pytest.mark.usefixtures("loopback_tcp")

@@ -12,6 +12,7 @@ decodes after the event loop claimed a batch is dropped (``LocalSlot.hold``).
 import threading
 import time
 
+from ..errors import ProtocolError
 from ..shm import batch_ring
 
 __all__ = ["RingPrefetch", "RING_KINDS", "PUBLISHED"]
@@ -95,7 +96,10 @@ class RingPrefetch:
     def _predecode(self, reader, next_seq) -> int:
         """Decode every published ring batch from ``next_seq`` on that the event loop has
         not claimed yet into the slot; returns the next seq to look at. Raises what a
-        decode raises."""
+        decode raises, except a ``ProtocolError`` for a batch the event loop claimed while
+        this thread was decoding it (this thread lost the GIL after choosing the seq: the
+        event loop took the batch, every rank consumed it, and the engine reused its slot
+        before this decode looked)."""
         slot = self._slot
         words = reader.words
         while not self._closing.is_set():
@@ -108,7 +112,14 @@ class RingPrefetch:
             next_seq = seq + 1
             if kind not in RING_KINDS:
                 continue  # travels over the socket: the receiver's
-            tasks = reader.decode(seq)
+            try:
+                tasks = reader.decode(seq)
+            except ProtocolError:
+                if slot.taking >= seq:
+                    # the event loop claimed it meanwhile (and read it itself): its slot was
+                    # reused since, which is no fault of the batch it took
+                    continue
+                raise
             if slot.hold(seq, tasks, kind == batch_ring.SHARED):
                 self._counters["predecoded"] += 1
             del tasks

@@ -10,6 +10,7 @@ from conftest import SPAWN
 from workers import collect, peer_receiving_rank
 
 
+@pytest.mark.serial  # rank 1's I/O thread must hold the batch before its GIL hold ends
 @pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 def test_the_step_takes_a_batch_a_peer_is_receiving_when_rank_0_checks(name, procs, results,
                                                                         async_prefetch,

@@ -57,6 +57,8 @@ with the last view.
 import logging
 import mmap
 import os
+import threading
+import time
 
 import numpy as np
 import posix_ipc
@@ -358,6 +360,10 @@ class RingWriter:
         self._seg.release_locks()
 
 
+# RingReader.close waits this long for a thread inside wait() to leave.
+_CLOSE_WAIT_S = 5.0
+
+
 class RingReader:
     """A rank's end of one worker group's ring: reads descriptors, decodes batches from
     the slots (arrays zero-copy, read-only), publishes releases, waits for posts.
@@ -380,6 +386,10 @@ class RingReader:
         self._shared = shared_reader  # shm.payload.PayloadReader, for SHARED batches
         self._holders = Holders(self._words)
         self.closed = False
+        # Threads inside wait(): close() frees the semaphore only once none is (a thread
+        # woken from sem_timedwait still touches the semaphore's memory on its way out).
+        self._waiting = 0
+        self._wait_lock = threading.Lock()
 
     @classmethod
     def attach(cls, name: str, dp_id: int, tp_size: int, rank: int, epoch: int, pid: int,
@@ -527,10 +537,17 @@ class RingReader:
         (False), with the GIL released; a handled signal neither ends nor stretches it
         (``shm.semaphores.sem_wait``). A semaphore closed under the wait (``close()`` of
         this client) reads as a timeout."""
+        with self._wait_lock:
+            if self.closed:
+                return False
+            self._waiting += 1
         try:
             return sem_wait(self._sem, timeout)
         except posix_ipc.ExistentialError:
             return False
+        finally:
+            with self._wait_lock:
+                self._waiting -= 1
 
     def post(self) -> None:
         """Wake this rank's own waiter (``close()`` from another thread)."""
@@ -541,14 +558,32 @@ class RingReader:
 
     def close(self) -> None:
         """Close the semaphore and drop the lock descriptor. The mapping stays while arrays
-        view it (it is unmapped when the last of them is garbage). Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._sem.close()
-        except posix_ipc.ExistentialError:
-            pass
+        view it (it is unmapped when the last of them is garbage). Idempotent; any thread.
+
+        A thread inside ``wait()`` (another thread's ``wait_for_tasks()``) is woken first,
+        and the semaphore is closed only once it has left (closing it under the wait is a
+        SIGSEGV): blocks until then, at most ``_CLOSE_WAIT_S``; a waiter that has not left
+        by then keeps the semaphore open until the process exits (logged)."""
+        with self._wait_lock:
+            if self.closed:
+                return
+            self.closed = True
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while True:
+            with self._wait_lock:
+                waiting = self._waiting
+            if not waiting or time.monotonic() >= deadline:
+                break
+            self.post()
+            time.sleep(0.001)
+        if waiting:
+            log.error("ring %s: a thread is still inside wait() after %.0f s; its semaphore "
+                      "stays open until this process exits", self.name, _CLOSE_WAIT_S)
+        else:
+            try:
+                self._sem.close()
+            except posix_ipc.ExistentialError:
+                pass
         self._seg.release_locks()
 
 

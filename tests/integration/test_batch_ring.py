@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -132,3 +133,61 @@ def test_a_truncated_ring_is_an_error_not_a_sigbus(name):
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "RAISED ProtocolError" in proc.stdout and "truncated" in proc.stdout, proc.stdout
     assert "PUT 1" in proc.stdout, proc.stdout
+
+
+class _SlowToLeaveSemaphore:
+    """The ring semaphore of a rank, but a waiter woken from it takes 50 ms to leave (a
+    thread the scheduler does not run at once): records whether it was closed while a
+    waiter was still inside (with a real semaphore: a SIGSEGV in the waiter)."""
+
+    def __init__(self, sem):
+        self._sem, self.inside, self.closed_under_a_waiter = sem, 0, False
+
+    def acquire(self, *args):
+        self.inside += 1
+        try:
+            return self._sem.acquire(*args)
+        finally:
+            time.sleep(0.05)
+            self.inside -= 1
+
+    def close(self):
+        self.closed_under_a_waiter |= self.inside > 0
+        self._sem.close()
+
+    def __getattr__(self, attr):
+        return getattr(self._sem, attr)
+
+
+def test_close_from_another_thread_frees_the_ring_semaphore_only_once_the_waiter_left(name):
+    """Sync mode: the event loop's thread waits in wait_for_tasks() on the ring's semaphore
+    while another thread closes the client. Before: close() posted the semaphore and closed
+    it at once, under the woken waiter (a rank died of SIGSEGV in a CI run:
+    test_close_threads.py's wait_for_tasks-sync case). Now it waits for the waiter to leave."""
+    import threading
+
+    from fastdeploy_sync import ClosedError
+
+    with TaskQueue(name, 1):
+        client = TaskClient(name, 1, 0, async_prefetch=False)
+        # sync mode: num_tasks() receives the WELCOME, which attaches the ring
+        assert wait_until(lambda: client.num_tasks() == 0 and client._rings.reader is not None)
+        reader = client._rings.reader
+        sem = reader._sem = _SlowToLeaveSemaphore(reader._sem)
+        raised = []
+
+        def loop():
+            try:
+                while True:
+                    client.wait_for_tasks(10)
+            except ClosedError as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        assert wait_until(lambda: sem.inside > 0)
+        client.close()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert raised, "wait_for_tasks() did not raise ClosedError after close()"
+        assert not sem.closed_under_a_waiter

@@ -43,7 +43,14 @@ def gil_holding_rank(out, rank, name, tp, n, async_prefetch):
             assert time.monotonic() < deadline, "never welcomed"
             client.num_tasks()
             time.sleep(0.001)
-        client.barrier(timeout=30)  # every rank is: from now on a put is the node's at once
+        client.barrier(timeout=30)
+        if rank == 0:  # every rank has attached the ring and published its engine: from now
+            # on a put is the node's at once (the peers wait in the barrier, GIL released,
+            # while their receiving threads finish handling the WELCOME)
+            while not client._group.all_welcomed(client._watch.engine):
+                assert time.monotonic() < deadline, "a peer never attached the ring"
+                time.sleep(0.001)
+        client.barrier(timeout=30)
         out.put(("ready", rank, None))
         while taken < n:
             if time.monotonic() > deadline:

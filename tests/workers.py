@@ -659,13 +659,28 @@ def gil_hold_rank(out, rank, name, tp, async_prefetch, hold_s, heartbeat, n_afte
 
 
 def free_ports(n):
-    """``n`` distinct free tcp ports on 127.0.0.1 (bound together, then released: another
-    process may still take one before the caller binds it)."""
-    socks = [socket.socket() for _ in range(n)]
+    """``n`` distinct free tcp ports on 127.0.0.1, drawn below the kernel's ephemeral range:
+    a port from that range (what binding port 0 gives) can become another test's outgoing
+    connection's source port between this pick and the caller's bind ("Address already in
+    use" in a parallel run). Another process may still bind one first."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low, high = 20000, max(20000 + 4 * n + 1000, min(ephemeral_low, 32768))
+    rng = random.SystemRandom()
+    ports = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        if port in ports:
+            continue
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue  # taken now
+        finally:
             s.close()
+        ports.append(port)
+    return ports

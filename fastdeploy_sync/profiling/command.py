@@ -76,8 +76,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"gpu needs a CUDA build of paddlepaddle or torch and a GPU)")
     p.add_argument("--gpu-backend", default=d.gpu_backend, metavar="NAME",
                    help="the gpu step's framework: auto (paddle if it has a GPU, else torch; "
-                        "the default), paddle, torch, or MODULE:ATTR, a backend object of "
-                        "your own (docs/profiling.md)")
+                        "the default), paddle, torch, cpu-standin (no GPU: numpy on the CPU, "
+                        "to rehearse a run), or MODULE:ATTR, a backend object of your own "
+                        "(docs/profiling.md)")
     p.add_argument("--step-ms", type=float, default=d.step_ms,
                    help=f"model step length, calibrated once (default {d.step_ms:g})")
     p.add_argument("--rate", type=float, default=d.rate,

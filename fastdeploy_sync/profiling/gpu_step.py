@@ -19,7 +19,8 @@ Backends (``resolve``):
 ``paddle``  a CUDA build of paddlepaddle (``paddle.is_compiled_with_cuda()``) and at least
             one visible GPU (``paddle.device.cuda.device_count()``);
 ``torch``   torch with ``torch.cuda.is_available()``;
-``auto``    paddle when it qualifies, else torch: FastDeploy runs on paddle.
+``auto``    paddle when it qualifies, else torch: FastDeploy runs on paddle;
+``cpu-standin``  no GPU: numpy on the CPU, to rehearse a GPU run's plumbing (never ``auto``).
 
 Rank ``r`` of the run runs on visible GPU ``r % device_count()`` (round-robin; the ranks
 share a GPU when there are fewer GPUs than ranks).
@@ -40,7 +41,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Tuple
 
-__all__ = ["DecodeShape", "GpuBackend", "GpuUnavailable", "resolve", "BACKENDS"]
+__all__ = ["DecodeShape", "GpuBackend", "GpuUnavailable", "resolve", "BACKENDS", "STAND_INS"]
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,44 @@ class TorchBackend:
         return TorchDecode(torch, f"cuda:{index}", shape, torch.float16).step_parts()
 
 
+class CpuStandInBackend:
+    """No GPU: numpy on the CPU in place of the device, for rehearsing a GPU run (the
+    plumbing, the report) on a machine without one (``scripts/benchmarks/gpu_server.py
+    --dry-run``). Two "devices"; a layer is a small matmul (numpy releases the GIL inside
+    it, as a framework's launch does), the end of step a smaller one and its argmax. Its
+    figures describe this CPU, never a GPU: ``auto`` never picks it."""
+
+    name = "cpu-standin"
+
+    def unavailable(self) -> Optional[str]:
+        return None
+
+    def device_count(self) -> int:
+        return 2
+
+    def describe(self, index: int) -> str:
+        return f"cpu-standin:{index} (numpy on the CPU; no GPU)"
+
+    def build(self, index, shape):
+        import numpy as np
+
+        rng = np.random.default_rng(index)
+        width = min(shape.hidden, 256)
+        w = (rng.standard_normal((width, width)) / width ** 0.5).astype(np.float32)
+        x = rng.standard_normal((min(shape.batch, 16), width)).astype(np.float32)
+        head = rng.standard_normal((width, 128)).astype(np.float32)
+
+        def layer():
+            np.tanh(x @ w)
+
+        def finish():
+            return (x @ head).argmax(axis=1)
+        return layer, finish
+
+
 BACKENDS = {"paddle": PaddleBackend, "torch": TorchBackend}
+# Named backends that ``auto`` never tries: their figures are not a GPU's.
+STAND_INS = {"cpu-standin": CpuStandInBackend}
 
 
 def resolve(name: str = "auto") -> GpuBackend:
@@ -177,9 +215,11 @@ def resolve(name: str = "auto") -> GpuBackend:
         tried = [cls() for cls in BACKENDS.values()]
     elif name in BACKENDS:
         tried = [BACKENDS[name]()]
+    elif name in STAND_INS:
+        tried = [STAND_INS[name]()]
     else:
-        raise ValueError(f"--gpu-backend {name!r}: expected auto, {', '.join(BACKENDS)} "
-                         f"or MODULE:ATTR")
+        raise ValueError(f"--gpu-backend {name!r}: expected auto, "
+                         f"{', '.join([*BACKENDS, *STAND_INS])} or MODULE:ATTR")
     reasons = []
     for backend in tried:
         why = backend.unavailable()

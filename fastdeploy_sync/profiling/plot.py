@@ -1,6 +1,8 @@
 """The profile as one PNG, drawn from the summary alone (``report.summarize``: the JSON).
 
-One row per step kind (the GIL-holding python step and the GIL-releasing paddle step side by
+A first row: the headline, the whole cost per step (inflation and interruption per step,
+each with its interval and its "x lower" than the FastDeploy-style queue). Then one row per
+step kind (the GIL-holding python step and the GIL-releasing paddle step side by
 side, so a reader sees which kind of step our thread can delay and by how much): the
 critical path's distribution, delivery's distribution, and the interruption of the model
 step. A last row: the step-time inflation of every kind and mode with its interval, idle
@@ -28,7 +30,8 @@ VERDICT_COLORS = {"met": "#b7e4b7", "MISSED": "#f4a6a6", "inconclusive": "#fbe7a
 
 def panel_titles(summary) -> list:
     """The panels' titles, row by row (the tests read them)."""
-    titles = []
+    titles = ["the whole cost per step, rank 0: step-time inflation and interruption per "
+              "step, each x lower than fd-manager's (same rounds) [95 % interval]"]
     for kind in summary["step_kinds"]:
         titles += [f"{kind} step: critical path per step, rank 0 (check + barrier + take)",
                    f"{kind} step: delivery, {DELIVERY}",
@@ -66,10 +69,17 @@ def figure(summary):
     p = summary["parameters"]
     kinds, modes = list(summary["step_kinds"]), p["modes"]
     rows = len(kinds) + 1
-    fig, axes = plt.subplots(rows, 3, figsize=(22, 5.6 * rows + 1.2), squeeze=False)
+    head_rows = sum(len(m) for m in summary["headline"].values())
+    head_in = 0.45 + 0.22 * head_rows
+    fig = plt.figure(figsize=(22, 5.6 * rows + head_in + 1.2))
+    grid = fig.add_gridspec(rows + 1, 3, height_ratios=[head_in] + [5.6] * rows)
+    headline_ax = fig.add_subplot(grid[0, :])
+    axes = np.array([[fig.add_subplot(grid[r + 1, c]) for c in range(3)]
+                     for r in range(rows)])
     titles = iter(panel_titles(summary))
-    for ax in axes.ravel():
+    for ax in [headline_ax, *axes.ravel()]:
         ax.set_title(next(titles), fontsize=11)
+    _headline(headline_ax, summary)
 
     for row, kind in enumerate(kinds):
         k = summary["step_kinds"][kind]
@@ -85,6 +95,39 @@ def figure(summary):
     fig.suptitle("\n".join(head), fontsize=10.5, y=0.995)
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.05 + 0.09 * len(head)) / fig.get_figheight()))
     return fig
+
+
+def _ratio_text(fig):
+    """"12.3 x [8.1, 20.4]"; an unbounded end (a resample where the mode cost nothing
+    resolvable) reads "unbounded"."""
+    if fig is None or fig["value"] is None:
+        return "-"
+    i = fig["interval"]
+    end = (lambda v: "unbounded" if v is None else f"{v:.1f}")
+    return f"{fig['value']:.1f} x" + ("" if i is None else f" [{end(i[0])}, {end(i[1])}]")
+
+
+def _headline(ax, summary):
+    """The headline as a table: per step kind and mode, the inflation and the interruption
+    per step, each with its interval and its "x lower" than fd-manager's."""
+    ax.axis("off")
+    rows = []
+    for kind, modes in summary["headline"].items():
+        for mode, f in modes.items():
+            rows.append([kind, mode, _interval_text(f["inflation_pct"], "%"),
+                         _ratio_text(f["inflation_vs_fd_manager"]),
+                         _interval_text(f["interruption_us"], "us"),
+                         _ratio_text(f["interruption_vs_fd_manager"])])
+    if not rows:
+        return
+    table = ax.table(cellText=rows, loc="center",
+                     cellColours=[["w", COLORS.get(r[1], "w")] + ["w"] * 4 for r in rows],
+                     colLabels=["step", "mode", "step-time inflation", "x lower",
+                                "interruption per step", "x lower"],
+                     colWidths=[0.07, 0.09, 0.22, 0.17, 0.24, 0.17])
+    table.auto_set_font_size(False)
+    table.set_fontsize(10)
+    table.scale(1, 1.3)
 
 
 def _plain_ticks(ax):
@@ -152,18 +195,25 @@ def _interruption(ax, k, modes, kind):
         figs = [k["modes"][m]["interruption"].get(key) for m in names]
         vals = np.array([0.0 if f is None or f["value"] is None else f["value"] for f in figs])
         colors = face or [COLORS.get(m) for m in names]
-        ax.bar(x + dx, np.maximum(vals, floor), 0.34, color=colors, edgecolor=edge or "k",
-               hatch=hatch, lw=0.6, label=label)
+        # A log scale has no zero: a figure of 0 gets no bar, only its label at the floor.
+        drawn = vals > floor
+        ax.bar((x + dx)[drawn], vals[drawn], 0.34,
+               color=colors if isinstance(colors, str) else
+               [c for c, d in zip(colors, drawn) if d],
+               edgecolor=edge or "k", hatch=hatch, lw=0.6, label=label)
         for j, f in enumerate(figs):
-            if f and f["interval"]:
+            top = max(vals[j], floor)
+            if f and f["interval"] and drawn[j]:
                 lo, hi = (max(v, floor) for v in f["interval"])
-                v = max(vals[j], floor)
-                ax.errorbar([j + dx], [v], yerr=[[v - lo], [hi - v]], fmt="none", ecolor="k",
-                            capsize=4)
-            ax.annotate(f"{vals[j]:.1f}", (j + dx, max(vals[j], floor)), xytext=(0, 2),
+                ax.errorbar([j + dx], [vals[j]], yerr=[[vals[j] - lo], [hi - vals[j]]],
+                            fmt="none", ecolor="k", capsize=4)
+                top = max(top, hi)
+            # the label sits above the error bar, never under it
+            ax.annotate(f"{vals[j]:.1f}" if drawn[j] else "0", (j + dx, top), xytext=(0, 2),
                         textcoords="offset points", ha="center", va="bottom", fontsize=7.5)
     upper = [k["modes"][m]["interruption"].get("gil_wait_upper_us") for m in names]
-    ups = [max(f["value"], floor) if f and f["value"] is not None else None for f in upper]
+    ups = [f["value"] if f and f["value"] is not None and f["value"] > floor else None
+           for f in upper]  # no zero marker on the log scale either
     ax.plot([j + 0.18 for j, u in enumerate(ups) if u is not None], [u for u in ups if u is not None],
             "kv", ms=7, label="GIL wait, upper bound: all off-CPU time of steps that blocked")
     for j, m in enumerate(names):
@@ -177,7 +227,7 @@ def _interruption(ax, k, modes, kind):
         ax.annotate(text, (j, 1.0), xycoords=("data", "axes fraction"), xytext=(0, -4),
                     textcoords="offset points", ha="center", va="top", fontsize=7)
     ax.set_yscale("log")
-    top = max([p.get_height() for p in ax.patches] + [10.0])
+    top = max([p.get_height() for p in ax.patches] + [10.0])  # bars only: no zero bar
     ax.set_ylim(floor / 2, top * 60)
     ax.set_xticks(x, names)
     ax.set_ylabel(f"us per model step, log scale ({k['modes'][REFERENCE]['model_step_ms']:.2f} ms "
@@ -204,14 +254,17 @@ def _inflation(ax, summary, kinds, modes):
                label="model slowdown" if j == 0 else None)
         for q, m in enumerate(modes):
             f = ms[m]["inflation_pct"]
+            top = max(total[q], 0)
             if f["interval"]:
                 lo, hi = f["interval"]
                 ax.errorbar([pos[q]], [total[q]], yerr=[[total[q] - lo], [hi - total[q]]],
                             fmt="ko", capsize=4, ms=4)
+                top = max(top, hi)
             else:
                 ax.plot([pos[q]], [total[q]], "ko", ms=4)
-            ax.annotate(f"{kind}\n{total[q]:+.1f} %", (pos[q], max(total[q], 0)),
-                        xytext=(0, 6), textcoords="offset points", ha="center", fontsize=7.5)
+            # above the error bar, never under it
+            ax.annotate(f"{kind}\n{total[q]:+.1f} %", (pos[q], top),
+                        xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7.5)
     ax.axhline(0, color="0.3", lw=0.8)
     bound = THRESHOLDS[summary["targets_for"]]["inflation_pct"]
     ax.axhline(bound, color="tab:blue", lw=0.8, ls="--", label=f"target for async: {bound:g} %")

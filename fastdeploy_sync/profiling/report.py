@@ -14,6 +14,7 @@ import numpy as np
 
 from ..worker.step_profiler import SECTIONS, distribution_us
 from . import formatting as fmt
+from .contention import summarize as summarize_others, withhold_verdicts
 from .headline import kind_headline
 from .intervals import (Bootstrap, LEVEL, MIN_ROUNDS, RESAMPLES, pooled_mean, pooled_median,
                         ragged_median)
@@ -106,10 +107,15 @@ def summarize(raw) -> dict:
         notes += idle_notes
     out["regime"] = describe(raw)
     notes += attach_notes(out["regime"], targets)
+    out["machine_load"] = _machine_load(raw, out)
+    withhold_verdicts(out["machine_load"]["others"], targets)
     out["targets"] = targets
     out["notes"] = notes
     out["verdicts"] = count_verdicts(targets, boot)
-    out["machine_load"] = _machine_load(raw, out)
+    if out["machine_load"]["others"]["contended"]:
+        others = out["machine_load"]["others"]
+        out["verdicts"]["header"] += (f"; not comparable: other processes took "
+                                      f"{others['mean_pct']:.1f} % of the cores, none judged")
     out["correct"] = all(m["ranks_agree"] and m["batches"]["all_delivered"]
                          for k in out["step_kinds"].values()
                          for name, m in k["modes"].items() if name != REFERENCE)
@@ -430,4 +436,5 @@ def _machine_load(raw, out):
                      f"processes on these cores); none's round means "
                      f"{min(means):.2f}-{max(means):.2f} ms; ranks' calibrations differ "
                      f"{mismatch:.2f}x")
-    return {"step_kinds": per_kind, "lines": lines}
+    others = summarize_others(raw["segments"], raw["options"]["rounds"])
+    return {"step_kinds": per_kind, "others": others, "lines": [others["line"], *lines]}

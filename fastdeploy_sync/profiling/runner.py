@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import asdict
 
+from . import contention
 from .fd_baseline import remove_stale_flags
 from .intervals import placement_blocks
 from .loops import COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, engine_main, worker_main
@@ -243,6 +244,8 @@ def _run_segment(procs, options, name, mode, kind, phase, rnd, steps, bar):
     if uses_engine:
         procs.send([procs.engine], ("go", options.rate if phase == "load" else 0.0))
     procs.send(procs.workers, ("go", None))
+    cores = options.cores()
+    before = contention.snapshot(cores)
 
     shown = 0
 
@@ -254,6 +257,7 @@ def _run_segment(procs, options, name, mode, kind, phase, rnd, steps, bar):
             shown = done
 
     procs.expect(procs.workers, "measured", _SEGMENT_TIMEOUT_S, tick)
+    foreign = contention.foreign_cores(before, contention.snapshot(cores))
     put, putting = 0, None
     if uses_engine:
         procs.send([procs.engine], ("stop", None))
@@ -269,5 +273,5 @@ def _run_segment(procs, options, name, mode, kind, phase, rnd, steps, bar):
         bar.update(steps - shown)
     return {"mode": mode, "kind": kind, "phase": phase, "round": rnd, "steps": steps,
             "name": name, "put": put, "engine_putting": putting, "engine": engine,
-            "workers": workers}
+            "workers": workers, "foreign_cores": foreign, "cores": len(cores)}
 

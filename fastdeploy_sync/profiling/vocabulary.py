@@ -141,6 +141,12 @@ DEFINITIONS = {
               "the frameworks' threads); free cores: at least one per process and one per "
               "rank's background thread; shared cores: fewer cores than processes; and "
               "where the model step ran (the CPU, or which GPU)",
+    "other_processes": "the share of the run's cores that processes outside the run took "
+                       "during each segment's measured steps: the cores' busy time "
+                       "(/proc/stat, steal included) minus the CPU time of the runner's "
+                       "process tree, over the wall time; per round the mean over its "
+                       "segments. Above 10 % on average the run is not comparable: no "
+                       "target is judged met or MISSED (machine_load.others in the JSON)",
     "reference_configuration": "the configurations targets were set for: --step-ms 2 "
                                "--rate 100 --batch 64 --prompt-len 512 --tokens numpy at "
                                "--tp 2 or --tp 8, each with its own targets; any other run "

@@ -2,6 +2,11 @@
 """What "put -> every rank holds a 64 x 512 batch" could cost without ZeroMQ's I/O
 threads: the floor of a node-local data path, next to this library's two paths, one run.
 
+Beside it, a busy-polling ring in the manner of vLLM's ``shm_broadcast.MessageQueue`` (a
+ring of chunks with a written word and one read word per reader; readers poll, yielding the
+core between polls): the baseline a design whose readers spin reaches, and the CPU each of
+its readers spends per put doing so.
+
 The floor: the engine encodes the batch as ``put_tasks`` does (``codec.encode_parts``),
 copies its body, offsets and arrays into one shared-memory buffer, and posts one POSIX
 semaphore per rank; each rank's receiving thread, blocked on its semaphore with the GIL
@@ -121,16 +126,118 @@ def bench_floor(n):
             segment.unlink()
 
 
+# The busy-polling ring, vLLM's shm_broadcast.MessageQueue in miniature: a ring of chunks,
+# each with a "written" word (the put's number) and one "read" word per reader. The writer
+# waits until every reader has read a chunk before reusing it; a reader polls its next
+# chunk's written word, yielding the core between polls (os.sched_yield, as vLLM's readers
+# do), so each reader keeps a core busy while it waits. No semaphore, no socket.
+_CHUNKS = 4
+_CHUNK_BYTES = 1 << 20  # one 64 x 512 batch's payload fits
+_FLAGS = 64  # per chunk: written word, then TP read words, 8 bytes each
+
+
+def _spin_rank(rank, shm_name, stamps_name, n, out):
+    shm = shared_memory.SharedMemory(shm_name)
+    stamps_shm = shared_memory.SharedMemory(stamps_name)
+    stamps = np.ndarray((n,), dtype=np.int64, buffer=stamps_shm.buf, offset=rank * n * 8)
+    flags = np.ndarray((_CHUNKS, _FLAGS // 8), dtype=np.int64, buffer=shm.buf)
+    base = _CHUNKS * _FLAGS
+    out.put(("ready", rank))
+    cpu = time.thread_time_ns()
+    try:
+        for i in range(n):
+            c = i % _CHUNKS
+            while flags[c, 0] != i + 1:  # spin until the writer published put i here
+                os.sched_yield()
+            chunk = base + c * _CHUNK_BYTES
+            lengths = flags[c, 1 + TP:4 + TP]
+            body_len, offsets_len, data_len = (int(x) for x in lengths)
+            body = shm.buf[chunk:chunk + body_len]
+            offsets = shm.buf[chunk + body_len:chunk + body_len + offsets_len]
+            start = chunk + ((body_len + offsets_len + 63) & -64)
+            data = shm.buf[start:start + data_len]
+            batch = codec.decode_payload([body, offsets, data])
+            stamps[i] = time.monotonic_ns()
+            del batch, body, offsets, data
+            flags[c, 1 + rank] = i + 1  # read: the writer may reuse the chunk
+        cpu = time.thread_time_ns() - cpu
+    finally:
+        del stamps, flags
+        shm.close()
+        stamps_shm.close()
+    out.put(("done", cpu))
+
+
+def bench_spin_ring(n):
+    """put -> the last rank holds the batch (decoded), us per put, through the busy-polling
+    ring; and each reader's CPU per put, us."""
+    batch = bench_sync.make_requests()
+    tag = uuid.uuid4().hex[:8]
+    shm = shared_memory.SharedMemory(f"fdsync-spin-{tag}", create=True,
+                                     size=_CHUNKS * (_FLAGS + _CHUNK_BYTES))
+    stamps_shm = shared_memory.SharedMemory(f"fdsync-spin-st-{tag}", create=True,
+                                            size=TP * n * 8)
+    out = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_spin_rank, args=(r, shm.name, stamps_shm.name, n, out))
+             for r in range(TP)]
+    flags = np.ndarray((_CHUNKS, _FLAGS // 8), dtype=np.int64, buffer=shm.buf)
+    view = shm.buf
+    base = _CHUNKS * _FLAGS
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            out.get(timeout=60)
+        time.sleep(0.3)
+        rng = random.Random(1)
+        started = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            time.sleep(0.002 + rng.random() * 0.003)
+            c = i % _CHUNKS
+            deadline = time.monotonic() + 30
+            while i >= _CHUNKS and (flags[c, 1:1 + TP] < i + 1 - _CHUNKS).any():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("a spinning reader stopped reading")
+                os.sched_yield()  # every reader must have read the chunk's last put
+            started[i] = time.monotonic_ns()
+            parts = codec.encode_parts(batch)
+            body_len, offsets_len = len(parts.body), len(parts.offsets)
+            chunk = base + c * _CHUNK_BYTES
+            view[chunk:chunk + body_len] = parts.body
+            view[chunk + body_len:chunk + body_len + offsets_len] = parts.offsets
+            start = chunk + ((body_len + offsets_len + 63) & -64)
+            parts.write_data(view[start:start + parts.data_size])
+            flags[c, 1 + TP:4 + TP] = (body_len, offsets_len, parts.data_size)
+            flags[c, 0] = i + 1  # written (x86-64 keeps the stores in order; a benchmark)
+        cpus = [out.get(timeout=60)[1] for _ in procs]
+        stamps = np.ndarray((TP, n), dtype=np.int64, buffer=stamps_shm.buf).copy()
+        return (stamps.max(axis=0) - started)[10:] / 1000.0, [c / n / 1000.0 for c in cpus]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        del flags, view
+        for segment in (shm, stamps_shm):
+            segment.close()
+            segment.unlink()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--puts", type=int, default=200, help="puts per path and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     floor = "floor: shared buffer + one semaphore post per rank"
-    rows = {floor: []}
+    spin = "spin ring (vLLM-style: readers poll, one core each)"
+    rows = {floor: [], spin: []}
+    spin_cpu = []
     ring = [m for m in bench_sync.DELIVERY_MODES if m[0].startswith("ring")]
     for _ in range(args.rounds):
         rows[floor].extend(bench_floor(args.puts))
+        held, cpu = bench_spin_ring(args.puts)
+        rows[spin].extend(held)
+        spin_cpu.extend(cpu)
         # the ring alone, as the floor runs alone: the other paths' ranks would share the
         # two cores with it
         for label, parts in bench_sync.bench_delivery(args.puts, modes=ring).items():
@@ -143,6 +250,13 @@ def main():
     for label, samples in rows.items():
         print(f"  {label:<66} p50 {np.percentile(samples, 50):8.1f}   "
               f"p99 {np.percentile(samples, 99):8.1f}")
+    print(f"  spin ring: each reader's CPU per put {np.mean(spin_cpu):.1f} us (mean over "
+          f"readers and rounds; spent polling while it waits)")
+    lib = next((v for k, v in rows.items() if k.startswith("library alone, ring")), None)
+    if lib:
+        for label in (floor, spin):
+            print(f"  library alone, ring / {label.split(':')[0].split(' (')[0]}: p50 "
+                  f"{np.percentile(lib, 50) / np.percentile(rows[label], 50):.2f}x")
 
 
 if __name__ == "__main__":

@@ -68,5 +68,5 @@ def test_backend_choice_and_its_errors():
         resolve("fake_gpu:NO_GPU")
     with pytest.raises(ValueError, match="cannot import it"):
         resolve("no_such_module_here:BACKEND")
-    with pytest.raises(ValueError, match="expected auto, paddle, torch or MODULE:ATTR"):
+    with pytest.raises(ValueError, match="expected auto, paddle, torch, cpu-standin or MODULE:ATTR"):
         resolve("cuda")

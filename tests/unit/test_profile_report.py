@@ -261,8 +261,16 @@ def test_plot_has_a_row_per_step_kind_and_the_targets(tmp_path):
         titles = [ax.get_title() for ax in fig.axes]
         assert titles == plot.panel_titles(summary)
         assert sum(vocabulary.DELIVERY in t for t in titles) == 2  # one delivery panel per kind
-        delivery = fig.axes[1]
+        delivery = fig.axes[2]
         assert len(delivery.lines) == 3  # one CDF per mode
+        headline = fig.axes[0].tables[0]
+        cells = [c.get_text().get_text() for c in headline.get_celld().values()]
+        assert "interruption per step" in cells and cells.count("x lower") == 2
+        ratio = summary["headline"]["python"]["async"]["interruption_vs_fd_manager"]["value"]
+        assert f"{ratio:.1f} x" in " ".join(cells)
+        for ax in fig.axes[1:]:  # a log scale draws no zero as a bar
+            if ax.get_yscale() == "log":
+                assert all(p.get_height() > 0.1 for p in ax.patches)
         table = fig.axes[-1].tables[0]
         cells = {c.get_text().get_text() for c in table.get_celld().values()}
         assert {"met", "MISSED"} <= cells

@@ -1,0 +1,168 @@
+"""The drop-in's side channels (cache infos, finished requests, connect-rdma, disaggregated
+tasks, the lock, the barriers) under the task path's guards: a peer that streams a message
+it never finishes is cut and the memory comes back, whatever a request's argument raises
+(even ``SystemExit``) is answered and the service goes on, and a server that dies of an
+uncaught exception leaves no socket file. Real server processes, raw ZMTP peers, real
+clients."""
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from fastdeploy_sync import envs
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+from fastdeploy_sync.fastdeploy.links import RemoteLink
+from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
+
+from engine_peers import endless_peer
+
+RESULT_TIMEOUT_S = 60
+
+# A drop-in server whose own process asks its side channels (over the socket, as another
+# process would) every 10 ms and prints "<anon RSS MiB> <answers>" every 0.1 s until killed.
+_SERVER = textwrap.dedent("""
+    import sys, threading, time
+    from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+    from fastdeploy_sync.fastdeploy.links import RemoteLink
+    from fastdeploy_sync.wire.endpoints import default_endpoint
+    from fastdeploy_sync.wire.sockets import anon_rss_bytes
+    name = sys.argv[1]
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    link = RemoteLink(default_endpoint(name, 0, "side"), timeout=30)
+    answers = [0]
+    def ask():
+        while True:
+            link.call("num_cache_infos", 0, 0)
+            answers[0] += 1
+            time.sleep(0.01)
+    threading.Thread(target=ask, daemon=True).start()
+    while True:
+        time.sleep(0.1)
+        print(anon_rss_bytes() >> 20, answers[0], flush=True)
+    """)
+
+
+@pytest.mark.serial
+def test_an_endless_message_to_the_side_channels_is_cut(name, monkeypatch):
+    """3 s of an unfinished message at full speed to the side endpoint: the server's heap
+    stays within a few hundred MiB of its start (before: it grew by the peer's whole
+    stream, 1.5 GiB in 5 s), the peer is cut, the heap comes back, and the side channels
+    answer throughout. The bound: one maximum-size message (64 MiB here) and the task
+    path's 128 MiB of unfinished input."""
+    monkeypatch.setenv("FD_SYNC_MAX_MESSAGE_MB", "64")
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, name], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    samples = []
+    reader = threading.Thread(target=lambda: [samples.append(tuple(map(int, line.split())))
+                                              for line in server.stdout], daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(samples) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(samples) >= 5, server.stderr.read() if server.poll() is not None else ""
+        start_heap, start_answers = samples[-1]
+        sent, cut = endless_peer(ipc_path(default_endpoint(name, 0, "side")), 60000, 3.0)
+        during = list(samples)
+        time.sleep(1.5)  # the cut peer's buffers freed and trimmed
+        assert server.poll() is None, server.stderr.read()
+        peak = max(heap for heap, _ in during) - start_heap
+        print(f"side channels: sent {sent} MiB, heap peak +{peak} MiB, after "
+              f"+{samples[-1][0] - start_heap} MiB, {samples[-1][1] - start_answers} answers")
+        assert cut, f"sent {sent} MiB and was never cut; heap +{peak} MiB"
+        assert peak < 768, f"heap grew by {peak} MiB while {sent} MiB were sent"
+        assert samples[-1][0] - start_heap < 64, (samples[-1], start_heap)
+        assert during[-1][1] > start_answers  # answered during the stream
+        assert samples[-1][1] > during[-1][1]  # and after it
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+        reader.join(timeout=10)
+        server.stdout.close()
+        server.stderr.close()
+        for path in glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{name}-*")):
+            os.unlink(path)
+        for leftover in os.listdir("/dev/shm"):
+            if name in leftover:
+                os.unlink("/dev/shm/" + leftover)
+
+
+class _ExitsWhenUnpickled:
+    """Pickles fine; unpickling it raises SystemExit."""
+
+    def __reduce__(self):
+        return sys.exit, ("a side-channel request ended the thread that unpickled it",)
+
+
+class _InterruptsWhenIndexed:
+    """Decodes fine; the operation's first look at it raises KeyboardInterrupt."""
+
+    def __getitem__(self, index):
+        raise KeyboardInterrupt("an argument's method interrupted the side channels")
+
+
+class _ExitsWhenSentBack:
+    """Pickles fine until ``armed``; then pickling it (the reply that carries it) raises
+    SystemExit."""
+
+    armed = False
+
+    def __reduce__(self):
+        if type(self).armed:
+            raise SystemExit("a side-channel reply ended the thread that encoded it")
+        return _ExitsWhenSentBack, ()
+
+
+def test_whatever_a_request_raises_the_service_answers_the_next(name):
+    """A request whose argument raises SystemExit when unpickled (before: it ended the
+    service thread, and every later side-channel call of every client failed after its
+    wait with "no answer ... is the server running?"), one whose argument raises
+    KeyboardInterrupt inside the operation, one whose result raises SystemExit when
+    encoded: each is answered with an error, and the next request is served."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1, name=name)
+    link = RemoteLink(default_endpoint(name, 0, "side"), timeout=10)
+    try:
+        with pytest.raises(RuntimeError, match="SystemExit"):
+            link.call("put_disaggregated_tasks", 0, 0, _ExitsWhenUnpickled())
+        assert link.call("num_cache_infos", 0, 0) == 0
+        with pytest.raises(RuntimeError, match="KeyboardInterrupt"):
+            link.call("put_finished_req", 0, 0, _InterruptsWhenIndexed())
+        assert link.call("disaggregate_queue_empty", 0, 0) is True
+        link.call("put_disaggregated_tasks", 0, 0, _ExitsWhenSentBack())
+        _ExitsWhenSentBack.armed = True
+        with pytest.raises(TypeError, match="SystemExit"):
+            link.call("get_disaggregated_tasks", 0, 0)
+        link.call("put_disaggregated_tasks", 0, 0, "still served")
+        assert server.get_disaggregated_tasks() == ["still served"]
+    finally:
+        _ExitsWhenSentBack.armed = False
+        link.close()
+        server.cleanup()
+
+
+_DIES = textwrap.dedent("""
+    import sys
+    from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=1,
+                               name=sys.argv[1])
+    print("built", flush=True)
+    raise RuntimeError("the engine failed")
+    """)
+
+
+def test_a_server_that_dies_of_an_uncaught_exception_leaves_nothing(name):
+    """docs/index.md: normal process exit removes every name; an uncaught exception is one
+    (its exit handlers run). Before: the side-channel socket file stayed."""
+    done = subprocess.run([sys.executable, "-c", _DIES, name], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "built", done.stderr
+    assert done.returncode == 1 and "the engine failed" in done.stderr, done.stderr
+    left = (glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{name}-*"))
+            + glob.glob(f"/dev/shm/*{name}*"))
+    assert not left, left

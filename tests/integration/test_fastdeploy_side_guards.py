@@ -1,9 +1,9 @@
 """The drop-in's side channels (cache infos, finished requests, connect-rdma, disaggregated
 tasks, the lock, the barriers) under the task path's guards: a peer that streams a message
 it never finishes is cut and the memory comes back, whatever a request's argument raises
-(even ``SystemExit``) is answered and the service goes on, and a server that dies of an
-uncaught exception leaves no socket file. Real server processes, raw ZMTP peers, real
-clients."""
+(even ``SystemExit``) is answered and the service goes on, a server that dies of an
+uncaught exception leaves no socket file, and a barrier wait that runs out breaks that
+round only. Real server processes, raw ZMTP peers, real clients."""
 
 import glob
 import os
@@ -21,6 +21,7 @@ from fastdeploy_sync.fastdeploy.links import RemoteLink
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 
 from engine_peers import endless_peer
+from fd_workers import barrier_messager
 
 RESULT_TIMEOUT_S = 60
 
@@ -166,3 +167,87 @@ def test_a_server_that_dies_of_an_uncaught_exception_leaves_nothing(name):
     left = (glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{name}-*"))
             + glob.glob(f"/dev/shm/*{name}*"))
     assert not left, left
+
+
+def test_a_barrier_wait_that_runs_out_breaks_that_round_only(name, procs, results,
+                                                             monkeypatch):
+    """Two cache messagers; one arrives at round 1 after the other's wait ran out
+    (FD_SYNC_SIDE_WAIT_S=1), and the one on time goes on to round 2 at once. Round 1 is
+    broken for both (the late one learns it when it comes), rounds 2 and 3 pass for both:
+    no party is a round off and nobody resets the barrier (FastDeploy never does). Before:
+    the barrier stayed broken, every later round failed."""
+    monkeypatch.setenv("FD_SYNC_SIDE_WAIT_S", "1")
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=2, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        procs(barrier_messager, address, 2, 0, results, name=name)
+        procs(barrier_messager, address, 2, 1, results, name=name, late_s=3.0)
+        outcomes = {}
+        for _ in range(2):
+            kind, _, rank, value = results.get(timeout=RESULT_TIMEOUT_S)
+            assert kind == "barrier", value
+            outcomes[rank] = value
+        assert outcomes[0] == outcomes[1] == ["ok", "broken", "ok", "ok"], outcomes
+    finally:
+        server.cleanup()
+
+
+def test_a_late_party_fills_its_round_and_reset_still_breaks_it(name):
+    """In one process, with explicit timeouts: a party that gave up on a round and waits
+    again is counted in the next round, not the open one; the late party's arrival ends
+    the broken round; ``reset()`` breaks the open round for its waiter and the next one
+    passes; ``abort()`` breaks every round until ``reset()``."""
+    server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=2, name=name)
+    try:
+        address = ("0.0.0.0", server.get_server_port())
+        a, b = (EngineWorkerQueue(address=address, num_client=2, client_id=r, name=name)
+                for r in range(2))
+        ba, bb = a.finish_send_cache_barrier, b.finish_send_cache_barrier
+        out = []
+
+        def party_a():  # a party is a thread: its rounds are its waits
+            out.append(_broken(ba.wait, 0.1))  # round 0: b does not come in time
+            out.append(ba.wait(30))  # round 1, at once: counted there, not in round 0
+
+        t = threading.Thread(target=party_a)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not out and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert out == [True] and bb.broken
+        with pytest.raises(threading.BrokenBarrierError):
+            bb.wait(30)  # round 0, late: broken for it too, at once
+        assert not bb.broken
+        bb.wait(30)  # round 1, with a
+        t.join(30)
+        assert not t.is_alive() and out[1] in (0, 1)
+
+        failed = []
+        t = threading.Thread(target=lambda: failed.append(_broken(ba.wait, 30)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while bb.n_waiting != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        bb.reset()
+        t.join(30)
+        assert failed == [True]
+        t = threading.Thread(target=lambda: out.append(ba.wait(30)))
+        t.start()
+        bb.wait(30)  # the round after the reset passes
+        t.join(30)
+        assert len(out) == 3
+
+        ba.abort()
+        assert bb.broken and _broken(bb.wait, 30) and _broken(ba.wait, 30)
+        ba.reset()
+        assert not bb.broken
+    finally:
+        server.cleanup()
+
+
+def _broken(wait, timeout):
+    try:
+        wait(timeout)
+    except threading.BrokenBarrierError:
+        return True
+    return False

@@ -9,8 +9,8 @@ It is off the step's critical path: nothing on the task path touches it.
 
 It is held to the task path's guards (docs/security.md): a frame is bounded
 (``MAXMSGSIZE``), a connection that may be holding a message it never finishes is cut once
-the process's heap grows past what one maximum-size message explains (the engine's
-``flood_guard.InputGuard``), one that sends unwelcome messages fast is cut
+the process's heap grows 128 MiB past what it explains (the engine's
+``flood_guard.InputGuard``; never a connection of a client's process), one that sends unwelcome messages fast is cut
 (``FloodGuard``), replies queue at most ``_REPLY_HWM`` per connection, and decoding is
 total: whatever a peer's message raises, even ``SystemExit`` from a crafted pickle,
 becomes an error answer (logged rate-limited), never the end of the thread.
@@ -59,8 +59,9 @@ _MESSAGES_PER_TICK = 256
 # (its caller asks again or times out).
 _REPLY_HWM = 1000
 # What peers may make the server's process hold in side-channel messages they have not
-# finished, beyond one maximum-size message (a request of a client not yet heard from, in
-# flight): the task path's bound (engine.queue's _UNFINISHED_INPUT_BYTES).
+# finished: the task path's bound for its workers' socket (engine.queue's
+# _UNFINISHED_INPUT_BYTES). A client says "hello" when it is built, so its process (its
+# host over tcp) is trusted, never cut, before it sends anything large.
 _UNFINISHED_INPUT_BYTES = 128 << 20
 _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # Errors a peer may be told about by class name; anything else becomes a RuntimeError.
@@ -235,8 +236,7 @@ class SideService:
         self._bad = RateLimitedLog(log)
         self._flood = FloodGuard(sock)
         self._input = InputGuard(anon_rss_bytes, sockets=("side",),
-                                 small=envs.max_message_bytes() + _UNFINISHED_INPUT_BYTES,
-                                 large=envs.max_message_bytes() + _UNFINISHED_INPUT_BYTES)
+                                 small=_UNFINISHED_INPUT_BYTES, large=_UNFINISHED_INPUT_BYTES)
         self._stop = False
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._main, daemon=True,

@@ -7,6 +7,7 @@ round only. Real server processes, raw ZMTP peers, real clients."""
 
 import glob
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -143,6 +144,45 @@ def test_whatever_a_request_raises_the_service_answers_the_next(name):
     finally:
         _ExitsWhenSentBack.armed = False
         link.close()
+        server.cleanup()
+
+
+def test_over_tcp_nothing_an_unauthenticated_peer_sends_is_decoded(tmp_path):
+    """Across nodes the side channels are CURVE-authenticated before anything is decoded:
+    a peer without CURVE (a plain ZeroMQ DEALER, as any host that reaches the port could
+    run) sends a well-formed request carrying a pickle that would end the thread that
+    unpickles it; it gets no answer, nothing of it reaches a channel, and a client with
+    the keys is served."""
+    import zmq
+
+    from fastdeploy_sync.fastdeploy.channels import OPERATIONS
+    from fastdeploy_sync.wire.auth import create_keys
+    from fastdeploy_sync.wire.codec import encode_payload, payload_checksum
+
+    keys = tmp_path / "keys"
+    create_keys(keys)
+    server = EngineWorkerQueue(address=("127.0.0.1", 0), is_server=True, num_client=1,
+                               keys_dir=str(keys))
+    ctx = zmq.Context()
+    try:
+        endpoint = f"tcp://127.0.0.1:{server.get_server_port() + 4096}"
+        frames = encode_payload(_ExitsWhenUnpickled())
+        header = struct.pack("<4sHhiQQ", b"FDS1", OPERATIONS.index("put_disaggregated_tasks"),
+                             0, 0, 1, payload_checksum(frames))  # links' request header
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(endpoint)
+        plain.send_multipart([header, *frames])
+        assert not plain.poll(1000)
+        link = RemoteLink(endpoint, keys_dir=str(keys), timeout=10)
+        try:
+            assert link.call("disaggregate_queue_empty", 0, 0) is True
+            link.call("put_disaggregated_tasks", 0, 0, "from a client with the keys")
+        finally:
+            link.close()
+        assert server.get_disaggregated_tasks() == ["from a client with the keys"]
+    finally:
+        ctx.destroy(linger=0)
         server.cleanup()
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "heartbeat_timeout_s",
     "stall_timeout_s",
     "max_message_bytes",
+    "side_wait_s",
     "connect_timeout_s",
     "queue_role",
     "tp_coordinator",
@@ -135,6 +136,14 @@ def max_message_bytes() -> int:
     at most 64 KiB per message from workers, whose messages are all small."""
     mb = _positive_float("FD_SYNC_MAX_MESSAGE_MB", "1024")
     return int(mb * (1 << 20))
+
+
+def side_wait_s() -> float:
+    """``FD_SYNC_SIDE_WAIT_S`` (seconds, default 300): how long a FastDeploy drop-in's
+    side-channel wait lasts when the caller gives no ``timeout`` (a barrier, the lock, a
+    put waiting for every client to read, a get waiting for every client to report), where
+    FastDeploy waits without end. A barrier wait that runs out breaks that round only."""
+    return _positive_float("FD_SYNC_SIDE_WAIT_S", "300")
 
 
 def connect_timeout_s() -> float:

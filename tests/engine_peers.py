@@ -8,6 +8,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -441,3 +442,30 @@ class PeakRSS:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
         raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def endless_peer(path, frame_bytes, seconds):
+    """Connect to ``path`` as a raw ZMTP 3.0 DEALER (NULL security) and stream frames of
+    ``frame_bytes``, each flagged MORE, for ``seconds``; returns (MiB sent, whether the
+    receiver (an engine, a drop-in's side channels) cut the connection)."""
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(path)
+    conn.settimeout(5)
+    conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
+    name, value = b"Socket-Type", b"DEALER"
+    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+    conn.sendall(bytes([0x04, len(body)]) + body)
+    time.sleep(0.2)
+    frame = bytes([0x03]) + struct.pack(">Q", frame_bytes) + bytes(frame_bytes)  # MORE|LONG
+    blob = frame * max(1, (1 << 20) // len(frame))
+    sent, cut = 0, False
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            conn.sendall(blob)
+            sent += len(blob)
+    except OSError:
+        cut = True
+    finally:
+        conn.close()
+    return sent >> 20, cut

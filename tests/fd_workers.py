@@ -284,3 +284,35 @@ def side_channel_probe(address, keys_dir, item, results, *, connect_timeout=5.0)
         results.put(("ok", 0, 0, None))
     except BaseException as exc:
         results.put(("error", 0, 0, f"{type(exc).__name__}: {exc}"))
+
+
+def barrier_messager(address, tp_size, rank, results, *, name=None, late_s=0.0):
+    """A cache messager of TP rank ``rank`` passing ``cache_info_barrier`` in four rounds:
+    the first and the last two with a 60 s timeout, the second with none (so the
+    ``FD_SYNC_SIDE_WAIT_S`` bound), arriving ``late_s`` seconds late to it. Reports
+    ``("barrier", 0, rank, ["ok" | "broken", ...])`` (per round) or ``("error", ...)``."""
+    import threading as _threading
+
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, is_server=False, num_client=tp_size,
+                              client_id=rank, name=name, connect_timeout=10)
+    except BaseException:
+        results.put(("error", 0, rank, traceback.format_exc()))
+        return
+    try:
+        outcomes = []
+        for k, timeout in enumerate((60.0, None, 60.0, 60.0)):
+            if k == 1:
+                time.sleep(late_s)
+            try:
+                q.cache_info_barrier.wait(timeout=timeout)
+                outcomes.append("ok")
+            except _threading.BrokenBarrierError:
+                outcomes.append("broken")
+        results.put(("barrier", 0, rank, outcomes))
+    except BaseException:
+        results.put(("error", 0, rank, traceback.format_exc()))
+    finally:
+        q.cleanup()

@@ -110,7 +110,9 @@ class InputGuard:
     process over ipc (``SO_PEERCRED``) or its host over tcp, so a rank's other
     connections, which may not have spoken yet, are never cut either). Two budgets:
     ``small`` for the workers' socket (its peers' messages are a few KiB), ``large`` for
-    the producers' (a PUT may legitimately be one maximum-size batch in flight). After a
+    the producers' (a PUT may legitimately be one maximum-size batch in flight); another
+    owner names its sockets (``sockets``: the first is held to ``small``; the drop-in's
+    side channels use one socket and pass their budget as ``small``). After a
     cut the freed heap is given back (``wire.sockets.trim_heap``). An excess with no
     connection to suspect (the engine's own allocations) becomes the new baseline.
 
@@ -121,14 +123,16 @@ class InputGuard:
     _MAX_TRUSTED = 4096
 
     def __init__(self, read_heap, small: int, large: int, check_s: float = 0.1,
-                 quiet_s: float = 0.2, idle_s: float = 2.0):
+                 quiet_s: float = 0.2, idle_s: float = 2.0,
+                 sockets=("workers", "producers")):
         self._read_heap = read_heap
         self.small, self.large = small, large
         self.check_s, self.quiet_s, self.idle_s = check_s, quiet_s, idle_s
         self._baseline = read_heap()
-        # per socket: descriptor -> [when accepted, when it last finished a message or
-        # None, its peer (peer_key)]
-        self._conns = {"workers": {}, "producers": {}}
+        # per socket (the first is held to ``small``, the others to ``large``):
+        # descriptor -> [when accepted, when it last finished a message or None, its peer
+        # (peer_key)]
+        self._conns = {which: {} for which in sockets}
         self._trusted = set()  # peers (peer_key) never cut
         self._trim_at = None
         self.next_check = 0.0
@@ -176,15 +180,15 @@ class InputGuard:
         excess = heap - self._baseline - legit
         if excess <= self.small:
             return 0
-        workers = self._suspects("workers", now)
-        producers = self._suspects("producers", now)
-        cut = self._cut("workers", workers, excess)
-        if excess > self.large:
-            cut += self._cut("producers", producers, excess)
+        suspects = {which: self._suspects(which, now) for which in self._conns}
+        cut = 0
+        for i, (which, fds) in enumerate(suspects.items()):
+            if i == 0 or excess > self.large:
+                cut += self._cut(which, fds, excess)
         if cut:
             self._trim_at = now + 0.2  # once libzmq has let go of their buffers
             self.next_check = now + self.check_s
-        elif not workers and not producers:
+        elif not any(suspects.values()):
             self._baseline = heap - legit  # no peer could be holding it: the engine's own
         return cut
 

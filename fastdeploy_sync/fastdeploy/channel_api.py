@@ -5,9 +5,13 @@ cache-messager barriers, the DP group's lock), over a link to the server's
 
 FastDeploy waits without a bound where a channel is not ready (a put until every client
 read the previous item, a get until every client put, a barrier, the lock). Here every wait
-is bounded: ``timeout`` seconds when given, else ``DEFAULT_WAIT_S``; then ``TimeoutError``
-(a barrier: ``threading.BrokenBarrierError``, and the barrier is broken for every waiter, as
-``threading.Barrier`` does), naming the channel and the endpoint.
+is bounded: ``timeout`` seconds when given, else ``FD_SYNC_SIDE_WAIT_S`` (``DEFAULT_WAIT_S``,
+300, by default); then ``TimeoutError`` naming the channel and the endpoint. A wait that
+ran out changes nothing in its channel, so the next call finds it as it was. A barrier
+wait that runs out raises ``threading.BrokenBarrierError`` and breaks that round for every
+party (the others, and the late one when it comes, raise it too), as ``threading.Barrier``
+does; unlike it, the next round is whole again, without a ``reset()``: FastDeploy's cache
+messagers never reset a barrier, and would otherwise fail every later round.
 """
 
 import os
@@ -16,16 +20,17 @@ import secrets
 import threading
 import time
 
+from .. import envs
 from .channels import BARRIERS, BarrierBroken, NotReady
 from .links import call_until
 
 __all__ = ["ChannelMethods", "SideBarrier", "SideLock", "PrefillInstances", "DEFAULT_WAIT_S"]
 
-DEFAULT_WAIT_S = 300.0
+DEFAULT_WAIT_S = 300.0  # FD_SYNC_SIDE_WAIT_S unset (envs.side_wait_s)
 
 
 def _deadline(timeout):
-    return time.monotonic() + (DEFAULT_WAIT_S if timeout is None else max(0.0, timeout))
+    return time.monotonic() + (envs.side_wait_s() if timeout is None else max(0.0, timeout))
 
 
 class ChannelMethods:
@@ -149,35 +154,46 @@ class _SideObject:
 class SideBarrier(_SideObject):
     """One of the cache messager's barriers of a DP group: ``threading.Barrier``'s interface
     for ``num_client`` parties in any processes (``wait``, ``reset``, ``abort``, ``parties``,
-    ``n_waiting``, ``broken``)."""
+    ``n_waiting``, ``broken``). A party is a thread of a process using this object: its
+    k-th ``wait()`` is its arrival in the barrier's k-th round since it first waited."""
 
     def __init__(self, owner, name):
         super().__init__(owner)
         self.name = name
-        self._gen = None
+        self._party = threading.local()  # this thread's token (an ident may be reused)
 
     def wait(self, timeout: float = None) -> int:
-        """Block until ``parties`` clients called ``wait()``; return this one's arrival index
-        (0 .. parties - 1). ``threading.BrokenBarrierError`` if the barrier is or becomes
-        broken, or (breaking it for everyone) after ``timeout`` s (None:
-        ``DEFAULT_WAIT_S``)."""
+        """Block until ``parties`` parties arrived in this party's round; return this one's
+        arrival index (0 .. parties - 1). ``threading.BrokenBarrierError`` if the round is or
+        becomes broken (a waiter of it timed out, ``abort()``, ``reset()``), or, breaking
+        the round for every party, after ``timeout`` s (None: ``FD_SYNC_SIDE_WAIT_S``). The
+        next round is whole again: a party that was late raises for the round it was late
+        for and then waits with the others in the next."""
         link, dp, cid = self._owner._side()
         deadline = _deadline(timeout)
-        gen = None
+        token = getattr(self._party, "token", None)
+        if token is None:
+            token = self._party.token = (os.getpid(), secrets.randbits(64))
         try:
-            gen, index = link.call("barrier_arrive", dp, cid, self.name)
-            call_until(link, "barrier_poll", dp, cid, (self.name, gen), deadline, self.name)
+            r, index = link.call("barrier_arrive", dp, cid, (self.name, token))
+            try:
+                call_until(link, "barrier_poll", dp, cid, (self.name, r), deadline, self.name)
+            except TimeoutError:
+                if link.call("barrier_abort", dp, cid, (self.name, r)):
+                    return index  # it passed just as the wait ended
+                raise
             return index
         except BarrierBroken:
             raise threading.BrokenBarrierError(
-                f"{self.name} of DP group {dp} at {link.endpoint} is broken (a waiter timed "
-                f"out, or abort()/reset() was called)") from None
+                f"{self.name} of DP group {dp} at {link.endpoint}: this round is broken (a "
+                f"waiter of it timed out, or abort()/reset() was called); the next wait() "
+                f"joins the next round") from None
         except TimeoutError:
-            link.call("barrier_abort", dp, cid, (self.name, gen))
             raise threading.BrokenBarrierError(
                 f"{self.name} of DP group {dp} at {link.endpoint}: not every one of the "
-                f"{self.parties} clients arrived within the wait; the barrier is now broken "
-                f"for every waiter (reset() it)") from None
+                f"{self.parties} parties arrived within the wait; this round is broken for "
+                f"every party, the next wait() joins the next round (the bound: timeout=, "
+                f"else FD_SYNC_SIDE_WAIT_S)") from None
 
     def reset(self) -> None:
         link, dp, cid = self._owner._side()
@@ -215,14 +231,14 @@ class SideLock(_SideObject):
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``threading.Lock.acquire``; ``timeout=-1`` (no bound there) waits at most
-        ``DEFAULT_WAIT_S`` here, then raises ``TimeoutError``."""
+        ``FD_SYNC_SIDE_WAIT_S`` here, then raises ``TimeoutError``."""
         link, dp, cid = self._owner._side()
         if not blocking:
             try:
                 return link.call("lock_acquire", dp, cid, self._token)
             except NotReady:
                 return False
-        wait = DEFAULT_WAIT_S if timeout is None or timeout < 0 else timeout
+        wait = envs.side_wait_s() if timeout is None or timeout < 0 else timeout
         try:
             return call_until(link, "lock_acquire", dp, cid, self._token,
                               time.monotonic() + wait, "lock.acquire()")
@@ -263,7 +279,7 @@ class PrefillInstances(_SideObject):
 
     def get(self, block: bool = True, timeout: float = None):
         """The oldest entry; ``queue.Empty`` when there is none (``block``: after waiting
-        ``timeout`` s, None: ``DEFAULT_WAIT_S``)."""
+        ``timeout`` s, None: ``FD_SYNC_SIDE_WAIT_S``)."""
         link, dp, cid = self._owner._side()
         deadline = _deadline(timeout) if block else time.monotonic()
         try:

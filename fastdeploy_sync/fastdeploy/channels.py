@@ -33,15 +33,88 @@ class NotReady(Exception):
 
 
 class BarrierBroken(Exception):
-    """The barrier was broken (a waiter timed out, ``abort()``, ``reset()``)."""
+    """This round of the barrier is broken (a waiter of it timed out, ``abort()``,
+    ``reset()``)."""
+
+
+# Parties a barrier remembers (a thread of a process, see ``SideBarrier``): past this, the
+# least recently seen are forgotten (one that comes back rejoins at the open round).
+_MAX_PARTIES = 4096
+# Rounds whose outcome (broken) a barrier remembers for waiters still polling them.
+_BROKEN_MEMORY = 1024
 
 
 class _Barrier:
-    """``threading.Barrier``'s states over calls: ``arrive`` returns (generation, index);
-    the generation is passed once ``gen`` moved on; ``abort`` breaks it until ``reset``."""
+    """``threading.Barrier`` over calls, by rounds. Round ``gen`` is open; it ends once
+    ``parties`` parties arrived in it. Each party (a token) has its own round count: its
+    k-th arrival belongs to round ``first + k``, so a party that arrives early (it gave up
+    on a round the others have not all reached yet) is counted in a later round, never in
+    the open one, and a late party fills the round it is late for. A round is broken
+    when one of its waiters timed out (or ``reset()`` ended it): every party learns that
+    round failed, and the next round is whole again, so a wait that timed out never
+    leaves the barrier broken for the rounds after it (FastDeploy's cache messagers never
+    reset a barrier). ``abort()`` breaks every round until ``reset()``, as
+    ``threading.Barrier.abort`` does."""
 
     def __init__(self, parties):
-        self.parties, self.gen, self.count, self.broken = parties, 0, 0, False
+        self.parties, self.gen, self.aborted = parties, 0, False
+        self.arrived = 0  # in round gen
+        self.ahead = collections.Counter()  # round > gen -> parties arrived for it early
+        self.next_round = collections.OrderedDict()  # token -> its next round
+        self.broken = set()  # rounds broken (those >= gen, and the last _BROKEN_MEMORY)
+
+    def arrive(self, token):
+        """Count ``token``'s next arrival; its round and its index in that round."""
+        r = self.next_round.pop(token, self.gen)
+        r = max(r, self.gen)  # a round that ended without it (reset, or forgotten)
+        self.next_round[token] = r + 1
+        if len(self.next_round) > _MAX_PARTIES:
+            self.next_round.popitem(last=False)
+        if r > self.gen:
+            index = self.ahead[r]
+            self.ahead[r] += 1
+            return r, index
+        index = self.arrived
+        self.arrived += 1
+        while self.arrived >= self.parties:  # round gen is whole: the next opens
+            self._end_round()
+        return r, index
+
+    def _end_round(self):
+        self.gen += 1
+        self.arrived = self.ahead.pop(self.gen, 0)
+        stale = self.gen - _BROKEN_MEMORY
+        if len(self.broken) > _BROKEN_MEMORY:
+            self.broken = {g for g in self.broken if g >= stale}
+
+    def passed(self, r):
+        """True once round ``r`` passed; ``BarrierBroken`` if it is broken (at once, not
+        only once every party reached it); ``NotReady`` while it is open."""
+        if self.aborted or r in self.broken:
+            raise BarrierBroken
+        if self.gen > r:
+            return True
+        raise NotReady
+
+    def timed_out(self, r):
+        """A waiter of round ``r`` gave up: the round is broken, unless it passed meanwhile
+        (then True: the waiter passed after all)."""
+        if self.gen > r and r not in self.broken:
+            return True
+        self.broken.add(r)
+        return False
+
+    def reset(self):
+        """The open round ends broken (its waiters learn it); the next one is whole."""
+        self.aborted = False
+        self.broken.add(self.gen)
+        self._end_round()
+        while self.arrived >= self.parties:
+            self._end_round()
+
+    def state(self):
+        return {"parties": self.parties, "broken": self.aborted or self.gen in self.broken,
+                "n_waiting": 0 if self.gen in self.broken else self.arrived}
 
 
 class _Group:
@@ -281,45 +354,39 @@ class _Ops:
     def prefill_qsize(state, g, client_id, arg):
         return len(state._prefill)
 
-    # -- barriers: (name,) arrive -> (gen, index); (name, gen) poll -> passed? --------------
+    # -- barriers: (name, token) arrive -> (round, index); (name, round) poll -> passed? -----
 
     @staticmethod
-    def barrier_arrive(state, g, client_id, name):
+    def barrier_arrive(state, g, client_id, arg):
+        name, token = arg
         b = _barrier(g, name)
-        if b.broken:
+        if b.aborted:
             raise BarrierBroken
-        gen, index = b.gen, b.count
-        b.count += 1
-        if b.count == b.parties:
-            b.gen, b.count = b.gen + 1, 0
-        return gen, index
+        return b.arrive(token)
 
     @staticmethod
     def barrier_poll(state, g, client_id, arg):
-        name, gen = arg
-        b = _barrier(g, name)
-        if b.gen > gen:
-            return True
-        if b.broken:
-            raise BarrierBroken
-        raise NotReady
+        name, r = arg
+        return _barrier(g, name).passed(r)
 
     @staticmethod
     def barrier_abort(state, g, client_id, arg):
-        name, gen = arg
+        """``(name, round)``: a waiter of ``round`` timed out: that round is broken unless
+        it passed meanwhile (then True: the waiter passed). ``(name, None)``: ``abort()``."""
+        name, r = arg
         b = _barrier(g, name)
-        if gen is None or b.gen == gen:  # a waiter of a generation that passed breaks nothing
-            b.broken, b.count = True, 0
+        if r is None:
+            b.aborted = True
+            return False
+        return b.timed_out(r)
 
     @staticmethod
     def barrier_reset(state, g, client_id, name):
-        b = _barrier(g, name)
-        b.broken, b.count, b.gen = False, 0, b.gen + 1
+        _barrier(g, name).reset()
 
     @staticmethod
     def barrier_state(state, g, client_id, name):
-        b = _barrier(g, name)
-        return {"parties": b.parties, "n_waiting": b.count, "broken": b.broken}
+        return _barrier(g, name).state()
 
     # -- the DP group's lock: (token,) acquire -> True or NotReady ----------------------------
 

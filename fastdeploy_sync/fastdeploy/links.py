@@ -7,6 +7,14 @@ endpoints: peers are authenticated by the transport before anything they send is
 and every message is checked (structure, size, checksum; ``codec``) before it is unpickled.
 It is off the step's critical path: nothing on the task path touches it.
 
+It is held to the task path's guards (docs/security.md): a frame is bounded
+(``MAXMSGSIZE``), a connection that may be holding a message it never finishes is cut once
+the process's heap grows 128 MiB past what it explains (the engine's
+``flood_guard.InputGuard``; never a connection of a client's process), one that sends unwelcome messages fast is cut
+(``FloodGuard``), replies queue at most ``_REPLY_HWM`` per connection, and decoding is
+total: whatever a peer's message raises, even ``SystemExit`` from a crafted pickle,
+becomes an error answer (logged rate-limited), never the end of the thread.
+
 Each request is one message and one reply. An operation FastDeploy would wait in answers
 ``NotReady``; ``call_until`` asks again (0.5 ms doubling to 5 ms) until the caller's
 deadline. Every wait is bounded: a reply within ``timeout`` or ``ConnectionError``
@@ -18,17 +26,20 @@ import os
 import struct
 import threading
 import time
+import weakref
 
 import zmq
 
 from .. import envs
+from ..engine.flood_guard import FloodGuard, InputGuard
 from ..errors import ProtocolError
 from ..logs import RateLimitedLog
 from ..wire import codec
 from ..wire.auth import ClientAuth, ServerAuth
 from ..wire.endpoints import (check_ipc_endpoint, claim_ipc_path, ipc_path, secure_socket_file,
                               unlink_quietly)
-from ..wire.sockets import CLIENT_FDS, ENGINE_FDS, WakePipe, ensure_free_fds, new_socket
+from ..wire.sockets import (CLIENT_FDS, ENGINE_FDS, WakePipe, anon_rss_bytes, ensure_free_fds,
+                            monitor_events, new_socket)
 from .channels import BarrierBroken, NotReady, OPERATIONS as OPS
 
 __all__ = ["LocalLink", "RemoteLink", "SideService", "call_until", "REPLY_TIMEOUT_S"]
@@ -44,6 +55,15 @@ _OP_INDEX = {op: i for i, op in enumerate(OPS)}
 REPLY_TIMEOUT_S = 10.0
 _POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.005
 _MESSAGES_PER_TICK = 256
+# Replies queued towards one connection that does not read them: a reply beyond is dropped
+# (its caller asks again or times out).
+_REPLY_HWM = 1000
+# What peers may make the server's process hold in side-channel messages they have not
+# finished: the task path's bound for its workers' socket (engine.queue's
+# _UNFINISHED_INPUT_BYTES). A client says "hello" when it is built, so its process (its
+# host over tcp) is trusted, never cut, before it sends anything large.
+_UNFINISHED_INPUT_BYTES = 128 << 20
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # Errors a peer may be told about by class name; anything else becomes a RuntimeError.
 _ERRORS = {cls.__name__: cls for cls in (ValueError, OverflowError, TypeError, RuntimeError)}
 
@@ -174,10 +194,12 @@ class SideService:
 
     The constructor binds (``EndpointInUseError`` when a live server holds the ipc path,
     ``AuthenticationError`` without keys for tcp) and starts the thread. ``close()`` stops
-    it (within about 0.1 s) and removes the ipc file. Per tick the thread handles at most
-    256 messages; a message that does not decode, or names an unknown operation, is
+    it (within about 0.1 s) and removes the ipc file; a process that exits without it
+    (an uncaught exception included) removes the file at exit. Per tick the thread handles
+    at most 256 messages; a message that does not decode, or names an unknown operation, is
     answered with an error (or dropped when it is not even a request) and logged at most
-    every 10 s."""
+    every 10 s; nothing a peer sends ends the thread. Input is bounded as the module
+    docstring says."""
 
     def __init__(self, state, endpoint, *, keys_dir=None):
         self._state = state
@@ -192,9 +214,12 @@ class SideService:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, envs.max_message_bytes() + 4096)
             sock.setsockopt(zmq.RCVHWM, 1000)
+            sock.setsockopt(zmq.SNDHWM, _REPLY_HWM)
             if self._auth is not None:
                 self._auth.apply(sock)
             self._sock = sock
+            # connections accepted and dropped, for the input guard
+            self._monitor = sock.get_monitor_socket(_CONNECTION_EVENTS)
             if self._path:
                 claim_ipc_path(self._path)
             sock.bind(endpoint)
@@ -205,8 +230,13 @@ class SideService:
             if self._auth is not None:
                 self._auth.close()
             raise
+        # from here the socket file is ours: removed at exit if close() never runs
+        self._finalizer = weakref.finalize(self, _remove_socket_file, os.getpid(), self._path)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bad = RateLimitedLog(log)
+        self._flood = FloodGuard(sock)
+        self._input = InputGuard(anon_rss_bytes, sockets=("side",),
+                                 small=_UNFINISHED_INPUT_BYTES, large=_UNFINISHED_INPUT_BYTES)
         self._stop = False
         self._wake = WakePipe()
         self._thread = threading.Thread(target=self._main, daemon=True,
@@ -216,13 +246,21 @@ class SideService:
     def _main(self):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake.r, zmq.POLLIN)
         while not self._stop:
+            now = time.monotonic()
             try:
-                poller.poll(100)
+                poller.poll(max(0.0, min(0.1, self._input.next_check - now)) * 1000)
             except zmq.ZMQError:
                 break
             self._wake.drain()
+            now = time.monotonic()
+            for event in monitor_events(self._monitor, _MESSAGES_PER_TICK):
+                if event["event"] == zmq.EVENT_ACCEPTED:
+                    self._input.accepted("side", int(event["value"]), now)
+                else:
+                    self._input.closed("side", int(event["value"]))
             for _ in range(_MESSAGES_PER_TICK):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -230,23 +268,49 @@ class SideService:
                     break
                 except zmq.ZMQError:
                     return
-                self._handle(frames)
+                try:
+                    self._receive(frames)
+                except BaseException as exc:  # a peer's message never ends the thread
+                    self._bad.log("handle", logging.ERROR, "side channels: a message could not "
+                                  "be handled (%r); the service goes on", exc)
+            if now >= self._input.next_check:
+                # legit 0: what the channels hold came from clients, which the guard never
+                # cuts; growth it cannot pin on a silent connection becomes its baseline
+                self._input.check(now, 0)
 
-    def _handle(self, frames):
+    def _receive(self, frames):
+        """One message: counted for the guards, then handled."""
+        try:
+            fd = frames[0].get(zmq.SRCFD)
+        except zmq.ZMQError:
+            fd = -1
+        self._input.spoke("side", fd, time.monotonic())
+        if self._handle(frames):
+            # a well-formed request: its peer (process, or host over tcp) is a client, and
+            # none of its connections is cut by the input guard
+            self._input.trust("side", fd)
+        else:
+            self._flood.unwelcome(frames[0], time.monotonic(), "side-channel garbage")
+
+    def _handle(self, frames) -> bool:
+        """Answer one message; True if it was a well-formed request (it decoded and named
+        a known operation). Total: whatever decoding or the operation raises, even a
+        ``BaseException`` from a crafted pickle, becomes an error answer."""
         identity = frames[0]
         header = frames[1].bytes if len(frames) > 1 else b""
         if len(header) != _REQUEST.size or len(frames) not in (3, 5):
             self._bad.log("shape", logging.WARNING, "side channels: dropped a message that is "
                           "not a request (%d frames)", len(frames))
-            return
+            return False
         magic, op, dp_id, client_id, request, check = _REQUEST.unpack(header)
         if magic != _MAGIC or op >= len(OPS):
             self._bad.log("magic", logging.WARNING, "side channels: dropped a request of "
                           "another version or kind")
-            return
-        status = _OK
+            return False
+        status, well_formed = _OK, False
         try:
-            arg = _decode(frames[2:], check, self.endpoint)
+            arg = _decode_total(frames[2:], check, self.endpoint)
+            well_formed = True
             result = self._state.call(OPS[op], dp_id, client_id, arg)
         except NotReady:
             status, result = _NOT_READY, None
@@ -256,15 +320,22 @@ class SideService:
             status, result = _ERROR, (type(exc).__name__, str(exc))
             if isinstance(exc, ProtocolError):
                 self._bad.log("decode", logging.WARNING, "side channels: %s", exc)
+        except BaseException as exc:  # an argument's method raised SystemExit...: answered
+            status, result = _ERROR, ("RuntimeError", f"{OPS[op]}: the argument raised {exc!r}")
+            self._bad.log("operation", logging.WARNING, "side channels: %s of client %d, DP "
+                          "group %d: the argument raised %r", OPS[op], client_id, dp_id, exc)
         try:
             body, reply_check = _encode(result)
-        except (TypeError, ValueError) as exc:
-            status, (body, reply_check) = _ERROR, _encode(("TypeError", str(exc)))
+        except BaseException as exc:  # a result that does not pickle (or raises doing so)
+            status, (body, reply_check) = _ERROR, _encode(
+                ("TypeError", f"{OPS[op]}: the result cannot be sent: {exc!r}"))
         try:
             self._sock.send_multipart([identity, _REPLY.pack(_MAGIC, status, request,
-                                                             reply_check), *body], copy=False)
-        except zmq.ZMQError:  # the peer left (ROUTER_MANDATORY: EHOSTUNREACH)
+                                                             reply_check), *body],
+                                      zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # the peer left (EHOSTUNREACH) or reads no replies (EAGAIN)
             pass
+        return well_formed
 
     def close(self):
         """Stop the thread, close the socket, remove the ipc file. Idempotent."""
@@ -278,8 +349,27 @@ class SideService:
                       "kept until exit", self.endpoint)
             return
         self._wake.close()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.close()
         self._ctx.term()
-        unlink_quietly(self._path)
+        self._finalizer()
+
+
+def _decode_total(frames, checksum, where):
+    """``_decode`` for the service thread: anything unpickling raises, ``BaseException``
+    included (a pickle's ``__reduce__`` may call ``sys.exit``), is a ``ProtocolError``."""
+    try:
+        return _decode(frames, checksum, where)
+    except ProtocolError:
+        raise
+    except BaseException as exc:
+        raise ProtocolError(f"{where}: a side-channel message does not decode: "
+                            f"{exc!r}") from exc
+
+
+def _remove_socket_file(owner_pid, path):
+    if os.getpid() == owner_pid:  # a forked child exiting: the file is its parent's
+        unlink_quietly(path)

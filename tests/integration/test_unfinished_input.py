@@ -4,8 +4,6 @@ the workers' endpoint or the producers'; the memory comes back once it is cut, a
 group is served throughout. A real engine process, a raw ZMTP peer."""
 
 import os
-import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -15,6 +13,8 @@ import time
 import pytest
 
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
+
+from engine_peers import endless_peer
 
 # An engine with a TP=1 rank in the same process: it puts a batch every 10 ms, the rank
 # takes them, and it prints "<anon RSS MiB> <batches taken>" every 0.1 s until killed.
@@ -36,33 +36,6 @@ _ENGINE = textwrap.dedent("""
                 time.sleep(0.01)
             print(anon_rss_bytes() >> 20, taken[0], flush=True)
     """)
-
-
-def _endless_peer(path, frame_bytes, seconds):
-    """Connect to ``path`` as a raw ZMTP 3.0 DEALER (NULL security) and stream frames of
-    ``frame_bytes``, each flagged MORE, for ``seconds``; returns (MiB sent, whether the
-    engine cut the connection)."""
-    conn = socket.socket(socket.AF_UNIX)
-    conn.connect(path)
-    conn.settimeout(5)
-    conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
-    name, value = b"Socket-Type", b"DEALER"
-    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
-    conn.sendall(bytes([0x04, len(body)]) + body)
-    time.sleep(0.2)
-    frame = bytes([0x03]) + struct.pack(">Q", frame_bytes) + bytes(frame_bytes)  # MORE|LONG
-    blob = frame * max(1, (1 << 20) // len(frame))
-    sent, cut = 0, False
-    end = time.monotonic() + seconds
-    try:
-        while time.monotonic() < end:
-            conn.sendall(blob)
-            sent += len(blob)
-    except OSError:
-        cut = True
-    finally:
-        conn.close()
-    return sent >> 20, cut
 
 
 @pytest.mark.serial
@@ -87,7 +60,7 @@ def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, mon
         start_heap, start_taken = samples[-1]
         path = ipc_path(default_endpoint(name, 0, "put" if endpoint == "producers" else ""))
         began = time.monotonic()
-        sent, cut = _endless_peer(path, 4000 if endpoint == "workers" else 60000, 3.0)
+        sent, cut = endless_peer(path, 4000 if endpoint == "workers" else 60000, 3.0)
         during = list(samples)
         time.sleep(1.5)  # the cut peer's buffers freed and trimmed
         elapsed = time.monotonic() - began

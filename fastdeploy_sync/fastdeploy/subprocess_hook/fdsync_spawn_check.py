@@ -18,13 +18,12 @@ Not seen: what a shell script file or another program starts (only the start mad
 hooked Python process is checked), ``os.system``, ``os.posix_spawn`` called directly.
 
 A top-level module (the directory is on ``sys.path`` in hooked processes), and the library's
-``fastdeploy_sync.fastdeploy.subprocess_hook.fdsync_spawn_check``: standard library only,
-so that a process that never uses FastDeploy pays nothing more than its own import.
+``fastdeploy_sync.fastdeploy.subprocess_hook.fdsync_spawn_check``: standard library only, and
+at a process's start nothing but ``os`` and ``sys`` (``re``/``shlex`` are imported by the
+first check that needs them), so that a process that starts no child pays nearly nothing.
 """
 
 import os
-import re
-import shlex
 import sys
 
 __all__ = ["HOOK_DIR", "lost_hook", "arm", "STRICT_ENV"]
@@ -32,7 +31,6 @@ __all__ = ["HOOK_DIR", "lost_hook", "arm", "STRICT_ENV"]
 HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
 STRICT_ENV = "FD_SYNC_RUN_STRICT"
 
-_PYTHON_NAME = re.compile(r"^python[0-9.]*[dmu]?$")
 # Interpreter options that take an argument (``-X dev``, ``-W error``); ``-c``/``-m`` end them.
 _WITH_ARGUMENT = {"X", "W", "Q"}
 # What each option that loses the hook does.
@@ -43,6 +41,16 @@ _SHELL_WRAPPERS = {"exec", "nohup", "setsid", "nice", "command"}
 _SHELL_SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 _warned = set()  # (reason, command) already reported by this process
 _WARNED_MAX = 256
+
+
+def _is_python_name(name):
+    """``python``, ``python3``, ``python3.11``, ``python3.13t``...: an interpreter's name."""
+    if not name.startswith("python"):
+        return False
+    rest = name[len("python"):]
+    if rest[-1:] in ("d", "m", "u", "t"):
+        rest = rest[:-1]
+    return all(c.isdigit() or c == "." for c in rest)
 
 
 def _environ(env):
@@ -64,8 +72,7 @@ def _which(program, env):
 def _interpreter_options(program, env):
     """``None`` if ``program`` is not a Python interpreter, else the options its ``#!`` line
     gives (``[]`` for an interpreter named as such)."""
-    base = os.path.basename(program)
-    if _PYTHON_NAME.match(base):
+    if _is_python_name(os.path.basename(program)):
         return []
     path = _which(program, env)
     if path is None:
@@ -81,7 +88,7 @@ def _interpreter_options(program, env):
         return None
     words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
     for i, word in enumerate(words):
-        if _PYTHON_NAME.match(os.path.basename(word)):
+        if _is_python_name(os.path.basename(word)):
             return words[i + 1:]
     return None
 
@@ -137,6 +144,8 @@ def _python_command_problem(argv, env):
 
 def _shell_problem(line, env):
     """The first Python command of shell command line ``line`` that would lose the hook."""
+    import shlex
+
     try:
         lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|()")
         lexer.whitespace_split = True
@@ -157,6 +166,8 @@ def _shell_problem(line, env):
 
 
 def _expand(value, env):
+    import re
+
     return re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), ""), value)
 
 
@@ -174,7 +185,7 @@ def _simple_command_problem(words, env):
     while i < len(words):
         word = words[i]
         key, eq, value = word.partition("=")
-        if eq and re.fullmatch(r"\w+", key):
+        if eq and key.isidentifier():
             own[key] = _expand(value, env)
         elif word == "env":
             i += 1

@@ -109,9 +109,11 @@ class _Record:
                 queue = ref()
                 if queue is not None and queue.role is not None:
                     alive.append(ref)
-                    queues.append({"address": str(queue.address), "name": queue.name,
-                                   "role": queue.role, "client_id": queue.client_id,
-                                   "dp_id": queue.local_data_parallel_id})
+                    # getattr: a role may be set before the rest of the queue is
+                    queues.append({"address": str(getattr(queue, "address", None)),
+                                   "name": getattr(queue, "name", None), "role": queue.role,
+                                   "client_id": getattr(queue, "client_id", None),
+                                   "dp_id": getattr(queue, "local_data_parallel_id", None)})
             self.queues = alive
             record = {"pid": self.pid, "argv": _command_line(),
                       "run": os.environ.get(RUN_ENV), "swapped": self.swapped,
@@ -121,7 +123,7 @@ class _Record:
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, self.stem + _SUFFIX_JSON)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError) as exc:
             self.failed = True
             log.warning("fastdeploy_sync: pid %d: cannot record this process for "
                         "'fastdeploy-sync status' in %s (%s); the drop-in works without it",

@@ -16,7 +16,7 @@ HOOKED = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": HOOK_DIR + o
     ["python3", "-u", "-X", "dev", "-m", "fastdeploy.worker"],
     ["python3", "-c", "-S"],  # -S after -c is the code's argument
     ["python3", "script.py", "-S"],
-    ["sh", "-c", "python3 -S x"],  # a shell is no Python (shell=False)
+    ["sh", "-c", "python3 x"],
     ["nvidia-smi"],
 ])
 def test_keeps_the_hook_or_is_no_python(args):
@@ -73,3 +73,12 @@ def test_a_script_whose_interpreter_line_drops_site(tmp_path):
     binary.write_bytes(b"\x7fELF" + bytes(300))
     binary.chmod(0o755)
     assert lost_hook([str(binary)], {}) is None
+
+
+def test_a_shell_given_a_line_is_read_as_a_shell_line():
+    assert "-S" in lost_hook(["bash", "-c", "cd /w && python3 -S x.py"], HOOKED)
+    assert "-I" in lost_hook(["/bin/sh", "-e", "-c", "exec python3 -I x.py"], HOOKED)
+    assert "-E" in lost_hook(["bash", "-lc", "python3 -E x.py"], HOOKED)
+    assert lost_hook(["bash", "-c", "python3 x.py"], HOOKED) is None
+    # -c after the script is the script's argument, not the shell's
+    assert lost_hook(["sh", "script.sh", "-c", "python3 -S x.py"], HOOKED) is None

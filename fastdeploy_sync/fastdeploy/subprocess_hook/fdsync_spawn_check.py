@@ -11,8 +11,8 @@ wraps ``subprocess.Popen``, ``os.execv``/``os.execve`` (and so every ``os.exec*`
 interpreter (by name, by being this interpreter, or by a ``#!`` line naming python) and
 would lose the hook is reported on stderr, once per command, naming the parent, the command
 and the reason; with ``FD_SYNC_RUN_STRICT=1`` the start raises ``PermissionError`` instead.
-A shell command line (``shell=True``) is read for the Python commands in it, with their
-``VAR=value`` prefixes, ``export``, ``env -i``/``env -u``.
+A shell command line (``shell=True``, or ``sh -c LINE``) is read for the Python commands in
+it, with their ``VAR=value`` prefixes, ``export``, ``env -i``/``env -u``.
 
 Not seen: what a shell script file or another program starts (only the start made from a
 hooked Python process is checked), ``os.system``, ``os.posix_spawn`` called directly.
@@ -37,6 +37,7 @@ _WITH_ARGUMENT = {"X", "W", "Q"}
 _LOSES = {"S": "-S (no site: sitecustomize is not run)",
           "I": "-I (isolated: PYTHONPATH is ignored)",
           "E": "-E (PYTHON* variables are ignored, PYTHONPATH too)"}
+_SHELLS = {"sh", "bash", "dash", "zsh", "ksh"}
 _SHELL_WRAPPERS = {"exec", "nohup", "setsid", "nice", "command"}
 _SHELL_SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 _warned = set()  # (reason, command) already reported by this process
@@ -221,7 +222,23 @@ def lost_hook(args, env=None, shell=False, executable=None):
         return _shell_problem(" ".join(args), env) if args else None
     if executable is not None:
         args = [os.fsdecode(executable)] + args[1:]
+    line = _shell_line(args)
+    if line is not None:
+        return _shell_problem(line, env)
     return _python_command_problem(args, env)
+
+
+def _shell_line(args):
+    """LINE of ``sh [-options] -c LINE ...`` (``-c`` alone or among combined options, before
+    the first operand), else None."""
+    if not args or os.path.basename(args[0]) not in _SHELLS:
+        return None
+    for i, word in enumerate(args[1:], 1):
+        if not word.startswith("-") or word == "--":
+            return None
+        if not word.startswith("--") and "c" in word[1:]:
+            return args[i + 1] if i + 1 < len(args) else None
+    return None
 
 
 def _report(problem, args):

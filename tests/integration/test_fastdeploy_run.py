@@ -32,14 +32,19 @@ STAND_IN = {
 DROP_IN = "fastdeploy_sync.fastdeploy.queue"
 FASTDEPLOYS = "fastdeploy.inter_communicator.engine_worker_queue"
 
-# Prints "<depth> <pid> <the class's module>", then starts the next depth as a child.
+# Prints "<depth> <pid> <the class's module>", then starts the next depth as a child: the
+# child with an argument list, the grandchild with a shell line (as FastDeploy's engine
+# starts its workers: subprocess.Popen("python -m paddle.distributed.launch ...", shell=True)).
 NESTED = textwrap.dedent("""
-    import os, subprocess, sys
+    import os, shlex, subprocess, sys
     depth = int(sys.argv[1])
     from fastdeploy.inter_communicator import EngineWorkerQueue
     print(depth, os.getpid(), EngineWorkerQueue.__module__, flush=True)
-    if depth < 2:
-        subprocess.run([sys.executable, __file__, str(depth + 1)], check=True, timeout=60)
+    if depth == 0:
+        subprocess.run([sys.executable, __file__, "1"], check=True, timeout=60)
+    elif depth == 1:
+        line = f"cd / && {shlex.quote(sys.executable)} -u {shlex.quote(__file__)} 2"
+        subprocess.run(line, shell=True, check=True, timeout=60)
 """)
 # A process of the command starts children that lose the hook, each its own way.
 LOSING = textwrap.dedent("""

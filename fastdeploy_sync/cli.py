@@ -247,6 +247,15 @@ def _clean(args) -> int:
     else:
         print(f"removed {len(removed)} stale name(s) of {scope}; "
               f"{len(found) - len(stale)} in use or not ours, left alone")
+    # Records of exited drop-in processes belong to no queue name: any clean removes them
+    # (the directory is this user's own, and a record is stale only when its lock is free).
+    if _has_dropin_records():
+        from .fastdeploy.processes import prune, records_dir
+
+        pruned = prune(dry_run=args.dry_run)
+        if pruned:
+            print(f"{'would remove' if args.dry_run else 'removed'} the records of {pruned} "
+                  f"exited drop-in process(es) in {records_dir()}")
     return 0
 
 

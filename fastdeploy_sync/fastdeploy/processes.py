@@ -9,7 +9,8 @@ files, ``<pid>-<token>.json`` (replaced whole, so a reader never sees half of on
 ``<pid>-<token>.lock``, which the process holds locked (``lockf``) for its life: a record
 whose lock is free belongs to a process that exited, whatever its pid says now (pids are
 reused, and a container sharing the directory sees other pids). The process removes both at
-exit; a killed one's are removed by the next process that writes a record.
+exit; a killed one's are removed by the next process that writes a record, or by
+``fastdeploy-sync clean`` (``prune``).
 
 Under ``fastdeploy-sync run`` a process that takes the swap also says so, once, on stderr.
 
@@ -33,7 +34,7 @@ import weakref
 from .. import envs, names
 from ..wire.endpoints import private_dir
 
-__all__ = ["Role", "took_dropin", "scan", "RUN_ENV", "records_dir"]
+__all__ = ["Role", "took_dropin", "scan", "prune", "RUN_ENV", "records_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +216,25 @@ def _stems(directory):
                    for e in entries if e.endswith(_SUFFIX_LOCK)})
 
 
-def _prune(directory) -> None:
-    """Remove the records of processes that exited (their lock is free)."""
+def _prune(directory, dry_run: bool = False) -> int:
+    """Remove the records of processes that exited (their lock is free); how many."""
+    count = 0
     for stem in _stems(directory):
         if stem != _RECORD.stem and not _held(stem + _SUFFIX_LOCK):
-            for suffix in (_SUFFIX_JSON, ".tmp", _SUFFIX_LOCK):
+            count += 1
+            for suffix in () if dry_run else (_SUFFIX_JSON, ".tmp", _SUFFIX_LOCK):
                 try:
                     os.unlink(stem + suffix)
                 except OSError:
                     pass
+    return count
+
+
+def prune(directory: str = None, dry_run: bool = False) -> int:
+    """Remove the records of processes that exited without removing theirs (killed); how
+    many (``dry_run``: how many would be). ``fastdeploy-sync clean``; a process writing its
+    first record does the same. Never blocks."""
+    return _prune(directory or records_dir(), dry_run)
 
 
 def scan(directory: str = None) -> list:

@@ -234,3 +234,34 @@ def test_status_lists_the_processes_and_their_roles(stand_in):
     status = _run(stand_in, _cli("status"), timeout=60)
     assert status.returncode == 1 and "no process" in status.stdout
     assert os.listdir(stand_in / "ipc" / "dropin") == []
+
+
+def test_a_killed_process_record_is_not_listed_and_clean_removes_it(stand_in, name):
+    """A process killed by SIGKILL cannot remove its record: status does not list it (its
+    lock is free), clean --dry-run counts it, clean removes it."""
+    code = ("import sys\nfrom fastdeploy.inter_communicator import EngineWorkerQueue\n"
+            "print('took', flush=True)\nsys.stdin.readline()\n")
+    proc = subprocess.Popen(_cli("run", "--", sys.executable, "-c", code), text=True,
+                            env=_env(stand_in), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, cwd=stand_in)
+    try:
+        assert proc.stdout.readline().strip() == "took"
+        listed = _run(stand_in, _cli("status"), timeout=60)
+        assert f"{proc.pid} " in listed.stdout and " yes " in listed.stdout, listed.stdout
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stdin.close()
+    records = stand_in / "ipc" / "dropin"
+    assert len(os.listdir(records)) == 2  # the killed process's .json and .lock
+    assert _run(stand_in, _cli("status"), timeout=60).returncode == 1
+    # NAME: this test's alone, so that no other test's leftovers are touched
+    dry = _run(stand_in, _cli("clean", name, "--dry-run"), timeout=60)
+    assert "would remove the records of 1 exited drop-in process(es)" in dry.stdout, dry.stdout
+    assert len(os.listdir(records)) == 2
+    cleaned = _run(stand_in, _cli("clean", name), timeout=60)
+    assert "removed the records of 1 exited drop-in process(es)" in cleaned.stdout
+    assert os.listdir(records) == []

@@ -9,8 +9,12 @@
     fastdeploy-sync profile [options]         CPU interruption per worker step: this library
                                               (async, sync) side by side with a FastDeploy-style
                                               multiprocessing.managers queue
+    fastdeploy-sync run [--strict] -- COMMAND  run COMMAND (FastDeploy's launch) with the
+                                              FastDeploy drop-in in it and in every Python
+                                              process it starts
+    fastdeploy-sync status                    the drop-in's processes on this node, their roles
 
-``status`` asks the engine (a STATUS message; tcp needs the worker keys) and reads the
+``status NAME`` asks the engine (a STATUS message; tcp needs the worker keys) and reads the
 group's shared memory without joining the group: it is safe to run next to a running
 server, e.g. when a step seems stuck. ``clean`` never touches a name whose owner is alive
 or that another user owns. ``profile`` starts its own engine and workers (real processes)
@@ -21,6 +25,7 @@ batch, keys not written); 2 a usage error (bad name, option or value), reported 
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -69,6 +74,8 @@ def _seconds(text):
 
 
 def _status(args) -> int:
+    if args.name is None:
+        return _dropin_processes(None, missing_is_failure=True)
     endpoint = args.endpoint or default_endpoint(args.name, args.dp_id)
     if args.watch is None:
         return _status_once(endpoint, args)
@@ -93,7 +100,53 @@ def _status(args) -> int:
 def _status_once(endpoint, args) -> int:
     engine_seen = _engine_status(endpoint, args)
     group_seen = _group_status(args, engine_seen)
+    _dropin_processes(args.name, missing_is_failure=False)
     return 0 if engine_seen or group_seen else 1
+
+
+def _has_dropin_records() -> bool:
+    from . import envs
+
+    try:
+        return any(e.endswith(".lock") for e in os.listdir(names.dropin_records(envs.ipc_dir())))
+    except OSError:
+        return False
+
+
+def _dropin_processes(name, missing_is_failure: bool) -> int:
+    """The drop-in's processes of this user on this node (of queue ``name``, or all): pid,
+    whether it took the swap, its queues' roles, its command line. Without ``name`` an
+    empty list says what to check, and is a failure; with ``name`` it prints nothing."""
+    if name is not None and not _has_dropin_records():
+        return 0  # nothing to list: spare status NAME the drop-in's imports
+    from .fastdeploy.processes import records_dir, scan
+
+    records = scan()
+    if name is not None:
+        records = [r for r in records if any(q.get("name") == name for q in r["queues"])]
+        if not records:
+            return 0
+    if not records:
+        print(f"no process of this user on this node uses the FastDeploy drop-in (none has a "
+              f"record in {records_dir()}): start FastDeploy with 'fastdeploy-sync run -- "
+              f"COMMAND', with the same FD_SYNC_IPC_DIR as this command")
+        return 1 if missing_is_failure else 0
+    print(f"FastDeploy drop-in processes on this node{f' (queue {name})' if name else ''}:")
+    print(f"{'pid':>8} {'run':>8} {'swap':>4}  {'roles':<40} command")
+    for r in records:
+        roles = "; ".join(_role(q) for q in r["queues"]
+                          if name is None or q.get("name") == name) or "(no role yet)"
+        run = _text(r.get("run") or "-", 8)
+        print(f"{r['pid']:>8} {run:>8} {'yes' if r.get('swapped') else 'no':>4}  "
+              f"{_text(roles, 200):<40} {_text(' '.join(map(str, r.get('argv') or [])))}")
+    return 0
+
+
+def _role(queue) -> str:
+    role, dp = queue.get("role"), queue.get("dp_id")
+    what = {"worker": f"worker TP rank {queue.get('client_id')}",
+            "server": "server + engine"}.get(role, str(role))
+    return f"{what} of {queue.get('name')} dp {dp}"
 
 
 def _text(value, limit: int = 200) -> str:
@@ -194,6 +247,15 @@ def _clean(args) -> int:
     else:
         print(f"removed {len(removed)} stale name(s) of {scope}; "
               f"{len(found) - len(stale)} in use or not ours, left alone")
+    # Records of exited drop-in processes belong to no queue name: any clean removes them
+    # (the directory is this user's own, and a record is stale only when its lock is free).
+    if _has_dropin_records():
+        from .fastdeploy.processes import prune, records_dir
+
+        pruned = prune(dry_run=args.dry_run)
+        if pruned:
+            print(f"{'would remove' if args.dry_run else 'removed'} the records of {pruned} "
+                  f"exited drop-in process(es) in {records_dir()}")
     return 0
 
 
@@ -214,6 +276,15 @@ def _keys(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    from .fastdeploy.run import run
+
+    command = list(args.command_line)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    return run(command, strict=args.strict)
+
+
 def _add_profile_parser(sub):
     # The profiler's package: its parser imports nothing heavy; running it imports the rest.
     from .profiling.command import add_parser
@@ -224,8 +295,10 @@ def _add_profile_parser(sub):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fastdeploy-sync",
                      description="Operate fastdeploy_sync task queues: inspect a TP group "
-                                 "(status), remove what killed processes left (clean), make "
-                                 "CURVE keys (keys), measure task sync per step (profile). "
+                                 "and the drop-in's processes (status), remove what killed "
+                                 "processes left (clean), make CURVE keys (keys), measure "
+                                 "task sync per step (profile), run FastDeploy with the "
+                                 "drop-in (run). "
                                  "'fastdeploy-sync COMMAND --help' describes each.")
     parser.add_argument("--version", action="version", version=f"fastdeploy_sync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
@@ -233,15 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_parser(sub)
 
     status = sub.add_parser(
-        "status", help="show what the engine and the TP group's shared memory say of every rank",
+        "status", help="show what the engine and the TP group's shared memory say of every "
+                       "rank, and the drop-in's processes",
         description="Ask the engine of queue NAME (DP group --dp-id) for every rank's state, "
                     "consumed watermark and silence, and read the node-local TP group's shared "
                     "memory (owner, each rank's pid, received and consumed watermarks, barrier "
-                    "generation) without joining the group: safe next to a running server. "
-                    "Exit status 0 if the engine or the group was found, 1 if neither.")
-    status.add_argument("name", metavar="NAME", type=_queue_name,
+                    "generation) without joining the group: safe next to a running server; "
+                    "then list this node's processes that use the FastDeploy drop-in for "
+                    "NAME. Exit status 0 if the engine or the group was found, 1 if neither. "
+                    "Without NAME: list every process of this user on this node that uses the "
+                    "drop-in (pid, whether it took the swap, each queue's role, command line); "
+                    "exit status 1 if there is none.")
+    status.add_argument("name", metavar="NAME", type=_queue_name, nargs="?",
                         help="the queue name given to TaskQueue/TaskClient (FastDeploy drop-in: "
-                             "fdq<port>)")
+                             "fdq<port>); omit it to list the drop-in's processes")
     status.add_argument("--dp-id", type=_dp_id, default=0, metavar="N",
                         help=f"data-parallel group id, 0..{MAX_DP_ID} (default 0)")
     status.add_argument("--endpoint", help="the engine's endpoint, e.g. tcp://10.0.0.1:5555 "
@@ -280,6 +358,27 @@ def build_parser() -> argparse.ArgumentParser:
                       help="directory to create the keys in (created with mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing keys")
     keys.set_defaults(run=_keys)
+
+    run = sub.add_parser(
+        "run", help="run a command with the FastDeploy drop-in in it and in every Python "
+                    "process it starts",
+        description="Replace this process by COMMAND (same pid: signals reach it, its exit "
+                    "status is the command's) with the drop-in's hook first on PYTHONPATH (the "
+                    "rest kept; a sitecustomize it shadows still runs): every Python process of "
+                    "the command swaps FastDeploy's EngineWorkerQueue for the drop-in when "
+                    "FastDeploy imports it, and says so on stderr; 'fastdeploy-sync status' "
+                    "lists them. A Python child started without the hook (an environment "
+                    "without it, python -S/-I/-E) is reported on stderr by its parent. A "
+                    "COMMAND that is such a Python is refused (exit status 2); a COMMAND that "
+                    "cannot be found exits 127. Example: fastdeploy-sync run -- python -m "
+                    "fastdeploy.entrypoints.openai.api_server --model ... --port ...")
+    run.add_argument("--strict", action="store_true",
+                     help="a Python child that would start without the hook fails to start "
+                          "(PermissionError in the process that starts it) instead of being "
+                          "reported")
+    run.add_argument("command_line", metavar="COMMAND", nargs=argparse.REMAINDER,
+                     help="the command and its arguments, after '--'")
+    run.set_defaults(run=_run)
     return parser
 
 

@@ -17,6 +17,8 @@ In the private ipc directory (``envs.ipc_dir()``)::
     fdsync-NAME-dpN.ipc            the engine's socket file
     fdsync-NAME-dpN.put.ipc        its producer endpoint
     fdsync-NAME-dpN.side.ipc       the drop-in server's side channels
+    dropin/<pid>-<token>.json      a process that uses the drop-in (``fastdeploy.processes``)
+    dropin/<pid>-<token>.lock      held locked by that process while it lives
 
 A shared-memory name is what ``posix_ipc`` takes (a leading ``/``, no directory); its file
 is ``SHM_DIR`` + the name, and a semaphore's file is ``SHM_DIR/sem.`` + the name without
@@ -33,7 +35,7 @@ import re
 
 __all__ = ["SHM_DIR", "KINDS", "Parsed", "group_segment", "group_semaphore", "ack_board",
            "dropin_board", "dropin_board_lock", "payload_prefix", "batch_segment", "pool",
-           "ring", "ring_semaphore", "socket_file", "shm_path", "semaphore_path",
+           "ring", "ring_semaphore", "socket_file", "dropin_records", "shm_path", "semaphore_path",
            "parse_shm_entry", "parse_socket_entry", "is_payload_of", "is_ring_semaphore_of",
            "ring_of_semaphore"]
 
@@ -105,6 +107,12 @@ def socket_file(name: str, dp_id: int, kind: str = "") -> str:
     """The file name (no directory) of an engine's ipc socket; ``kind``: ``""`` (the
     workers'), ``"put"`` (producers), ``"side"`` (the drop-in's side channels)."""
     return f"fdsync-{name}-dp{dp_id}{'.' + kind if kind else ''}.ipc"
+
+
+def dropin_records(ipc_dir: str) -> str:
+    """The directory, in the private ipc directory ``ipc_dir``, of the records of the
+    processes that use the FastDeploy drop-in (``fastdeploy-sync status``)."""
+    return os.path.join(ipc_dir, "dropin")
 
 
 def shm_path(shm_name: str) -> str:

@@ -16,7 +16,10 @@ a TP group decides together), ``server`` (the server's queues and this process's
 registry), ``watch`` (the engine's view of its worker group), ``channels``, ``links`` and
 ``channel_api`` (the side channels: state, transport, FastDeploy's methods), ``address``,
 ``clear`` (the engine's clear marker), ``tensors`` (``to_tensor``/``to_numpy``), ``install``
-(``install()``: FastDeploy's every use of the class, in every process, gets the drop-in).
+(``install()``: FastDeploy's every use of the class, in every process, gets the drop-in),
+``run`` (``fastdeploy-sync run -- COMMAND``: the same for a command, unchanged),
+``processes`` (the record of each process that uses the drop-in, for ``fastdeploy-sync
+status``), ``subprocess_hook`` (the ``sitecustomize`` and the check on children).
 docs/fastdeploy.md is the user's guide.
 """
 

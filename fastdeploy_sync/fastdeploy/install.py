@@ -20,12 +20,15 @@ import os
 import sys
 import threading
 
-__all__ = ["install", "installed", "PACKAGE", "MODULE"]
+from .processes import took_dropin
+from .subprocess_hook import fdsync_spawn_check
+
+__all__ = ["install", "installed", "hooked_environ", "PACKAGE", "MODULE", "HOOK_DIR"]
 
 PACKAGE = "fastdeploy.inter_communicator"
 MODULE = "fastdeploy.inter_communicator.engine_worker_queue"
 _NAME = "EngineWorkerQueue"
-_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "subprocess_hook")
+HOOK_DIR = fdsync_spawn_check.HOOK_DIR
 _lock = threading.Lock()
 _originals = []  # FastDeploy's classes replaced so far (to find their aliases)
 
@@ -40,6 +43,8 @@ def _replace(module) -> None:
         if current not in _originals:
             _originals.append(current)
     setattr(module, _NAME, EngineWorkerQueue)
+    if current is not EngineWorkerQueue:
+        took_dropin()
 
 
 def _patch_aliases() -> None:
@@ -103,9 +108,12 @@ def install(subprocesses: bool = True) -> None:
     Modules that imported FastDeploy's class before are patched as well; an object already
     built from it stays FastDeploy's. Idempotent; never imports FastDeploy; never blocks.
 
-    ``subprocesses``: prepends this package's ``subprocess_hook`` directory to
+    ``subprocesses``: puts this package's ``subprocess_hook`` directory first on
     ``PYTHONPATH`` in ``os.environ`` (processes inherit it), whose ``sitecustomize`` calls
-    ``install()`` at their start and then runs any ``sitecustomize`` it shadows."""
+    ``install()`` at their start and then runs any ``sitecustomize`` it shadows; and warns
+    on stderr of each Python child started from this process that would lose it
+    (``subprocess_hook.fdsync_spawn_check``). ``fastdeploy-sync run -- COMMAND`` does all of
+    it for a command without changing it (``run``)."""
     with _lock:
         if not installed():
             sys.meta_path.insert(0, _Finder())
@@ -115,6 +123,15 @@ def install(subprocesses: bool = True) -> None:
                 _replace(module)
         _patch_aliases()
         if subprocesses:
-            paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            if _HOOK_DIR not in paths:
-                os.environ["PYTHONPATH"] = os.pathsep.join([_HOOK_DIR] + paths)
+            os.environ["PYTHONPATH"] = hooked_environ(os.environ)["PYTHONPATH"]
+            fdsync_spawn_check.arm()
+
+
+def hooked_environ(env) -> dict:
+    """A copy of ``env`` whose ``PYTHONPATH`` starts with ``HOOK_DIR`` (the rest kept, in
+    order; the hook runs any ``sitecustomize`` it shadows)."""
+    env = dict(env)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.abspath(p) != HOOK_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR] + paths)
+    return env

@@ -64,6 +64,7 @@ from .address import parse_address
 from .channel_api import ChannelMethods, PrefillInstances, SideLock, make_barriers
 from .engine_side import EngineSide
 from .links import RemoteLink
+from .processes import Role
 from .server import Server, lookup
 from .watch import GroupWatch
 from .worker_side import WorkerSide
@@ -97,6 +98,9 @@ class EngineWorkerQueue(ChannelMethods):
     (``FD_SYNC_ATTACH_TIMEOUT``). Threading: the engine side and the side channels are
     thread-safe; a worker is used from its event loop thread.
     """
+
+    # Each decided role is recorded for ``fastdeploy-sync status`` (``processes``).
+    role = Role()
 
     @classmethod
     def to_tensor(cls, tasks) -> None:
@@ -422,6 +426,12 @@ class EngineWorkerQueue(ChannelMethods):
 
     def __exit__(self, *exc):
         self.cleanup()
+
+    @property
+    def name(self) -> str:
+        """The queue name its endpoints and shared memory derive from (``fdq<port>`` unless
+        ``name=`` was given): ``fastdeploy-sync status NAME``."""
+        return self._name
 
     def __repr__(self):
         return (f"EngineWorkerQueue(address={self.address}, role={self.role}, "

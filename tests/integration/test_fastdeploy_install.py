@@ -97,3 +97,27 @@ def test_processes_started_afterwards_get_it(fake_fastdeploy):
     """)
     lines = _python(code, fake_fastdeploy)
     assert lines[-2:] == ["drop-in", "False"], lines
+
+
+def test_a_child_that_would_lose_the_hook_is_reported(fake_fastdeploy):
+    """After install(), a Python child started with -S (no site, so no hook) keeps
+    FastDeploy's class: the process that starts it says so on stderr, naming the command."""
+    code = textwrap.dedent(f"""
+        import subprocess, sys
+        from fastdeploy_sync.fastdeploy import install
+        install()
+        child = subprocess.run([sys.executable, "-S", "-c",
+                                "import sys; sys.path.insert(0, {str(fake_fastdeploy)!r}); "
+                                "from fastdeploy.inter_communicator import EngineWorkerQueue; "
+                                "print(EngineWorkerQueue.__module__)"],
+                               capture_output=True, text=True, timeout=60)
+        print(child.stdout.strip() or child.stderr)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake_fastdeploy), ROOT])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "fastdeploy.inter_communicator.engine_worker_queue", out.stdout
+    assert "starts a Python process without the FastDeploy drop-in's hook" in out.stderr
+    assert "-S (no site" in out.stderr

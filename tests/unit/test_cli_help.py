@@ -24,5 +24,5 @@ def test_every_subcommand_and_option_has_help():
     missing = [what for what, text in items if not text or not text.strip()]
     assert not missing, missing
     subs = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"][0]
-    for name in ("status", "clean", "keys", "profile"):
+    for name in ("status", "clean", "keys", "profile", "run"):
         assert subs.choices[name].description, f"{name} has no description"

@@ -1,32 +1,80 @@
 """Run at interpreter start in processes started after ``fastdeploy_sync.fastdeploy.install()``
-(its directory is on ``PYTHONPATH``). Costs nothing until FastDeploy's queue module is
-imported: only then is ``install()`` loaded and run, which swaps in the drop-in as it does
-in the process that called it. Then runs the ``sitecustomize`` this one shadows, if any."""
+or under ``fastdeploy-sync run`` (its directory is on ``PYTHONPATH``). Costs nothing until
+FastDeploy's queue module is imported: only then is ``install()`` loaded and run, which swaps
+in the drop-in as it does in the process that called it. Arms the check on the children this
+process starts (``fdsync_spawn_check``: ``os.exec*`` now, ``subprocess`` and
+``multiprocessing`` when they are imported). Then runs the ``sitecustomize`` this one
+shadows, if any."""
 
 import importlib.util
 import os
 import sys
 
+import fdsync_spawn_check
+
 _TARGETS = ("fastdeploy.inter_communicator", "fastdeploy.inter_communicator.engine_worker_queue")
 
 
+class _ArmingLoader:
+    """The module's own loader, then the spawn check armed on the module."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        fdsync_spawn_check.arm_module(module)
+
+    def __getattr__(self, attr):
+        return getattr(self._loader, attr)
+
+
 class _Deferred:
-    """Until FastDeploy's queue is imported: then ``install()``, whose finder takes over."""
+    """Until FastDeploy's queue is imported: then ``install()``, whose finder takes over.
+    Until ``subprocess``/``multiprocessing.util`` are imported: then they are armed."""
+
+    def __init__(self):
+        self._waiting = set(fdsync_spawn_check.ARMED_MODULES) - set(sys.modules)
+        self._fastdeploy = True
+
+    def _done(self, fullname):
+        self._waiting.discard(fullname)
+        if not self._waiting and not self._fastdeploy and self in sys.meta_path:
+            sys.meta_path.remove(self)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _TARGETS:
+        if fullname in self._waiting:
+            self._done(fullname)
+            return self._armed(fullname, path, target)
+        if not self._fastdeploy or fullname not in _TARGETS:
             return None
-        sys.meta_path.remove(self)
+        self._fastdeploy = False
+        self._done(fullname)
         try:
             from fastdeploy_sync.fastdeploy.install import install
         except Exception as exc:  # never break FastDeploy's import: it keeps its own queue
-            print(f"fastdeploy_sync: the FastDeploy drop-in is not installed in this process "
-                  f"({exc})", file=sys.stderr)
+            print(f"fastdeploy_sync: pid {os.getpid()}: the FastDeploy drop-in is NOT installed "
+                  f"in this process, FastDeploy's EngineWorkerQueue stays ({exc})",
+                  file=sys.stderr)
             return None
         install()
         for finder in sys.meta_path:  # the finder install() put first: it wraps the loader
             if finder.__class__.__module__ == "fastdeploy_sync.fastdeploy.install":
                 return finder.find_spec(fullname, path, target)
+        return None
+
+    def _armed(self, fullname, path, target):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ArmingLoader(spec.loader)
+                return spec
         return None
 
 
@@ -42,5 +90,6 @@ def _chain():
             return
 
 
+fdsync_spawn_check.arm()
 sys.meta_path.insert(0, _Deferred())
 _chain()

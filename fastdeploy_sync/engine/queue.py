@@ -37,7 +37,8 @@ import weakref
 import zmq
 
 from .. import envs
-from ..errors import EndpointInUseError, TaskSyncError
+from ..errors import EndpointInUseError, ForkedProcessError
+from ..forks import refuse_calls
 from ..shm.ack_board import AckBoard
 from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
@@ -115,6 +116,9 @@ class TaskQueue:
     ``wire.sockets.FdLimitHold``); ``close()`` of the process's last open queue puts back
     the soft limit the application had. Children started meanwhile inherit the raised one,
     except forked ones (they get the application's back at once).
+
+    Fork: in a child forked from this process the queue is the parent's: every call raises
+    ``ForkedProcessError`` and ``close()`` does nothing (``after_fork_in_child``).
     """
 
     def __init__(self, name: str, tp_size: int, *, dp_id: int = 0, endpoint: str = None,
@@ -379,7 +383,8 @@ class TaskQueue:
         ``GroupLost`` event and are not listed again.
 
         Gives the application back its soft limit of open files when this is the process's
-        last open queue (see the class docstring).
+        last open queue (see the class docstring). In a child forked from the queue's
+        process: returns ``[]`` and does nothing (the queue is the parent's).
         """
         unconsumed = self._ledger.drain(timeout)
         if unconsumed is None:
@@ -421,11 +426,14 @@ class TaskQueue:
         """In a process forked from this engine's: close the inherited descriptors of the
         endpoints' listening sockets (a child that outlives a killed engine would keep them
         accepting, so the next engine of the name would find it in use); the queue is
-        unusable there (its I/O thread did not survive the fork)."""
+        unusable there (its I/O thread did not survive the fork, a lock another thread held
+        at fork stays held, its ring is the parent's): every call raises
+        ``ForkedProcessError`` and ``close()`` does nothing (``forks``)."""
         close_listeners(self._listeners)
-        self._ledger.forget_in_child(TaskSyncError(
-            f"TaskQueue {self.name} belongs to process {self._owner_pid}; a forked child "
-            f"cannot use it"))
+        what = f"TaskQueue {self.name!r} dp_id={self.dp_id} at {self.endpoint}"
+        self._ledger.forget_in_child(ForkedProcessError.inherited(what, self._owner_pid,
+                                                                  os.getpid()))
+        refuse_calls(self, what, self._owner_pid, idle={"close": []})
 
     def __enter__(self):
         return self

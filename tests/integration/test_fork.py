@@ -382,3 +382,50 @@ def test_a_child_forked_from_the_dropins_process_cannot_act_on_its_objects(name)
     assert lines["child"] == " | ".join([" ".join(["refused"] * 11)] * 3), lines
     assert lines["child_status"] == "0"
     assert lines["taken"] == "before,after"
+
+
+# An engine and its TP=1 rank in one process (node-local: batches are read from the ring,
+# arrays are views of its slots). The rank keeps a batch it took; a child forked then drops
+# its copy and exits; the engine then puts enough batches to go round the ring several
+# times, and the parent reports whether the batch it keeps still reads as it was put.
+_RELEASING_CHILD = "import sys, time\n" + _CHILD_CALLS + textwrap.dedent("""
+    import gc
+    import numpy as np
+    from fastdeploy_sync import TaskClient, TaskQueue
+    name = sys.argv[1]
+
+    def take(client, count):
+        got, deadline = [], time.monotonic() + 30
+        while len(got) < count and time.monotonic() < deadline:
+            got += client.sync_step(timeout=10)
+        return got
+
+    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client:
+        queue.put_tasks(np.full(512, 7), timeout=10)
+        kept = take(client, 1)
+        child = os.fork()
+        if child == 0:
+            del kept
+            gc.collect()
+            sys.exit(0)
+        print("child_status", wait_child(child, "rank"), flush=True)
+        for i in range(100):  # round the ring: its slots are 2 * max_inflight + 2
+            queue.put_tasks(np.full(512, 1000 + i), timeout=10)
+            take(client, 1)
+        print("kept", sorted(set(kept[0].tolist())), flush=True)
+        del kept
+        print("unconsumed", queue.close(timeout=5), flush=True)
+    """)
+
+
+def test_a_forked_child_that_drops_a_ranks_arrays_does_not_release_them(name):
+    """Before: the child's copy of the arrays, freed, published the rank's release of the
+    batch's ring slot: the engine wrote later batches into the slot the parent still read
+    (its kept batch changed under it)."""
+    out = subprocess.run([sys.executable, "-c", _RELEASING_CHILD, name], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["child_status"] == "0"
+    assert lines["kept"] == "[7]"
+    assert lines["unconsumed"] == "[]"

@@ -289,18 +289,22 @@ def test_a_rank_forked_mid_run_cannot_act_on_its_parents_group(name, async_prefe
         assert engine.close(timeout=5) == []
 
 
-# An engine (TP=1 with a rank in this process) that forks: the child calls every call on
-# the inherited queue, closes it, prints what each did and exits normally; the parent then
-# goes on serving: it puts, its rank takes everything.
+# An engine (TP=1 with a rank and a producer in this process) that forks: the child calls
+# every call on the inherited queue and producer, closes them, prints what each did and
+# exits normally; the parent then goes on serving: it puts, its rank takes everything.
 _FORKED_ENGINE = "import sys, time\n" + _CHILD_CALLS + textwrap.dedent("""
-    from fastdeploy_sync import TaskClient, TaskQueue
+    from fastdeploy_sync import TaskClient, TaskProducer, TaskQueue
     name = sys.argv[1]
-    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client:
+    with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0) as client, \
+            TaskProducer(name, timeout=10) as producer:
         queue.put_tasks("before", timeout=10)
         child = os.fork()
         if child == 0:
             calls = [lambda: queue.put_tasks("from the child", timeout=1), queue.num_tasks,
-                     queue.exist_tasks, queue.ranks, queue.stats, queue.status, client.num_tasks]
+                     queue.exist_tasks, queue.ranks, queue.stats, queue.status, client.num_tasks,
+                     lambda: producer.put_tasks("from the child", timeout=1),
+                     producer.num_tasks, producer.status]
+            producer.close()
             print("child", child_calls(calls), "closed", queue.close(timeout=1), flush=True)
             sys.exit(0)
         print("child_status", wait_child(child, "engine"), flush=True)
@@ -321,7 +325,7 @@ def test_a_child_forked_from_the_engine_cannot_put(name):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-    assert lines["child"] == " ".join(["refused"] * 7 + ["closed", "[]"]), lines
+    assert lines["child"] == " ".join(["refused"] * 10 + ["closed", "[]"]), lines
     assert lines["child_status"] == "0"
     assert lines["taken"] == "before,after"
     assert lines["unconsumed"] == "[]"

@@ -95,7 +95,7 @@ class ForkedProcessError(TaskSyncError):
     would act for its parent (take batches, arrive at the parent's barrier, say goodbye on
     the parent's connection). So every call on an inherited object raises this, and its
     ``close()`` does nothing (nothing of the parent's is closed, sent or removed). Build
-    your own ``TaskQueue``/``TaskClient``/``EngineWorkerQueue`` in the child."""
+    your own ``TaskQueue``/``TaskClient``/``TaskProducer``/``EngineWorkerQueue`` in the child."""
 
     @classmethod
     def inherited(cls, what: str, owner_pid: int, child_pid: int) -> "ForkedProcessError":

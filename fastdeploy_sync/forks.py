@@ -7,13 +7,14 @@ shared-memory words are the parent's: libzmq is not fork-safe, a lock another th
 at fork stays held in the child, and a rank's barrier arrival, acknowledgement or goodbye
 made from the child acts for the parent (its group is retired, or takes a step out of
 turn). So at fork (``shm.ownership.on_fork`` runs the object's ``after_fork_in_child``) a
-``TaskQueue``, ``TaskClient`` or drop-in ``EngineWorkerQueue`` calls ``refuse_calls`` on
-itself (or registers ``refuse_in_child``, which does it at fork): every public method of
-it raises ``ForkedProcessError`` in the child from then on, and its close method returns
-at once, touching nothing. The methods are shadowed on the
-child's copy of the instance, so the parent pays nothing: no check is added to any call.
-Nothing inherited is closed either: pyzmq's ``close``/``term`` do nothing in a forked
-child, and finalizers check the pid that made their names.
+``TaskQueue``, ``TaskClient``, ``TaskProducer`` or drop-in ``EngineWorkerQueue`` calls
+``refuse_calls`` on itself (or registers ``refuse_in_child``, which does it at fork): every
+public method of it raises ``ForkedProcessError`` in the child from then on, and its close
+method returns at once, touching nothing. The methods are shadowed on the child's copy of
+the instance, so the parent pays nothing: no check is added to any call. Nothing inherited
+is closed either: pyzmq's ``close``/``term`` do nothing in a forked child, finalizers that
+remove names check the pid that made them, and a rank's releases of shared memory are
+published only by the process that decoded the batch (``shm.release``).
 """
 
 import inspect

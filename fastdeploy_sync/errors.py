@@ -14,6 +14,7 @@ __all__ = [
     "GroupLostError",
     "EngineUnreachableError",
     "AuthenticationError",
+    "ForkedProcessError",
 ]
 
 
@@ -84,3 +85,23 @@ class EndpointInUseError(TaskSyncError):
 
 class ClosedError(TaskSyncError):
     """The object was used after ``close()``."""
+
+
+class ForkedProcessError(TaskSyncError):
+    """The object was built in another process, and this process is a child forked from it
+    (``os.fork``, or a ``multiprocessing`` "fork" start) that inherited a copy.
+
+    Its sockets, threads and shared memory words are the parent's: a child acting on them
+    would act for its parent (take batches, arrive at the parent's barrier, say goodbye on
+    the parent's connection). So every call on an inherited object raises this, and its
+    ``close()`` does nothing (nothing of the parent's is closed, sent or removed). Build
+    your own ``TaskQueue``/``TaskClient``/``TaskProducer``/``EngineWorkerQueue`` in the child."""
+
+    @classmethod
+    def inherited(cls, what: str, owner_pid: int, child_pid: int) -> "ForkedProcessError":
+        """The error for ``what`` (e.g. "TaskClient rank 1 of 'llm' dp_id=0"), built in
+        process ``owner_pid`` and inherited by the forked child ``child_pid``."""
+        return cls(f"{what} was built in process {owner_pid}; this process ({child_pid}) is "
+                   f"a child forked from it and never acts on its parent's objects (their "
+                   f"connections, threads and shared memory are the parent's): build your own "
+                   f"in the child")

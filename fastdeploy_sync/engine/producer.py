@@ -17,6 +17,7 @@ import zmq
 
 from .. import envs
 from ..errors import ClosedError, ProtocolError, TaskSyncError
+from ..forks import refuse_in_child
 from ..wire import codec
 from ..wire.endpoints import check_ipc_endpoint, default_endpoint, ipc_path, validate_name
 from ..wire.sockets import ENGINE_FDS, ensure_free_fds, new_socket
@@ -41,6 +42,8 @@ class TaskProducer:
     serves as many producer connections as it may already (``engine.producer_endpoint.MAX_PRODUCERS``).
 
     Thread-safe (one request at a time). Use as a context manager, or call ``close()``.
+    In a child forked from its process every call raises ``ForkedProcessError`` and
+    ``close()`` does nothing (``forks``).
     """
 
     def __init__(self, name: str, *, dp_id: int = 0, timeout: float = 5.0):
@@ -58,6 +61,8 @@ class TaskProducer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # replies are headers
         self._sock.connect(self.endpoint)
         self._closed = False
+        self._fork_guard = refuse_in_child(self, f"TaskProducer {name!r} dp_id={dp_id}",
+                                           idle={"close": None})
         try:
             self.num_tasks()
         except TaskSyncError as exc:

@@ -37,7 +37,8 @@ import weakref
 import zmq
 
 from .. import envs
-from ..errors import EndpointInUseError, TaskSyncError
+from ..errors import EndpointInUseError, ForkedProcessError
+from ..forks import refuse_calls
 from ..shm.ack_board import AckBoard
 from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
@@ -46,7 +47,7 @@ from ..wire.auth import ServerAuth
 from ..wire.endpoints import (claim_ipc_path, close_listeners, default_endpoint, ipc_path,
                               listener_address, secure_socket_file, unlink_quietly, validate_name)
 from ..wire.liveness import NEVER, Heartbeat, id_tag
-from ..wire.sockets import ENGINE_FDS, anon_rss_bytes, ensure_free_fds, new_socket, raise_fd_limit
+from ..wire.sockets import ENGINE_FDS, FdLimitHold, anon_rss_bytes, ensure_free_fds, new_socket
 from .encoder import BatchEncoder
 from .flood_guard import InputGuard
 from .io_loop import IOLoop
@@ -109,6 +110,15 @@ class TaskQueue:
 
     Thread-safe: ``put_tasks`` and the queries may be called from any thread.
     Use as a context manager, or call ``close()``.
+
+    Open files: while the queue is open the process's soft ``RLIMIT_NOFILE`` is raised to
+    the hard limit (libzmq aborts the process when it runs out of descriptors:
+    ``wire.sockets.FdLimitHold``); ``close()`` of the process's last open queue puts back
+    the soft limit the application had. Children started meanwhile inherit the raised one,
+    except forked ones (they get the application's back at once).
+
+    Fork: in a child forked from this process the queue is the parent's: every call raises
+    ``ForkedProcessError`` and ``close()`` does nothing (``after_fork_in_child``).
     """
 
     def __init__(self, name: str, tp_size: int, *, dp_id: int = 0, endpoint: str = None,
@@ -128,19 +138,18 @@ class TaskQueue:
         self.instance = secrets.randbits(63) | 1
         self.group_events = queue.SimpleQueue()
         self._counters = collections.Counter()
-        # libzmq aborts the process when it runs out of fds: take what the hard limit
-        # allows (many producers may connect at once), and fail here, cleanly, if even
-        # the queue's own sockets would not fit
-        before, after = raise_fd_limit()
-        if after > before:
-            log.info("TaskQueue %s: raised the soft limit of open files from %d to the hard "
-                     "limit %d (many peers may connect at once)", name, before, after)
-        ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ipc_path = ipc_path(endpoint)
         self.producer_endpoint = default_endpoint(name, dp_id, "put")
         self._put_path = ipc_path(self.producer_endpoint)
         with contextlib.ExitStack() as undo:
+            # libzmq aborts the process when it runs out of fds: take what the hard limit
+            # allows while the queue is open (many producers may connect at once; close()
+            # gives the application its own limit back), and fail here, cleanly, if even
+            # the queue's own sockets would not fit
+            self._fd_hold = FdLimitHold(f"TaskQueue {name!r} dp_id={dp_id}")
+            undo.callback(self._fd_hold.release)
+            ensure_free_fds(ENGINE_FDS + 2 * tp_size, f"TaskQueue {name!r} dp_id={dp_id}")
             self._bind(endpoint, keys_dir, insecure_tcp, max_batch, undo)
             undo.pop_all()  # bound: close() frees it from now on
         # Process exit without close(): still remove the names others would trip on.
@@ -372,6 +381,10 @@ class TaskQueue:
         workers that start after close() returned find no engine (their connect timeout
         applies). Batches of a group retired earlier were handed back in its
         ``GroupLost`` event and are not listed again.
+
+        Gives the application back its soft limit of open files when this is the process's
+        last open queue (see the class docstring). In a child forked from the queue's
+        process: returns ``[]`` and does nothing (the queue is the parent's).
         """
         unconsumed = self._ledger.drain(timeout)
         if unconsumed is None:
@@ -390,6 +403,7 @@ class TaskQueue:
         unlink_quietly(self._ipc_path)
         unlink_quietly(self._put_path)
         self._finalizer.detach()
+        self._fd_hold.release()  # the queue's descriptors are closed
         return unconsumed
 
     def _encrypted_limit(self):
@@ -412,11 +426,14 @@ class TaskQueue:
         """In a process forked from this engine's: close the inherited descriptors of the
         endpoints' listening sockets (a child that outlives a killed engine would keep them
         accepting, so the next engine of the name would find it in use); the queue is
-        unusable there (its I/O thread did not survive the fork)."""
+        unusable there (its I/O thread did not survive the fork, a lock another thread held
+        at fork stays held, its ring is the parent's): every call raises
+        ``ForkedProcessError`` and ``close()`` does nothing (``forks``)."""
         close_listeners(self._listeners)
-        self._ledger.forget_in_child(TaskSyncError(
-            f"TaskQueue {self.name} belongs to process {self._owner_pid}; a forked child "
-            f"cannot use it"))
+        what = f"TaskQueue {self.name!r} dp_id={self.dp_id} at {self.endpoint}"
+        self._ledger.forget_in_child(ForkedProcessError.inherited(what, self._owner_pid,
+                                                                  os.getpid()))
+        refuse_calls(self, what, self._owner_pid, idle={"close": []})
 
     def __enter__(self):
         return self

@@ -27,7 +27,10 @@ connector (``client_id=0``) and TP rank ``client_id`` are all built alike. So:
     and ``clear_data()``/``set_exist_tasks()`` do nothing: nothing was put or held.
   * ``role="engine"``/``"worker"`` (or ``FD_SYNC_QUEUE_ROLE``) decides at construction.
 A forked child of the server's process (FastDeploy's DP-1 engine under EP + DP) never acts
-on the server object it inherited (see ``server``): its clients are other processes'.
+on the server object it inherited (see ``server``): its clients are other processes'. More
+generally, an instance inherited across fork (any role) refuses every call in the child
+with ``ForkedProcessError`` and its ``cleanup()`` does nothing (``after_fork_in_child``):
+the child builds its own.
 
 Addresses (``address``): ``("0.0.0.0", port)`` or a unix socket path (FastDeploy's
 ``FD_ENGINE_TASK_QUEUE_WITH_SHM``) mean one node: private ipc endpoints named ``fdq<port>``;
@@ -59,6 +62,8 @@ import threading
 from .. import envs
 from ..engine.producer import TaskProducer
 from ..errors import ClosedError
+from ..forks import refuse_calls
+from ..shm.ownership import on_fork
 from . import tensors
 from .address import parse_address
 from .channel_api import ChannelMethods, PrefillInstances, SideLock, make_barriers
@@ -152,6 +157,8 @@ class EngineWorkerQueue(ChannelMethods):
         self.available_prefill_instances = PrefillInstances(self)
         for attr, barrier in make_barriers(self).items():
             setattr(self, attr, barrier)
+        self._owner_pid = os.getpid()
+        on_fork(self)
 
         if self.is_server:
             if not 0 <= local_data_parallel_id < max(1, local_data_parallel_size):
@@ -420,6 +427,21 @@ class EngineWorkerQueue(ChannelMethods):
             self._producer.close()
         if self._link is not None and not self.is_server and self._server is None:
             self._link.close()
+
+    def after_fork_in_child(self):
+        """In a child forked from this instance's process: the instance is the parent's
+        (its server, engine side, TP rank, producer and links): every call raises
+        ``ForkedProcessError``, also through the attribute objects (``read_finish_flag``,
+        the barriers, ``lock``...: they reach the role through the methods refused here),
+        and ``cleanup()`` does nothing. The role's objects stay referenced, never reached
+        (their finalizers are pid-checked; their own hooks refuse them too)."""
+        self._inherited = (self._engine, self._worker)
+        self._engine = self._worker = None  # every path to a role goes through _as_*
+        refuse_calls(self, f"EngineWorkerQueue{self.address} ({self.role or 'undecided'}, "
+                           f"client_id {self.client_id}, DP group "
+                           f"{self.local_data_parallel_id})", self._owner_pid,
+                     idle={"cleanup": None},
+                     private=("_side", "_as_engine", "_as_worker", "_check_open"))
 
     def __enter__(self):
         return self

@@ -18,7 +18,7 @@ import socket
 import threading
 
 from ..engine.queue import TaskQueue
-from ..errors import ClosedError
+from ..errors import ClosedError, ForkedProcessError
 from .channels import ChannelState
 from .engine_side import EngineSide, queue_capacity
 from .links import LocalLink, SideService
@@ -114,10 +114,11 @@ class Server:
     def usable(self):
         """Raise unless this server may be used from this process."""
         if self.inherited:
-            raise RuntimeError(
+            raise ForkedProcessError(
                 f"EngineWorkerQueue{self.address}: this server was built in the parent of "
                 f"this process (pid {os.getpid()} is a forked child): a child never acts on "
-                f"its parent's server; build a client (is_server=False) here instead")
+                f"its parent's server; build your own in the child (a client, "
+                f"is_server=False)")
         if self.closed:
             raise ClosedError(f"EngineWorkerQueue{self.address}: its server is cleaned up")
 

@@ -6,8 +6,14 @@ batch derives from one *holder* array; when the holder is garbage (so is every v
 finalizer stores the batch's stamp in this rank's release word: one store, in whichever
 thread frees the last view. Two decodes of one batch (the prefetch thread's and the event
 loop's) share one holder, so the release waits for both.
+
+A process forked from a rank's holds copies of the rank's arrays, and frees them when it
+drops them or exits: that is not the rank's release (the rank still reads the batch), so a
+finalizer publishes nothing in a process forked after its holder was made (the fork
+generation, ``_FORKS``, differs: a compare, no system call).
 """
 
+import os
 import threading
 import weakref
 
@@ -34,13 +40,30 @@ class Holders:
             holder = entry[1]() if entry is not None and entry[0] == stamp else None
             if holder is None:
                 holder = make()
-                weakref.finalize(holder, _publish_release, self._words, release_index, stamp)
+                # published only by the process that made the holder (module docstring)
+                weakref.finalize(holder, _publish_release, self._words, release_index, stamp,
+                                 _FORKS[0])
                 self._held[key] = (stamp, weakref.ref(holder))
             return holder
 
 
-def _publish_release(words, index, stamp):
+def _publish_release(words, index, stamp, generation):
+    if generation != _FORKS[0]:
+        return  # freed in a forked child: the batch is still the parent's to release
     try:
         words[index] = stamp
     except ValueError:  # the mapping's view was released (the process is shutting down)
         pass
+
+
+# How many forks separate this process from the first that imported this module: a child
+# made by os.fork() counts one more than its parent (os.register_at_fork).
+_FORKS = [0]
+
+
+def _after_fork_in_child():
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

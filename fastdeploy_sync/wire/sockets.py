@@ -14,15 +14,19 @@ libzmq needs headroom in (file descriptors, heap memory).
 
 import ctypes
 import errno
+import logging
 import os
 import resource
 import select
+import threading
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["new_socket", "recv_nowait", "monitor_event_nowait", "receive_available",
-           "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+           "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "FdLimitHold", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+
+log = logging.getLogger(__name__)
 
 
 # File descriptors our objects need (a Context's reaper and I/O thread, each socket, each
@@ -99,13 +103,88 @@ def trim_heap() -> None:
         pass
 
 
-def raise_fd_limit() -> tuple:
-    """Raise this process's soft limit of open files to its hard limit (capped by the
-    kernel's ``fs.nr_open``); returns ``(before, after)``. libzmq aborts the whole process
-    (SIGABRT, "Too many open files") when its I/O thread cannot accept a connection, so an
-    engine takes what it may have at start instead of dying at the common default of 1024
-    when many peers connect at once. Never lowers it; never raises. Note for the rest of
-    the process: descriptors above 1023 do not fit ``select.select``."""
+class FdLimitHold:
+    """While any hold is open, this process's soft limit of open files (``RLIMIT_NOFILE``)
+    is raised to its hard limit (capped by the kernel's ``fs.nr_open``); when the last one
+    is released the application's own soft limit is put back.
+
+    Why raise: libzmq aborts the whole process (SIGABRT, "Too many open files") when its
+    I/O thread cannot create a descriptor, so an engine takes what it may have while it
+    serves instead of dying at the common default of 1024 when many peers connect at once.
+    Why give it back: the limit is the application's, and every child it starts inherits
+    it (a ``subprocess`` or ``spawn`` child reads it at exec).
+
+    Contract: ``FdLimitHold(who)`` raises the limit if no other hold of this process is
+    open (logged, naming ``who``); ``release()`` (idempotent) of the last open hold puts
+    back the soft limit the process had before the first, unless the application changed
+    the limit meanwhile (its own then stays). Children started while a hold is open inherit
+    the raised limit, except forked ones: in a child made by ``os.fork`` (or a
+    ``multiprocessing`` fork) the application's soft limit is put back at once
+    (``os.register_at_fork``), and holds inherited there release nothing. Never raises,
+    never blocks (a process-wide lock around two system calls); a limit the kernel refuses
+    to change is left as it is. A hold that is never released keeps the limit raised
+    until the process exits. Descriptors above 1023 do not fit ``select.select``."""
+
+    _lock = threading.Lock()
+    _holders = 0
+    # while held: (the application's soft limit, the soft limit set), or None when nothing
+    # was raised
+    _restore = None
+
+    def __init__(self, who: str):
+        self._pid = os.getpid()
+        with FdLimitHold._lock:
+            if FdLimitHold._holders == 0:
+                before, after = _raise_soft_fd_limit()
+                if after != before:
+                    FdLimitHold._restore = (before, after)
+                    log.info("%s: raised the soft limit of open files from %d to the hard limit "
+                             "%d while it is open (many peers may connect at once)", who,
+                             before, after)
+            FdLimitHold._holders += 1
+        self._held = True
+
+    def release(self) -> None:
+        """Give the hold up; the last one of the process puts the application's soft limit
+        back (see the class docstring). Idempotent."""
+        with FdLimitHold._lock:
+            if not self._held:
+                return
+            self._held = False
+            if os.getpid() != self._pid:
+                return  # inherited across fork: the child's limit was put back at fork
+            FdLimitHold._holders -= 1
+            if FdLimitHold._holders == 0:
+                _restore_soft_fd_limit()
+
+    @staticmethod
+    def _after_fork_in_child() -> None:
+        # another thread may have held the lock at fork; no hold of the parent's is the
+        # child's
+        FdLimitHold._lock = threading.Lock()
+        FdLimitHold._holders = 0
+        _restore_soft_fd_limit()
+
+
+def _restore_soft_fd_limit() -> None:
+    """Put back the soft limit ``FdLimitHold._restore`` says the application had, if the
+    limit is still the one we set (else the application changed it: its own stays)."""
+    restore, FdLimitHold._restore = FdLimitHold._restore, None
+    if restore is None:
+        return
+    before, raised = restore
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != raised:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (before, hard))
+    except (OSError, ValueError):
+        pass
+
+
+def _raise_soft_fd_limit() -> tuple:
+    """Raise this process's soft limit of open files to its hard limit (capped by
+    ``fs.nr_open``); returns ``(before, after)``. Never lowers it; never raises."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard
     if target == resource.RLIM_INFINITY:
@@ -121,6 +200,10 @@ def raise_fd_limit() -> tuple:
         except (OSError, ValueError):
             pass
     return soft, soft
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=FdLimitHold._after_fork_in_child)
 
 
 def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:

@@ -28,6 +28,11 @@ module is the step API over them, and their wiring and closing.
 Any thread may call ``close()``: a step call blocked in the barrier or in
 ``wait_for_tasks()`` is woken and raises ``ClosedError``, and nothing (semaphore, socket,
 mapping) is freed while a thread may still use it.
+
+In a child forked from a rank's process the client is the parent's (its group words, ring,
+ack board and connection): every call raises ``ForkedProcessError`` and ``close()`` does
+nothing, so the child never says goodbye, arrives at a barrier or acknowledges for its
+parent (``forks.refuse_in_child``).
 """
 
 import collections
@@ -38,6 +43,7 @@ import threading
 
 from .. import envs
 from ..errors import ClosedError, EngineGoneError, EngineRejectedError, EngineUnreachableError
+from ..forks import refuse_in_child
 from ..tp.protocol import WaitHooks
 from ..wire.auth import ClientAuth
 from ..wire.endpoints import check_ipc_endpoint, default_endpoint, ipc_path, validate_name
@@ -200,6 +206,8 @@ class TaskClient:
         # after attach: wait_for_tasks' checks are the (timed) step calls
         self._idle = IdleWait(self.exist_tasks, self.async_prefetch, self._rings, self._slot,
                               self._group, self._faults, self._receiver, self._conn)
+        self._fork_guard = refuse_in_child(self, f"TaskClient rank {tp_rank} of {name!r} "
+                                                 f"dp_id={dp_id}", idle={"close": None})
 
     # -- step API (event loop thread) --------------------------------------------------------
 

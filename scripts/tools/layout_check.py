@@ -29,7 +29,7 @@ LAYERS = (
     ("errors", "envs", "logs", "names", "version"),
     ("wire",),
     ("shm",),
-    ("tp",),
+    ("tp", "forks"),
     ("engine", "worker", "cleanup"),
     ("fastdeploy", "profiling", "metrics"),
     ("cli", "__init__"),

@@ -1,10 +1,16 @@
 """File descriptors: an engine started under the common soft limit of 1024 survives 1000
 producers connecting at once (libzmq aborted it: "Too many open files"), serves its group
 throughout, refuses producers beyond its bound with a clear error, and serves producers
-again once they are gone. A real engine process, real connections."""
+again once they are gone. A real engine process, real connections. And the limit stays
+the application's: raised while a queue is open, given back by close(), so children
+started afterwards read the application's own."""
 
+import gc
+import multiprocessing
 import os
 import resource
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +20,7 @@ import time
 
 import pytest
 
-from fastdeploy_sync import TaskProducer
+from fastdeploy_sync import TaskProducer, TaskQueue
 from fastdeploy_sync.engine.producer_endpoint import MAX_PRODUCERS
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 
@@ -96,3 +102,99 @@ def test_a_thousand_producers_at_once_under_a_soft_limit_of_1024(name):
         for leftover in os.listdir("/dev/shm"):
             if f"fdsync.{name}." in leftover:
                 os.unlink("/dev/shm/" + leftover)
+
+
+# -- the limit stays the application's ---------------------------------------------------
+
+_PRINT_SOFT = "import resource; print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+
+
+def _soft():
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _started_child_soft():
+    """The soft limit a child the application starts now (``subprocess``) reads."""
+    out = subprocess.run([sys.executable, "-c", _PRINT_SOFT], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def _forked_child_soft():
+    """The soft limit a child forked now reads (it writes it on a pipe and exits)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, str(_soft()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 30
+    try:
+        with os.fdopen(r, "rb") as f:
+            assert select.select([f], [], [], 30)[0], "the forked child did not write"
+            return int(f.read())  # EOF when the child exits: at once
+    finally:
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def low_soft_limit():
+    """The test process's soft limit of open files set to 1024 (below its hard limit) for
+    the test, and the one it had put back afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit of open files is {hard}: nothing to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    yield 1024
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_close_gives_the_application_its_limit_back(name, low_soft_limit):
+    """Before: building a TaskQueue raised the soft limit to the hard limit for good: it
+    stayed raised after close(), and every child started afterwards (subprocess, spawn)
+    inherited it."""
+    gc.disable()  # close() gives it back, not the garbage collector
+    try:
+        queue = TaskQueue(name, 1)
+        try:
+            assert _soft() > low_soft_limit  # raised while open: libzmq must not run out
+            assert _forked_child_soft() == low_soft_limit  # a forked child: its own at once
+        finally:
+            queue.close(timeout=0)
+        assert _soft() == low_soft_limit
+        assert _started_child_soft() == low_soft_limit
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            assert pool.apply_async(_soft).get(timeout=60) == low_soft_limit
+    finally:
+        gc.enable()
+
+
+def test_the_limit_is_given_back_when_the_last_queue_closes(name, low_soft_limit):
+    first = TaskQueue(name, 1)
+    try:
+        second = TaskQueue(name, 1, dp_id=1)
+        try:
+            raised = _soft()
+            assert raised > low_soft_limit
+        finally:
+            second.close(timeout=0)
+        assert _soft() == raised  # the first queue is still open
+    finally:
+        first.close(timeout=0)
+    assert _soft() == low_soft_limit
+
+
+def test_a_limit_the_application_changed_meanwhile_stays_its_own(name, low_soft_limit):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    with TaskQueue(name, 1) as queue:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))  # the application's call
+        queue.close(timeout=0)
+    assert _soft() == 2048

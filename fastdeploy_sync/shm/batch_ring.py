@@ -40,9 +40,13 @@ Wake-ups: one POSIX semaphore per rank, posted by the engine after each publicat
 never accumulates posts). A rank's prefetch thread blocks on it with the GIL released;
 it only pre-decodes: nothing waits for it.
 
-Integrity and trust, as for ``shm.payload``: the segment is created exclusively, mode
-0600, owner-locked for the engine's life (``shm.segment.Segment``); a rank attaches it only
-after checking its owner uid, magic, layout and epoch; CHECK (xxh3_64 of the body and
+Integrity and trust, as for ``shm.payload``: the ring's name is an anchor created
+exclusively, mode 0600, owner-locked for the engine's life (``shm.segment.Segment``); its
+memory is a memfd sealed against shrinking (``shm.sealed``), so the arrays a rank keeps
+after the take can never be cut from under it (a truncated ``/dev/shm`` file is a SIGBUS
+for whoever touches the missing pages). A rank maps that memory only after checking the
+anchor's owner uid and that the memfd it opened is the recorded one, its own uid's and
+sealed, then the ring's magic, layout and epoch; CHECK (xxh3_64 of the body and
 offsets or reference, ``codec.payload_checksum``) is verified before anything is
 unpickled, and the lengths and slot are checked by arithmetic first. The array bytes are
 hashed only with ``FD_SYNC_SHM_CHECKSUM=1`` (DATA_HASH), as the pool's.
@@ -68,7 +72,7 @@ from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
 from .release import Holders
-from .segment import Segment
+from .sealed import SealedSegment, read_sealed
 from .semaphores import create_fresh_semaphore, open_semaphore, sem_wait
 
 __all__ = ["RingWriter", "RingReader", "INLINE", "SHARED", "SOCKET", "PUBLISHED",
@@ -160,10 +164,10 @@ class RingWriter:
     @classmethod
     def create(cls, name: str, dp_id: int, tp_size: int, epoch: int, *, slots: int,
                slot_bytes: int, descs: int) -> "RingWriter":
-        """Create the ring of ``epoch``: exclusively, mode 0600, owner-locked for this
-        process's life, every page reserved (``posix_fallocate``: a full ``/dev/shm`` is an
-        ``OSError(ENOSPC)`` here, never a SIGBUS later) and mapped in (``Segment.populate``),
-        and one semaphore per rank.
+        """Create the ring of ``epoch``: a sealed memfd behind an anchor created
+        exclusively, mode 0600, owner-locked for this process's life (``shm.sealed``), every
+        page reserved (``posix_fallocate``: no room is an ``OSError`` here, never a SIGBUS
+        later) and mapped in, and one semaphore per rank.
         ``FileExistsError`` if the name exists (another live engine of this name in this
         process); ``OSError`` with nothing left behind otherwise."""
         if not 0 < tp_size <= _MAX_TP or not 0 < slots <= _MAX_SLOTS:
@@ -172,10 +176,9 @@ class RingWriter:
             raise ValueError(f"ring with {descs} descriptors of {slot_bytes}-byte slots")
         layout = _Layout(tp_size, slots, slot_bytes, descs)
         shm_name = names.ring(name, dp_id, epoch)
-        seg = Segment.create(shm_name, layout.size)
+        seg = SealedSegment.create(shm_name, layout.size)  # every page reserved
         sems = []
         try:
-            seg.reserve()
             seg.populate(write=True)  # the engine's copy into a slot never faults
             for rank in range(tp_size):  # a killed engine's leftover (same pid) is replaced
                 sems.append(create_fresh_semaphore(names.ring_semaphore(shm_name, rank)))
@@ -201,10 +204,8 @@ class RingWriter:
 
     def allocate(self):
         """A free slot's index, or None when every slot holds a batch not yet consumed and
-        released by every rank, or the ring's file was truncated by another process of
-        this uid (the batch then takes another path: writing would be a SIGBUS). Never
-        blocks."""
-        if self.closed or self._seg.truncated():
+        released by every rank (the batch then takes another path). Never blocks."""
+        if self.closed:
             return None
         lay, words = self._layout, self._words
         for step in range(lay.slots):
@@ -292,11 +293,7 @@ class RingWriter:
     def frames(self, slot: int, kind: int, lengths) -> list:
         """Copies of the frames a slot holds (``[body, offsets, data]``, ``[body]`` or
         ``[body, reference]``): for decoding a batch again on the engine without keeping
-        the ring mapped. ``ProtocolError`` if the ring's file was truncated (by another
-        process of this uid: reading would be a SIGBUS)."""
-        if self._seg.truncated():
-            raise ProtocolError(f"ring {self.name} was truncated by another process of this "
-                                f"user: the batch in slot {slot} is gone")
+        the ring mapped."""
         base = slot * self._layout.slot_bytes
         data = self._data
         l0, l1, l2 = lengths
@@ -397,10 +394,11 @@ class RingReader:
         """Attach the ring of ``epoch`` that engine ``pid`` (its pid as written on the ack
         board) created. ``FileNotFoundError`` if there is none (the engine could not make
         one: batches then travel over the socket); ``ProtocolError`` for one that is not a
-        ready ring of this layout, group and size; ``PermissionError`` for another user's.
-        Never blocks."""
+        ready ring of this layout, group and size, among them ``shm.sealed.SealedUnreachable``
+        for one whose sealed memory this process cannot open (the engine is in another pid
+        namespace); ``PermissionError`` for another user's. Never blocks."""
         shm_name = names.ring(name, dp_id, epoch, pid)
-        seg = Segment.attach(shm_name)
+        seg = SealedSegment.attach(shm_name)  # what it maps can never shrink
         try:
             w = seg.view
             if seg.size < _HEADER_WORDS * 8:
@@ -492,10 +490,6 @@ class RingReader:
         if min(l0, l1, l2) < 0 or l0 + l1 + l2 > lay.slot_bytes or l0 == 0:
             raise ProtocolError(f"ring {self.name}: seq {seq} lengths ({l0}, {l1}, {l2}) do "
                                 f"not fit a {lay.slot_bytes}-byte slot")
-        if self._seg.truncated():
-            raise ProtocolError(f"ring {self.name}: its file was truncated by another process "
-                                f"of this user; seq {seq} is gone (not read: touching it "
-                                f"would be a SIGBUS)")
         holder = self._holder(slot, stamp, l0 + l1 + l2)
         filled = words[lay.filled + slot]
         if filled != stamp:
@@ -590,7 +584,8 @@ class RingReader:
 def published_rings(name: str, dp_id: int) -> list:
     """``[(shm name, epoch, published seq)]`` of every ring of queue ``name``/``dp_id`` in
     ``/dev/shm`` owned by this uid (for ``fastdeploy-sync status``). Reads the headers
-    only, read-only; never blocks; skips what it cannot read."""
+    only, read-only; never blocks; skips what it cannot read (among them the rings of an
+    engine in another pid namespace: ``shm.sealed``)."""
     found = []
     try:
         entries = sorted(os.listdir(names.SHM_DIR))
@@ -600,17 +595,8 @@ def published_rings(name: str, dp_id: int) -> list:
         parsed = names.parse_shm_entry(entry)
         if parsed is None or parsed.kind != "ring" or (parsed.name, parsed.dp_id) != (name, dp_id):
             continue
-        try:
-            fd = os.open(f"{names.SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            raw = os.pread(fd, _HEADER_WORDS * 8, 0)
-        finally:
-            os.close(fd)
-        if len(raw) < _HEADER_WORDS * 8:
+        raw = read_sealed("/" + entry, _HEADER_WORDS * 8)  # checked: ours, sealed
+        if raw is None or len(raw) < _HEADER_WORDS * 8:
             continue
         words = memoryview(raw).cast("q")
         if words[_H_MAGIC] == _MAGIC and words[_H_READY] == 1:

@@ -29,11 +29,14 @@ ranks of one worker group as readers.
 * **PUBLISHED** is the highest sequence number whose descriptor is complete; descriptors
   are published in order.
 
-Memory ordering: the engine writes a slot's bytes, its FILLED word and the descriptor's
-fields, then the descriptor's SEQ, then PUBLISHED; a reader reads PUBLISHED, then SEQ,
-then the fields and bytes. x86-64 keeps store->store and load->load order (as the TP
-group's protocol already assumes, ``tp.shm_group``), so a reader that saw PUBLISHED sees the
-rest. A rank releases a slot with one store after its last view is gone.
+Memory ordering (``shm.order``; docs/design.md): the engine writes a slot's bytes, its
+FILLED word and the descriptor's fields, then the descriptor's SEQ and then PUBLISHED,
+each a release store; a reader loads the descriptor's SEQ with acquire before it reads the
+fields and bytes, so a reader that saw SEQ sees the rest, on any architecture. PUBLISHED is
+read plainly, as a bound (a rank's idle step pays one read, no fence): a SEQ below it not
+yet visible reads as "not published yet" and is taken at a later step.
+A rank releases a slot with a release store after its last view is gone, and the engine
+acquires after reading every rank's release before it writes the slot again.
 
 Wake-ups: one POSIX semaphore per rank, posted by the engine after each publication
 (only when its count is 0, so that a rank that never waits, such as one in sync mode,
@@ -71,6 +74,7 @@ import xxhash
 from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
+from .order import fence, load_acquire, store_release
 from .release import Holders
 from .sealed import SealedSegment, read_sealed
 from .semaphores import create_fresh_semaphore, open_semaphore, sem_wait
@@ -193,7 +197,7 @@ class RingWriter:
         w[_H_VERSION], w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES] = _VERSION, tp_size, slots, slot_bytes
         w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET] = descs, epoch, layout.data_offset
         w[_H_MAGIC] = _MAGIC
-        w[_H_READY] = 1  # last: a rank that sees it sees the rest
+        store_release(w, _H_READY, 1)  # last: a rank that sees it sees the rest
         return cls(seg, layout, epoch, shm_name, sems)
 
     @property
@@ -214,6 +218,7 @@ class RingWriter:
             if state == _CONSUMED:
                 stamp = self._stamp[slot]
                 if all(words[lay.release_word(r, slot)] == stamp for r in range(lay.tp)):
+                    fence()  # acquire: every rank's reads of the slot before our writes
                     state = self._state[slot] = _FREE
             if state == _FREE:
                 self._state[slot] = _WRITTEN
@@ -324,8 +329,10 @@ class RingWriter:
         self._uwords[d + _D_CHECK] = check
         self._uwords[d + _D_HASH] = data_hash
         w[d + _D_L0], w[d + _D_L1], w[d + _D_L2] = lengths
-        w[d + _D_SEQ] = seq  # after the fields: a reader that sees it sees them
-        w[_H_PUBLISHED] = seq
+        # release: a reader that sees SEQ sees the fields, FILLED and the slot's bytes;
+        # one that sees PUBLISHED sees SEQ
+        store_release(w, d + _D_SEQ, seq)
+        store_release(w, _H_PUBLISHED, seq)
 
     def published(self) -> int:
         return self._words[_H_PUBLISHED]
@@ -403,7 +410,8 @@ class RingReader:
             w = seg.view
             if seg.size < _HEADER_WORDS * 8:
                 raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, less than a header")
-            if w[_H_MAGIC] != _MAGIC or w[_H_VERSION] != _VERSION or w[_H_READY] != 1:
+            if (load_acquire(w, _H_READY) != 1 or w[_H_MAGIC] != _MAGIC
+                    or w[_H_VERSION] != _VERSION):
                 raise ProtocolError(f"ring {shm_name}: not a ready ring of layout {_VERSION}")
             tp, slots, slot_bytes, descs = w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES], w[_H_DESCS]
             if (tp != tp_size or w[_H_EPOCH] != epoch or not 0 < slots <= _MAX_SLOTS
@@ -432,7 +440,7 @@ class RingReader:
         holds another seq (not published yet, or already reused)."""
         d = self._layout.desc(seq)
         words = self._words
-        if words[d + _D_SEQ] != seq:
+        if load_acquire(words, d + _D_SEQ) != seq:
             return 0
         return words[d + _D_KIND] & 0xFF
 
@@ -449,7 +457,7 @@ class RingReader:
         can be taken by every rank now: read from the ring, or, for a SOCKET batch, held
         by every rank (``socket_min()``: the lowest seq every rank received over the
         socket; called only when a SOCKET batch is met). Shared-memory reads only."""
-        top = self._words[_H_PUBLISHED]
+        top = self._words[_H_PUBLISHED]  # a bound only: kind() acquires each SEQ
         seq = taken
         floor = None
         while seq < top:
@@ -477,7 +485,7 @@ class RingReader:
         ``GroupLostError`` when a SHARED batch's memory is gone (the group was retired)."""
         lay, words = self._layout, self._words
         d = lay.desc(seq)
-        if words[d + _D_SEQ] != seq:
+        if load_acquire(words, d + _D_SEQ) != seq:  # then the fields, FILLED, the bytes
             raise ProtocolError(f"ring {self.name}: seq {seq} is not published (descriptor "
                                 f"holds seq {words[d + _D_SEQ]})")
         kind_word, stamp = words[d + _D_KIND], words[d + _D_STAMP]

@@ -70,6 +70,7 @@ from ..errors import GroupLostError, ProtocolError
 from ..wire import codec
 from . import pool as pool_layout
 from .pool import PoolTruncated
+from .order import load_acquire
 from .release import Holders
 from .segment import create_exclusive, open_checked, reserve, unlink_segment
 from .segment import reclaim_stale as reclaim_segment
@@ -323,7 +324,7 @@ class _PoolView:
                                 f"its batches are gone (not read: touching them would be a "
                                 f"SIGBUS)")
         entry = stamp % self.entries
-        filled = self._words[pool_layout.FILLED + entry]
+        filled = load_acquire(self._words, pool_layout.FILLED + entry)  # then the bytes
         if filled != stamp:
             raise ProtocolError(f"pool {self.name}: the region of batch stamp {stamp} holds "
                                 f"stamp {filled}: reused before this rank read it")

@@ -21,6 +21,7 @@ import mmap
 import struct
 
 from ..errors import ProtocolError
+from .order import fence, store_release
 from .ownership import on_fork
 from .segment import Segment
 
@@ -140,7 +141,7 @@ class PayloadPool:
         words = pool._words
         words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = MAGIC, VERSION, tp_size
         words[_H_ENTRIES], words[_H_DATA_OFFSET], words[_H_DATA_SIZE] = entries, header, data_size
-        words[_H_READY] = 1  # last: a rank that sees it sees the rest
+        store_release(words, _H_READY, 1)  # last: a rank that sees it sees the rest
         return pool
 
     # -- regions -----------------------------------------------------------------------
@@ -185,6 +186,7 @@ class PayloadPool:
                 if any(words[released_index(self.entries, rank, entry)] != region.stamp
                        for rank in range(self.tp_size)):
                     return
+                fence()  # acquire: every rank's reads of the region before our next write
             elif region.state != _DISCARDED:
                 return
             live.popleft()
@@ -195,7 +197,9 @@ class PayloadPool:
         self._check_length()
         base = region.start
         parts.write_data(self._data[base:base + region.size])
-        self._words[FILLED + region.stamp % self.entries] = region.stamp
+        # release: a rank that sees the stamp sees the bytes (it also learns of the batch
+        # only through a later publication: the ring's SEQ, or the socket)
+        store_release(self._words, FILLED + region.stamp % self.entries, region.stamp)
 
     def view(self, region) -> memoryview:
         """A read-only view of ``region``'s bytes; ``PoolTruncated`` as ``write`` (a closed

@@ -36,7 +36,7 @@ from ..errors import ProtocolError
 from .ownership import on_fork
 from .segment import OWNER_PID, Segment, populate, reserve
 
-__all__ = ["SealedSegment", "SealedUnreachable", "SEALS", "read_sealed"]
+__all__ = ["SealedSegment", "SealedUnreachable", "SEALS", "open_sealed", "read_sealed"]
 
 # Shrinking and growing refused, and no seal may be added later (F_SEAL_WRITE or
 # F_SEAL_FUTURE_WRITE added by another process would stop the writer, or new readers).
@@ -110,11 +110,7 @@ class SealedSegment:
         is no anchor; ``PermissionError`` if another uid owns it; ``SealedUnreachable``
         (nothing mapped) if the anchor is not ready or its memfd cannot be opened from
         this process or is not the recorded sealed file. Never blocks."""
-        anchor = Segment.attach(name)
-        try:
-            fd = open_memfd(anchor, os.O_RDWR)
-        finally:
-            anchor.close()  # read once: nothing here depends on it any more
+        fd = open_sealed(name, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             mapping = mmap.mmap(fd, size)
@@ -203,7 +199,9 @@ def open_memfd(anchor, flags: int) -> int:
             f"own pid namespace) is gone, or this process does not share its pid namespace "
             f"(containers: run them in one pid namespace, e.g. --pid=host or "
             f"--pid=container:<engine>), or may not read its descriptors (a creator made "
-            f"non-dumpable, prctl PR_SET_DUMPABLE 0)") from None
+            f"non-dumpable, prctl PR_SET_DUMPABLE 0). Or start the engine with "
+            f"FD_SYNC_SHM_RING_KB=0 and FD_SYNC_SHM_POOL_MB=0: batches then travel over the "
+            f"socket") from None
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -226,20 +224,26 @@ def open_memfd(anchor, flags: int) -> int:
     return fd
 
 
+def open_sealed(name: str, flags: int) -> int:
+    """A new descriptor (``flags``: ``O_RDWR`` or ``O_RDONLY``) of the sealed memfd that
+    anchor ``name`` names, checked (``open_memfd``); the anchor is read once and closed.
+    ``FileNotFoundError`` if there is no anchor, ``PermissionError`` if another uid owns
+    it, ``SealedUnreachable`` as ``open_memfd``. Never blocks."""
+    anchor = Segment.attach(name)
+    try:
+        return open_memfd(anchor, flags)
+    finally:
+        anchor.close()  # read once: nothing here depends on it any more
+
+
 def read_sealed(name: str, nbytes: int):
     """The first ``nbytes`` of the sealed memory anchor ``name`` names, read with
     ``pread`` (nothing mapped), or None if there is none this process can open. Never
     blocks."""
     try:
-        anchor = Segment.attach(name)
-    except (FileNotFoundError, PermissionError):
+        fd = open_sealed(name, os.O_RDONLY)
+    except (SealedUnreachable, OSError):  # none, another uid's, unreachable
         return None
-    try:
-        fd = open_memfd(anchor, os.O_RDONLY)
-    except (SealedUnreachable, OSError):
-        return None
-    finally:
-        anchor.close()
     try:
         return os.pread(fd, nbytes, 0)
     finally:

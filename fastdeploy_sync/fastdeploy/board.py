@@ -20,6 +20,7 @@ import weakref
 
 from .. import names
 from ..errors import ProtocolError, TaskSyncError
+from ..shm.order import load_acquire, store_release
 from ..shm.segment import (SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming,
                            unlink_segment)
 from ..shm.semaphores import create_fresh_semaphore, open_semaphore, sem_wait, unlink_semaphore
@@ -85,7 +86,7 @@ class GroupBoard:
         create_fresh_semaphore(self.sem_name, initial_value=1).close()
         v = seg.view
         v[_B_MAGIC] = _B_MAGIC_VALUE
-        v[_B_READY] = 1  # last: an attacher that sees READY sees the rest
+        store_release(v, _B_READY, 1)  # last: an attacher that sees READY sees the rest
         return seg
 
     def _attach(self, timeout):
@@ -99,7 +100,7 @@ class GroupBoard:
     def _usable(self, seg):
         # a board whose rank 0 is gone (killed with its group) is a leftover that the new
         # rank 0 is about to replace: wait for that one
-        if (seg.size == self._size and seg.view[_B_READY] == 1
+        if (seg.size == self._size and load_acquire(seg.view, _B_READY) == 1
                 and seg.view[_B_MAGIC] == _B_MAGIC_VALUE and seg.owner_alive()):
             return None
         return "not ready"

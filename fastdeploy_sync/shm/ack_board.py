@@ -22,6 +22,7 @@ would count them (and the ring it names would be the other engine's).
 
 
 from .. import names
+from .order import load_acquire, store_release
 from .segment import OWNER_PID, Segment, create_reclaiming, unlink_segment
 
 __all__ = ["AckBoard", "EPOCH_SHIFT"]
@@ -53,7 +54,7 @@ class AckBoard:
         seg = create_reclaiming(names.ack_board(name, dp_id), size)  # SegmentInUse: FileExistsError
         v = seg.view
         v[B_MAGIC], v[B_TP_SIZE], v[B_ENGINE] = MAGIC, tp_size, engine
-        v[B_READY] = 1
+        store_release(v, B_READY, 1)  # last: a rank that sees it sees the rest
         return cls(seg, tp_size, owner=True)
 
     @classmethod
@@ -66,8 +67,8 @@ class AckBoard:
         except FileNotFoundError:
             return None
         v = seg.view
-        if (seg.size != (BASE + tp_size * STRIDE) * 8 or v[B_MAGIC] != MAGIC
-                or v[B_READY] != 1 or v[B_TP_SIZE] != tp_size or v[B_ENGINE] != engine
+        if (seg.size != (BASE + tp_size * STRIDE) * 8 or load_acquire(v, B_READY) != 1
+                or v[B_MAGIC] != MAGIC or v[B_TP_SIZE] != tp_size or v[B_ENGINE] != engine
                 or not seg.owner_alive()):
             seg.close()
             return None
@@ -85,6 +86,8 @@ class AckBoard:
     def publish(self, rank: int, tagged_seq: int) -> None:
         """Worker: this rank has consumed every batch up to the seq in ``tagged_seq``
         (``epoch << EPOCH_SHIFT | seq``; the caller precomputes the tag)."""
+        # A plain store: the word publishes nothing but itself (the engine reuses a batch's
+        # memory only once the rank's release word, a release store, says so: shm.release)
         self._view[self._slots[rank]] = tagged_seq
 
     def read(self) -> list:

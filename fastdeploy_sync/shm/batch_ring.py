@@ -29,20 +29,27 @@ ranks of one worker group as readers.
 * **PUBLISHED** is the highest sequence number whose descriptor is complete; descriptors
   are published in order.
 
-Memory ordering: the engine writes a slot's bytes, its FILLED word and the descriptor's
-fields, then the descriptor's SEQ, then PUBLISHED; a reader reads PUBLISHED, then SEQ,
-then the fields and bytes. x86-64 keeps store->store and load->load order (as the TP
-group's protocol already assumes, ``tp.shm_group``), so a reader that saw PUBLISHED sees the
-rest. A rank releases a slot with one store after its last view is gone.
+Memory ordering (``shm.order``; docs/design.md): the engine writes a slot's bytes, its
+FILLED word and the descriptor's fields, then the descriptor's SEQ and then PUBLISHED,
+each a release store; a reader loads the descriptor's SEQ with acquire before it reads the
+fields and bytes, so a reader that saw SEQ sees the rest, on any architecture. PUBLISHED is
+read plainly, as a bound (a rank's idle step pays one read, no fence): a SEQ below it not
+yet visible reads as "not published yet" and is taken at a later step.
+A rank releases a slot with a release store after its last view is gone, and the engine
+acquires after reading every rank's release before it writes the slot again.
 
 Wake-ups: one POSIX semaphore per rank, posted by the engine after each publication
 (only when its count is 0, so that a rank that never waits, such as one in sync mode,
 never accumulates posts). A rank's prefetch thread blocks on it with the GIL released;
 it only pre-decodes: nothing waits for it.
 
-Integrity and trust, as for ``shm.payload``: the segment is created exclusively, mode
-0600, owner-locked for the engine's life (``shm.segment.Segment``); a rank attaches it only
-after checking its owner uid, magic, layout and epoch; CHECK (xxh3_64 of the body and
+Integrity and trust, as for ``shm.payload``: the ring's name is an anchor created
+exclusively, mode 0600, owner-locked for the engine's life (``shm.segment.Segment``); its
+memory is a memfd sealed against shrinking (``shm.sealed``), so the arrays a rank keeps
+after the take can never be cut from under it (a truncated ``/dev/shm`` file is a SIGBUS
+for whoever touches the missing pages). A rank maps that memory only after checking the
+anchor's owner uid and that the memfd it opened is the recorded one, its own uid's and
+sealed, then the ring's magic, layout and epoch; CHECK (xxh3_64 of the body and
 offsets or reference, ``codec.payload_checksum``) is verified before anything is
 unpickled, and the lengths and slot are checked by arithmetic first. The array bytes are
 hashed only with ``FD_SYNC_SHM_CHECKSUM=1`` (DATA_HASH), as the pool's.
@@ -67,8 +74,9 @@ import xxhash
 from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
+from .order import fence, load_acquire, store_release
 from .release import Holders
-from .segment import Segment
+from .sealed import SealedSegment, read_sealed
 from .semaphores import create_fresh_semaphore, open_semaphore, sem_wait
 
 __all__ = ["RingWriter", "RingReader", "INLINE", "SHARED", "SOCKET", "PUBLISHED",
@@ -160,10 +168,10 @@ class RingWriter:
     @classmethod
     def create(cls, name: str, dp_id: int, tp_size: int, epoch: int, *, slots: int,
                slot_bytes: int, descs: int) -> "RingWriter":
-        """Create the ring of ``epoch``: exclusively, mode 0600, owner-locked for this
-        process's life, every page reserved (``posix_fallocate``: a full ``/dev/shm`` is an
-        ``OSError(ENOSPC)`` here, never a SIGBUS later) and mapped in (``Segment.populate``),
-        and one semaphore per rank.
+        """Create the ring of ``epoch``: a sealed memfd behind an anchor created
+        exclusively, mode 0600, owner-locked for this process's life (``shm.sealed``), every
+        page reserved (``posix_fallocate``: no room is an ``OSError`` here, never a SIGBUS
+        later) and mapped in, and one semaphore per rank.
         ``FileExistsError`` if the name exists (another live engine of this name in this
         process); ``OSError`` with nothing left behind otherwise."""
         if not 0 < tp_size <= _MAX_TP or not 0 < slots <= _MAX_SLOTS:
@@ -172,10 +180,9 @@ class RingWriter:
             raise ValueError(f"ring with {descs} descriptors of {slot_bytes}-byte slots")
         layout = _Layout(tp_size, slots, slot_bytes, descs)
         shm_name = names.ring(name, dp_id, epoch)
-        seg = Segment.create(shm_name, layout.size)
+        seg = SealedSegment.create(shm_name, layout.size)  # every page reserved
         sems = []
         try:
-            seg.reserve()
             seg.populate(write=True)  # the engine's copy into a slot never faults
             for rank in range(tp_size):  # a killed engine's leftover (same pid) is replaced
                 sems.append(create_fresh_semaphore(names.ring_semaphore(shm_name, rank)))
@@ -190,7 +197,7 @@ class RingWriter:
         w[_H_VERSION], w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES] = _VERSION, tp_size, slots, slot_bytes
         w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET] = descs, epoch, layout.data_offset
         w[_H_MAGIC] = _MAGIC
-        w[_H_READY] = 1  # last: a rank that sees it sees the rest
+        store_release(w, _H_READY, 1)  # last: a rank that sees it sees the rest
         return cls(seg, layout, epoch, shm_name, sems)
 
     @property
@@ -201,10 +208,8 @@ class RingWriter:
 
     def allocate(self):
         """A free slot's index, or None when every slot holds a batch not yet consumed and
-        released by every rank, or the ring's file was truncated by another process of
-        this uid (the batch then takes another path: writing would be a SIGBUS). Never
-        blocks."""
-        if self.closed or self._seg.truncated():
+        released by every rank (the batch then takes another path). Never blocks."""
+        if self.closed:
             return None
         lay, words = self._layout, self._words
         for step in range(lay.slots):
@@ -213,6 +218,7 @@ class RingWriter:
             if state == _CONSUMED:
                 stamp = self._stamp[slot]
                 if all(words[lay.release_word(r, slot)] == stamp for r in range(lay.tp)):
+                    fence()  # acquire: every rank's reads of the slot before our writes
                     state = self._state[slot] = _FREE
             if state == _FREE:
                 self._state[slot] = _WRITTEN
@@ -292,11 +298,7 @@ class RingWriter:
     def frames(self, slot: int, kind: int, lengths) -> list:
         """Copies of the frames a slot holds (``[body, offsets, data]``, ``[body]`` or
         ``[body, reference]``): for decoding a batch again on the engine without keeping
-        the ring mapped. ``ProtocolError`` if the ring's file was truncated (by another
-        process of this uid: reading would be a SIGBUS)."""
-        if self._seg.truncated():
-            raise ProtocolError(f"ring {self.name} was truncated by another process of this "
-                                f"user: the batch in slot {slot} is gone")
+        the ring mapped."""
         base = slot * self._layout.slot_bytes
         data = self._data
         l0, l1, l2 = lengths
@@ -327,8 +329,10 @@ class RingWriter:
         self._uwords[d + _D_CHECK] = check
         self._uwords[d + _D_HASH] = data_hash
         w[d + _D_L0], w[d + _D_L1], w[d + _D_L2] = lengths
-        w[d + _D_SEQ] = seq  # after the fields: a reader that sees it sees them
-        w[_H_PUBLISHED] = seq
+        # release: a reader that sees SEQ sees the fields, FILLED and the slot's bytes;
+        # one that sees PUBLISHED sees SEQ
+        store_release(w, d + _D_SEQ, seq)
+        store_release(w, _H_PUBLISHED, seq)
 
     def published(self) -> int:
         return self._words[_H_PUBLISHED]
@@ -397,15 +401,17 @@ class RingReader:
         """Attach the ring of ``epoch`` that engine ``pid`` (its pid as written on the ack
         board) created. ``FileNotFoundError`` if there is none (the engine could not make
         one: batches then travel over the socket); ``ProtocolError`` for one that is not a
-        ready ring of this layout, group and size; ``PermissionError`` for another user's.
-        Never blocks."""
+        ready ring of this layout, group and size, among them ``shm.sealed.SealedUnreachable``
+        for one whose sealed memory this process cannot open (the engine is in another pid
+        namespace); ``PermissionError`` for another user's. Never blocks."""
         shm_name = names.ring(name, dp_id, epoch, pid)
-        seg = Segment.attach(shm_name)
+        seg = SealedSegment.attach(shm_name)  # what it maps can never shrink
         try:
             w = seg.view
             if seg.size < _HEADER_WORDS * 8:
                 raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, less than a header")
-            if w[_H_MAGIC] != _MAGIC or w[_H_VERSION] != _VERSION or w[_H_READY] != 1:
+            if (load_acquire(w, _H_READY) != 1 or w[_H_MAGIC] != _MAGIC
+                    or w[_H_VERSION] != _VERSION):
                 raise ProtocolError(f"ring {shm_name}: not a ready ring of layout {_VERSION}")
             tp, slots, slot_bytes, descs = w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES], w[_H_DESCS]
             if (tp != tp_size or w[_H_EPOCH] != epoch or not 0 < slots <= _MAX_SLOTS
@@ -434,7 +440,7 @@ class RingReader:
         holds another seq (not published yet, or already reused)."""
         d = self._layout.desc(seq)
         words = self._words
-        if words[d + _D_SEQ] != seq:
+        if load_acquire(words, d + _D_SEQ) != seq:
             return 0
         return words[d + _D_KIND] & 0xFF
 
@@ -451,7 +457,7 @@ class RingReader:
         can be taken by every rank now: read from the ring, or, for a SOCKET batch, held
         by every rank (``socket_min()``: the lowest seq every rank received over the
         socket; called only when a SOCKET batch is met). Shared-memory reads only."""
-        top = self._words[_H_PUBLISHED]
+        top = self._words[_H_PUBLISHED]  # a bound only: kind() acquires each SEQ
         seq = taken
         floor = None
         while seq < top:
@@ -479,7 +485,7 @@ class RingReader:
         ``GroupLostError`` when a SHARED batch's memory is gone (the group was retired)."""
         lay, words = self._layout, self._words
         d = lay.desc(seq)
-        if words[d + _D_SEQ] != seq:
+        if load_acquire(words, d + _D_SEQ) != seq:  # then the fields, FILLED, the bytes
             raise ProtocolError(f"ring {self.name}: seq {seq} is not published (descriptor "
                                 f"holds seq {words[d + _D_SEQ]})")
         kind_word, stamp = words[d + _D_KIND], words[d + _D_STAMP]
@@ -492,10 +498,6 @@ class RingReader:
         if min(l0, l1, l2) < 0 or l0 + l1 + l2 > lay.slot_bytes or l0 == 0:
             raise ProtocolError(f"ring {self.name}: seq {seq} lengths ({l0}, {l1}, {l2}) do "
                                 f"not fit a {lay.slot_bytes}-byte slot")
-        if self._seg.truncated():
-            raise ProtocolError(f"ring {self.name}: its file was truncated by another process "
-                                f"of this user; seq {seq} is gone (not read: touching it "
-                                f"would be a SIGBUS)")
         holder = self._holder(slot, stamp, l0 + l1 + l2)
         filled = words[lay.filled + slot]
         if filled != stamp:
@@ -590,7 +592,8 @@ class RingReader:
 def published_rings(name: str, dp_id: int) -> list:
     """``[(shm name, epoch, published seq)]`` of every ring of queue ``name``/``dp_id`` in
     ``/dev/shm`` owned by this uid (for ``fastdeploy-sync status``). Reads the headers
-    only, read-only; never blocks; skips what it cannot read."""
+    only, read-only; never blocks; skips what it cannot read (among them the rings of an
+    engine in another pid namespace: ``shm.sealed``)."""
     found = []
     try:
         entries = sorted(os.listdir(names.SHM_DIR))
@@ -600,17 +603,8 @@ def published_rings(name: str, dp_id: int) -> list:
         parsed = names.parse_shm_entry(entry)
         if parsed is None or parsed.kind != "ring" or (parsed.name, parsed.dp_id) != (name, dp_id):
             continue
-        try:
-            fd = os.open(f"{names.SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            raw = os.pread(fd, _HEADER_WORDS * 8, 0)
-        finally:
-            os.close(fd)
-        if len(raw) < _HEADER_WORDS * 8:
+        raw = read_sealed("/" + entry, _HEADER_WORDS * 8)  # checked: ours, sealed
+        if raw is None or len(raw) < _HEADER_WORDS * 8:
             continue
         words = memoryview(raw).cast("q")
         if words[_H_MAGIC] == _MAGIC and words[_H_READY] == 1:

@@ -47,7 +47,10 @@ owner-checked on open). Hashing them costs each rank one more pass over the byte
 Trust: names come from ``names`` (``batch_segment``, ``pool``), created exclusively with
 mode 0600. A worker maps only names with its own queue's prefix, owned by its own uid,
 whose size and header match; pool regions are checked by arithmetic against the pool's
-size and must carry the stamp the reference names. Ranks map the data read-only; only
+size and must carry the stamp the reference names. A pool's memory is a memfd sealed
+against shrinking behind its name (``shm.sealed``): arrays a rank keeps can never be cut
+from under it; a batch's own segment is a plain ``/dev/shm`` file (truncated after the
+take, its kept arrays fault: docs/failure-model.md). Ranks map the data read-only; only
 their release row in the header is writable. A pool is an owned segment (its owner lock
 held for the engine's life); a batch's own segment carries no lock: it lives while its
 queue's engine does (the ack board's owner lock), which reclaims a dead predecessor's at
@@ -60,7 +63,6 @@ import mmap
 import os
 import struct
 import threading
-import weakref
 
 import numpy as np
 import xxhash
@@ -69,8 +71,9 @@ from .. import names
 from ..errors import GroupLostError, ProtocolError
 from ..wire import codec
 from . import pool as pool_layout
-from .pool import PoolTruncated
+from .order import load_acquire
 from .release import Holders
+from .sealed import open_sealed
 from .segment import create_exclusive, open_checked, reserve, unlink_segment
 from .segment import reclaim_stale as reclaim_segment
 from .semaphores import unlink_semaphore
@@ -240,6 +243,23 @@ def _open_checked(name: str, prefix: str, read_only: bool):
         raise ProtocolError(f"shared batch {name}: not mapped: {exc}") from exc
 
 
+def _open_sealed_pool(name: str, prefix: str) -> int:
+    """The checked descriptor of pool ``name``'s sealed memory (``shm.sealed.open_sealed``)
+    after the name checks of ``_open_checked``; ``GroupLostError`` if it is gone,
+    ``ProtocolError`` if it is not ours or cannot be reached (another pid namespace)."""
+    if not name.startswith(prefix) or "/" in name[1:]:
+        raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
+                            f"batches ({prefix}*)")
+    try:
+        return open_sealed(name, os.O_RDWR)
+    except FileNotFoundError:
+        raise GroupLostError(
+            f"shared batch pool {name} is gone before this rank mapped it: the engine retired "
+            f"this worker group or closed the queue; restart the group") from None
+    except PermissionError as exc:
+        raise ProtocolError(f"shared batch pool {name}: not mapped: {exc}") from exc
+
+
 def map_payload(name: str, size: int, prefix: str) -> MappedPayload:
     """Map batch segment ``name`` read-only, zero-copy. Never blocks beyond the system
     calls.
@@ -265,25 +285,24 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in 
 
 
 class _PoolView:
-    """A rank's mapping of one pool: the data read-only (populated once), the header
-    read-write (its release row), and a descriptor of its own to check the file's length
-    before each batch is read (``PoolTruncated``)."""
+    """A rank's mapping of one pool's sealed memory (``shm.sealed``: it cannot shrink under
+    the arrays that view it): the data read-only (populated once), the header read-write
+    (its release row)."""
 
-    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_fd", "_total",
-                 "_holders", "__weakref__")
+    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_holders",
+                 "__weakref__")
 
-    def __init__(self, name, entries, data_size, rank, words, data, fd, total):
+    def __init__(self, name, entries, data_size, rank, words, data):
         self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
         self._words, self._data = words, data
-        self._fd, self._total = fd, total
-        weakref.finalize(self, os.close, fd)
         self._holders = Holders(words)
 
     @classmethod
     def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "_PoolView":
-        shm, st = _open_checked(name, prefix, read_only=False)
+        fd = _open_sealed_pool(name, prefix)
         try:
-            raw = os.pread(shm.fd, pool_layout.HEADER_FIELDS * 8, 0)
+            st = os.fstat(fd)
+            raw = os.pread(fd, pool_layout.HEADER_FIELDS * 8, 0)
             if len(raw) != pool_layout.HEADER_FIELDS * 8:
                 raise ProtocolError(f"pool {name} holds {st.st_size} bytes, less than its header")
             magic, version, tp, entries, data_offset, data_size, ready = (
@@ -299,14 +318,12 @@ class _PoolView:
                     or data_offset + data_size != st.st_size):
                 raise ProtocolError(f"pool {name}: header says data at {data_offset}, "
                                     f"{data_size} bytes; the segment holds {st.st_size}")
-            header = mmap.mmap(shm.fd, data_offset, flags=mmap.MAP_SHARED)
-            data = mmap.mmap(shm.fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
+            header = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED)
+            data = mmap.mmap(fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
                              prot=mmap.PROT_READ, offset=data_offset)
-            fd = os.dup(shm.fd)
         finally:
-            shm.close_fd()
-        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data, fd,
-                   data_offset + data_size)
+            os.close(fd)  # the mappings hold the memory
+        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)
 
     def region(self, start: int, size: int, stamp: int):
         """The batch ``stamp``'s bytes as a read-only numpy array of ``size`` bytes, after
@@ -316,14 +333,8 @@ class _PoolView:
         if not 0 <= start <= self.data_size - size or stamp <= 0:
             raise ProtocolError(f"pool {self.name}: region of {size} bytes at {start} "
                                 f"(stamp {stamp}) outside its {self.data_size} bytes")
-        have = os.fstat(self._fd).st_size  # before any page is touched
-        if have < self._total:
-            raise PoolTruncated(f"pool {self.name} holds {have} bytes, its layout "
-                                f"{self._total}: another process of this user truncated it; "
-                                f"its batches are gone (not read: touching them would be a "
-                                f"SIGBUS)")
         entry = stamp % self.entries
-        filled = self._words[pool_layout.FILLED + entry]
+        filled = load_acquire(self._words, pool_layout.FILLED + entry)  # then the bytes
         if filled != stamp:
             raise ProtocolError(f"pool {self.name}: the region of batch stamp {stamp} holds "
                                 f"stamp {filled}: reused before this rank read it")

@@ -11,9 +11,11 @@ long holds its region: the ring cannot pass it, and batches take a segment of th
 or the socket meanwhile. A pool is never reused across worker groups: when a group is
 retired its pool is retired with it.
 
-The pool is an owned ``Segment`` (``shm.segment``): created exclusively, mode 0600, its
-owner lock held for the engine's life, so ``cleanup`` and the next engine judge a
-leftover as every other segment.
+The pool is a ``SealedSegment`` (``shm.sealed``): its memory a memfd sealed against
+shrinking, so the arrays a rank keeps can never be cut from under it by a truncation
+(a SIGBUS for whoever touches them), behind an anchor in ``/dev/shm`` created exclusively,
+mode 0600, its owner lock held for the engine's life, so ``cleanup`` and the next engine
+judge a leftover as every other segment.
 """
 
 import collections
@@ -21,8 +23,9 @@ import mmap
 import struct
 
 from ..errors import ProtocolError
+from .order import fence, store_release
 from .ownership import on_fork
-from .segment import Segment
+from .sealed import SealedSegment
 
 __all__ = ["PayloadPool", "PoolRegion", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
            "FILLED", "HEADER_FIELDS", "MAX_ENTRIES", "MAX_TP", "header_bytes",
@@ -118,19 +121,18 @@ class PayloadPool:
     @classmethod
     def create(cls, name: str, tp_size: int, data_size: int,
                entries: int = POOL_ENTRIES) -> "PayloadPool":
-        """Create pool ``name`` with ``data_size`` bytes of data for ``tp_size`` ranks: an
-        owned ``Segment`` (exclusive, mode 0600, owner-locked for this process's life),
-        every page reserved and mapped in (the one-time cost of the page faults, paid here
-        rather than by a put: docs/large-batches.md). ``FileExistsError`` if the name
-        exists, ``OSError`` (``ENOSPC``: no room in ``/dev/shm``) with the name removed
-        again."""
+        """Create pool ``name`` with ``data_size`` bytes of data for ``tp_size`` ranks: a
+        ``SealedSegment`` (anchor exclusive, mode 0600, owner-locked for this process's
+        life; memory sealed against shrinking), every page reserved and mapped in (the
+        one-time cost of the page faults, paid here rather than by a put:
+        docs/large-batches.md). ``FileExistsError`` if the name exists, ``OSError`` (no
+        room) with the name removed again."""
         if data_size <= 0 or data_size % _ALIGN:
             raise ValueError(f"pool {name}: data size {data_size}, expected a positive "
                              f"multiple of {_ALIGN}")
         header = header_bytes(tp_size, entries)
-        seg = Segment.create(name, header + data_size)
+        seg = SealedSegment.create(name, header + data_size)  # every page reserved
         try:
-            seg.reserve()
             seg.populate(write=True)
         except BaseException:
             seg.unlink_if_mine()
@@ -140,7 +142,7 @@ class PayloadPool:
         words = pool._words
         words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = MAGIC, VERSION, tp_size
         words[_H_ENTRIES], words[_H_DATA_OFFSET], words[_H_DATA_SIZE] = entries, header, data_size
-        words[_H_READY] = 1  # last: a rank that sees it sees the rest
+        store_release(words, _H_READY, 1)  # last: a rank that sees it sees the rest
         return pool
 
     # -- regions -----------------------------------------------------------------------
@@ -185,22 +187,21 @@ class PayloadPool:
                 if any(words[released_index(self.entries, rank, entry)] != region.stamp
                        for rank in range(self.tp_size)):
                     return
+                fence()  # acquire: every rank's reads of the region before our next write
             elif region.state != _DISCARDED:
                 return
             live.popleft()
 
     def write(self, region, parts) -> None:
-        """Copy ``parts`` into ``region``; ``PoolTruncated`` (nothing written) if another
-        process truncated the pool's file."""
-        self._check_length()
+        """Copy ``parts`` into ``region``."""
         base = region.start
         parts.write_data(self._data[base:base + region.size])
-        self._words[FILLED + region.stamp % self.entries] = region.stamp
+        # release: a rank that sees the stamp sees the bytes (it also learns of the batch
+        # only through a later publication: the ring's SEQ, or the socket)
+        store_release(self._words, FILLED + region.stamp % self.entries, region.stamp)
 
     def view(self, region) -> memoryview:
-        """A read-only view of ``region``'s bytes; ``PoolTruncated`` as ``write`` (a closed
-        pool is not asked: its mapping stays, unchecked)."""
-        self._check_length()
+        """A read-only view of ``region``'s bytes (a closed pool's mapping stays)."""
         return self._data[region.start:region.start + region.size].toreadonly()
 
     def kept(self, region):
@@ -254,15 +255,8 @@ class PayloadPool:
         unlinks it (its segment dropped the inherited lock descriptor itself)."""
         self.closed = self.retired = True
 
-    def _check_length(self) -> None:
-        if self._seg.truncated():
-            raise PoolTruncated(f"pool {self.name} is shorter than its layout "
-                                f"({self._seg.size} bytes): another process of this user "
-                                f"truncated it; its batches are gone (not read: touching them "
-                                f"would be a SIGBUS)")
 
 
 class PoolTruncated(ProtocolError):
-    """A pool's file is shorter than its layout: another process of this uid truncated it.
-    Reading (rank) or writing (engine) its pages would kill the process with SIGBUS, so
-    it is checked (``fstat``) before they are touched."""
+    """A pool's memory is shorter than its layout. Pools are sealed against shrinking
+    (``shm.sealed``), so nothing raises it any more; kept for callers that catch it."""

@@ -3,9 +3,10 @@
 Decoded arrays are zero-copy, read-only views of shared memory (a ring slot, a pool
 region) that the engine writes again only once every rank released it. Every view of one
 batch derives from one *holder* array; when the holder is garbage (so is every view), a
-finalizer stores the batch's stamp in this rank's release word: one store, in whichever
-thread frees the last view. Two decodes of one batch (the prefetch thread's and the event
-loop's) share one holder, so the release waits for both.
+finalizer stores the batch's stamp in this rank's release word: one release store
+(``shm.order``: every read of the batch's bytes is done before the engine can see it), in
+whichever thread frees the last view. Two decodes of one batch (the prefetch thread's and
+the event loop's) share one holder, so the release waits for both.
 
 A process forked from a rank's holds copies of the rank's arrays, and frees them when it
 drops them or exits: that is not the rank's release (the rank still reads the batch), so a
@@ -16,6 +17,8 @@ generation, ``_FORKS``, differs: a compare, no system call).
 import os
 import threading
 import weakref
+
+from .order import store_release
 
 __all__ = ["Holders"]
 
@@ -51,7 +54,7 @@ def _publish_release(words, index, stamp, generation):
     if generation != _FORKS[0]:
         return  # freed in a forked child: the batch is still the parent's to release
     try:
-        words[index] = stamp
+        store_release(words, index, stamp)  # after every read of the batch's bytes
     except ValueError:  # the mapping's view was released (the process is shutting down)
         pass
 

@@ -19,6 +19,7 @@ import errno
 import logging
 import mmap
 import os
+import struct
 import time
 import weakref
 
@@ -31,7 +32,7 @@ from .semaphores import unlink_semaphore
 
 __all__ = ["Segment", "SegmentInUse", "SegmentNotReady", "OWNER_PID", "create_exclusive",
            "create_reclaiming", "attach_when_ready", "open_checked", "owner_alive",
-           "reclaim_stale", "reserve", "segment_owner", "unlink_segment"]
+           "populate", "reclaim_stale", "reserve", "segment_owner", "unlink_segment"]
 
 # The int64 word of every owned segment (``Segment.create``) holding its creator's pid, as
 # that process saw it (in its own pid namespace): for messages only, never a proof of life.
@@ -209,11 +210,23 @@ class Segment:
         that no later write (or read) of the segment takes a page fault: for segments
         whose pages are touched on a latency-sensitive path. Best effort: a kernel without
         it leaves the pages to fault in on first use."""
-        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-        try:
-            self._mmap.madvise(advice)
-        except (OSError, ValueError):
-            pass
+        populate(self._mmap, write)
+
+    def read_words(self, first: int, count: int) -> tuple:
+        """Words ``[first, first + count)`` of the segment's file, read with ``pread``
+        (not through the mapping): a file truncated meanwhile reads as zeros past its end,
+        never as a SIGBUS. ``ValueError`` once the descriptor was released. Never blocks."""
+        if self._fd < 0:
+            raise ValueError(f"shared memory {self.name}: no descriptor to read with")
+        raw = os.pread(self._fd, count * 8, first * 8).ljust(count * 8, b"\0")
+        return struct.unpack(f"<{count}q", raw)
+
+    def write_words(self, first: int, values) -> None:
+        """Write ``values`` from word ``first`` on with ``pwrite`` (not through the
+        mapping: a truncated file grows back instead of a SIGBUS). Never blocks."""
+        if self._fd < 0:
+            raise ValueError(f"shared memory {self.name}: no descriptor to write with")
+        os.pwrite(self._fd, struct.pack(f"<{len(values)}q", *values), first * 8)
 
     def release_locks(self) -> None:
         """Close the descriptor, which drops every lock this Segment holds; the mapping
@@ -250,6 +263,15 @@ class Segment:
         self.view.release()
         self._mmap.close()
         self._mmap = None
+
+
+def populate(mapping: mmap.mmap, write: bool) -> None:
+    """Map every page of ``mapping`` in now (``MADV_POPULATE_WRITE`` or ``_READ``, Linux
+    5.14+). Best effort: a kernel without it leaves the pages to fault in on first use."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        pass
 
 
 def open_checked(name: str, read_only: bool = False):

@@ -32,6 +32,7 @@ import posix_ipc
 
 from .. import names
 from ..errors import ClosedError, GroupInUseError, GroupLostError
+from ..shm.order import load_acquire, store_release
 from ..shm.segment import SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming
 from ..shm.segment import reclaim_stale
 from ..shm.semaphores import create_fresh_semaphore, open_semaphore, unlink_semaphore
@@ -111,7 +112,7 @@ class GroupSegment:
             v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
             v[H_INCARNATION] = new_incarnation()
             v[RANK_BASE + R_PID] = os.getpid()
-            v[H_READY] = 1  # last: an attacher that sees READY sees everything above
+            store_release(v, H_READY, 1)  # last: an attacher that sees READY sees the rest
         except BaseException:
             for sem_name in self._sem_names:
                 unlink_semaphore(sem_name)
@@ -180,7 +181,7 @@ class GroupSegment:
         if seg.size < RANK_BASE * 8:
             return "rank 0 is creating it"
         v = seg.view
-        if v[H_READY] != 1 or v[H_MAGIC] != MAGIC:
+        if load_acquire(v, H_READY) != 1 or v[H_MAGIC] != MAGIC:
             return "rank 0 is creating it"
         # Rank 0 holds both the owner lock and its rank lock for its life. A new rank 0
         # reclaiming a dead group's segment holds the owner lock alone, for a moment before

@@ -28,6 +28,7 @@ rank holds the lock of its own rank byte (``rank_lock``) for its life.
 import secrets
 
 from .. import names
+from ..shm.order import load_acquire
 from ..shm.ownership import OWNER_LOCK
 from ..shm.segment import OWNER_PID, Segment
 
@@ -102,7 +103,7 @@ def read_group(name: str, dp_id: int):
     seg = Segment.attach(shm_name)
     try:
         v = seg.view
-        if seg.size < RANK_BASE * 8 or v[H_MAGIC] != MAGIC or v[H_READY] != 1:
+        if seg.size < RANK_BASE * 8 or load_acquire(v, H_READY) != 1 or v[H_MAGIC] != MAGIC:
             raise ValueError(f"{shm_name}: not a ready fastdeploy_sync group")
         tp = v[H_TP_SIZE]
         if not 0 < tp <= MAX_TP or seg.size < (RANK_BASE + tp * RANK_STRIDE) * 8:

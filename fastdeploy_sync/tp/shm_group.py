@@ -19,12 +19,20 @@ The step protocol (the invariant: every rank takes the same batches at the same 
     a fast rank 0, already deciding for G+1, unable to change what a slow rank takes at G;
     the barrier bounds the skew to one generation, so a ring of 8 is plenty.
 
-Memory ordering: rank 0 writes the decision before its ARRIVED slot, and readers read
-ARRIVED before the decision; x86-64 keeps store->store and load->load order, so a rank
-that saw the arrival sees the decision. The only store->load (Dekker) patterns, "I sleep"
-vs "you arrived" and "I wait for seq N" vs "I received N", have a bounded fallback
-(semaphore waits time out and re-check), so a theoretically lost wake-up costs at most
-one fallback interval, never a hang.
+Memory ordering (``shm.order``; docs/design.md): every arrival is a release store
+(everything a rank wrote before the barrier, rank 0's decision among it, is visible to
+whoever sees the arrival), and a rank that has seen every arrival fences once before it
+leaves the barrier (an acquire: it then reads the decision and whatever its peers wrote
+before arriving). RECEIVED is a release store read with an acquire (``min_received``):
+a rank's engine slot, written before it, is then visible to rank 0's latch; ENGINE,
+FAULT and READY are release stores too. CONSUMED publishes nothing but its value (a
+batch's memory is handed back by a release store of its own, ``shm.release``): a plain
+store, off the take's path. The architecture's own order is never relied on. The only
+store->load (Dekker) patterns, "I sleep" vs "you arrived" and "I wait for seq N" vs "I
+received N", have a bounded fallback (semaphore waits time out and re-check), so a
+theoretically lost wake-up costs at most one fallback interval, never a hang; the
+announcements in them ("I sleep", "I wait for N") publish nothing else, so they stay plain
+stores.
 
 The barrier knows the loop's state (``spin``): it spins while the loop is busy and the
 partners came together, and blocks on its semaphore (no CPU) otherwise. While a busy
@@ -51,6 +59,7 @@ import time
 
 from .. import envs
 from ..errors import BarrierTimeoutError, ClosedError
+from ..shm.order import fence, store_release
 from ..shm.semaphores import sem_wait
 from .group_segment import GroupSegment
 from .layout import (D_FROM, D_GEN, D_STRIDE, D_TO, DECISION_RING, FAULT_LEFT, R_ARRIVED,
@@ -142,7 +151,7 @@ class ShmTPGroup:
         """This rank holds every seq up to ``seq``. If rank 0 waits in ``wait_received``
         for a seq every rank now holds, post its semaphore (one read when it does not)."""
         v = self._view
-        v[self._my + R_RECEIVED] = seq
+        store_release(v, self._my + R_RECEIVED, seq)  # after ENGINE (publish_engine)
         # store RECEIVED, then load WAITING: the Dekker pair of wait_received and wait_peers
         # (bounded fallback); wait_peers announces its seq negated
         want = abs(v[self._waiting_slot])
@@ -150,10 +159,16 @@ class ShmTPGroup:
             self._seg.post(0)
 
     def min_received(self) -> int:
+        """The lowest RECEIVED of the group, loaded with acquire: what every rank wrote
+        before publishing it (its ENGINE) is visible after this returns."""
         v = self._view
-        return min([v[s] for s in self._received_slots])
+        low = min([v[s] for s in self._received_slots])
+        fence()
+        return low
 
     def publish_consumed(self, seq: int) -> None:
+        # a plain store: CONSUMED publishes nothing but itself (a batch's memory is handed
+        # back by the rank's release word, a release store: shm.release)
         self._view[self._my + R_CONSUMED] = seq
 
     def all_consumed(self, seq: int) -> bool:
@@ -280,7 +295,7 @@ class ShmTPGroup:
         stays); peers blocked in the barrier or in ``wait_received`` wake and see it."""
         v = self._view
         if not v[self._my + R_FAULT]:
-            v[self._my + R_FAULT] = code
+            store_release(v, self._my + R_FAULT, code)
         for r in range(self.tp_size):
             self._seg.post(r)
 
@@ -293,7 +308,7 @@ class ShmTPGroup:
     def publish_engine(self, engine: int) -> None:
         """This rank was welcomed by engine instance ``engine`` (before it publishes any
         RECEIVED: a rank that holds a batch has its engine written)."""
-        self._view[self._engine_slots[self.tp_rank]] = engine
+        store_release(self._view, self._engine_slots[self.tp_rank], engine)
 
     def engine_split(self, engine: int):
         """Rank 0, before latching: ``[(rank, its engine), ...]`` for the ranks welcomed by
@@ -314,7 +329,8 @@ class ShmTPGroup:
     # -- decisions -----------------------------------------------------------------------
 
     def latch(self, gen: int, from_seq: int, to_seq: int) -> None:
-        """Rank 0: the barrier of generation ``gen`` releases a step that takes (from, to]."""
+        """Rank 0: the barrier of generation ``gen`` releases a step that takes (from, to].
+        Plain stores: rank 0's arrival at ``gen`` (a release store) publishes them."""
         base = self._decision_base + (gen % DECISION_RING) * D_STRIDE
         v = self._view
         v[base + D_FROM] = from_seq
@@ -355,7 +371,7 @@ class ShmTPGroup:
         v = self._view
         arrived_at = time.monotonic_ns()
         v[self._my_arrived_at] = arrived_at  # before ARRIVED: whoever sees one sees both
-        v[self._my_arrived] = gen
+        store_release(v, self._my_arrived, gen)  # and rank 0's decision for gen
         if v[self._waiting_slot] < 0:  # rank 0 waits for this rank in its check (wait_peers)
             self._seg.post(0)
         late = 0  # last to arrive: nobody was late
@@ -364,6 +380,7 @@ class ShmTPGroup:
                 late = self._wait(gen, timeout, hooks, arrived_at)
                 break
         self._late_prev, self._late_last = self._late_last, late
+        fence()  # acquire: every rank arrived; what each wrote before arriving is visible
         for slot, r in self._sleeping_slots:  # wake the ranks asleep in this generation
             if v[slot] == gen:
                 self._sems[r].release()
@@ -488,7 +505,7 @@ class ShmTPGroup:
         self._closed = True
         v = self._view
         if not v[self._my + R_FAULT]:
-            v[self._my + R_FAULT] = FAULT_LEFT
+            store_release(v, self._my + R_FAULT, FAULT_LEFT)
         left = self._seg.close(timeout)
         if left:
             self._spin.close()

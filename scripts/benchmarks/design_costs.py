@@ -2,10 +2,11 @@
 
     PYTHONPATH=$PWD python scripts/benchmarks/design_costs.py [--iters 20000]
 
-The code states the choices (one memoryview slot instead of numpy indexing, a ctypes
-``pthread_sigmask``, xxh3 instead of crc32, the codec's own array reduction, one data frame
-instead of one per array, the ack board instead of an ACK message); docs/performance.md
-quotes what this prints. Each row: the median of 7 blocks of ``--iters`` calls, per call.
+The code states the choices (one memoryview slot instead of numpy indexing, what
+``shm.order``'s fence costs, a ctypes ``pthread_sigmask``, xxh3 instead of crc32, the
+codec's own array reduction, one data frame instead of one per array, the ack board
+instead of an ACK message); docs/performance.md quotes what this prints. Each row: the
+median of 7 blocks of ``--iters`` calls, per call.
 """
 
 import argparse
@@ -63,6 +64,24 @@ def main():
     row("numpy int64 scalar read", per_call(lambda: arr[5], n))
     poll = ReadinessPoll([os.pipe()[0]])
     row("ReadinessPoll.ready(0) (one revents read)", per_call(lambda: poll.ready(0), n))
+
+    print("\nmemory order on a shared word (shm.order): the fence is two lock round trips")
+    import threading
+    from fastdeploy_sync.shm import order
+    lock = threading.Lock()
+
+    def one_pair():
+        lock.acquire()
+        lock.release()
+
+    def plain_store():
+        view[5] = 1
+
+    row("plain store", per_call(plain_store, n))
+    row("order.store_release", per_call(lambda: order.store_release(view, 5, 1), n))
+    row("order.load_acquire", per_call(lambda: order.load_acquire(view, 5), n))
+    row("order.fence", per_call(order.fence, n))
+    row("one lock acquire+release (vLLM's fence; not one here)", per_call(one_pair, n))
 
     print("\nsignal masks around a semaphore wait (shm.semaphores)")
     libc = ctypes.CDLL(None, use_errno=True)

@@ -21,7 +21,7 @@ import zmq
 
 from ..errors import ProtocolError
 from ..wire import codec
-from ..wire.sockets import WakePipe, monitor_events, receive_available
+from ..wire.sockets import WakePipe, close_monitor, monitor_events, receive_available
 from .flood_guard import FloodGuard
 
 __all__ = ["IOLoop"]
@@ -205,12 +205,8 @@ class IOLoop:
     def close_sockets(self, linger=None) -> None:
         """Close the monitors and both sockets (idempotent; holding ``lock``).
         ``linger=None``: what the I/O thread set (a short linger for the CLOSE messages)."""
-        if not self._sock.closed:
-            self._sock.disable_monitor()
-        if not self._put_sock.closed:
-            self._put_sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._put_monitor.close(linger=0)
+        close_monitor(self._sock, self._monitor)  # never blocks, whatever they hold
+        close_monitor(self._put_sock, self._put_monitor)
         self._sock.close(linger=linger)
         self._put_sock.close(linger=linger)
 

@@ -178,6 +178,7 @@ class TaskClient:
         self._rings, self._conn, self._acks, self._receiver = (p.rings, p.connection, p.acks,
                                                                p.receiver)
         self._taker, self._background = p.taker, p.background
+        self._payload_reader = p.payload_reader
         self.incarnation = p.group.incarnation
         # What the step calls read: the background thread's poll result for the data socket
         # (one check instead of two: "sync mode, or a batch woke the background thread";
@@ -238,6 +239,8 @@ class TaskClient:
                 return False  # nothing published this rank has not taken: one read
             group = self._group
             ring = self._rings.reader
+            if ring is None:
+                return False  # closed by another thread meanwhile: the next call raises
             if not self._peers_welcomed:
                 if not group.all_welcomed(self._watch.engine):
                     return False  # a peer has not attached the ring yet
@@ -368,7 +371,9 @@ class TaskClient:
         if words is not None:
             if words[PUBLISHED] <= taken:
                 return 0  # nothing published this rank has not taken: one read
-            return self._rings.reader.ready_upto(taken, self._own_received) - taken
+            ring = self._rings.reader
+            if ring is not None:  # else closed by another thread meanwhile
+                return ring.ready_upto(taken, self._own_received) - taken
         return self._slot.received - taken
 
     def _own_received(self) -> int:
@@ -480,8 +485,15 @@ class TaskClient:
             prior, (EngineGoneError, EngineRejectedError, EngineUnreachableError))
         self._conn.close(stopped, self._slot.taken if say_bye else None)
         self._acks.close()
-        if stopped:  # the ring: arrays may view it (unmapped when the last is garbage)
+        if stopped:
+            # Let go of the shared memory this rank reads (the batches held but not taken,
+            # the ring, the pools): it is unmapped here, or with the last array that views
+            # it (a step call's, the caller's), never later because the client's objects
+            # refer to one another and wait for a garbage collection.
+            self._slot.drop_held()
             self._rings.close()
+            if self._payload_reader is not None:
+                self._payload_reader.close()
 
     def __enter__(self):
         return self

@@ -110,7 +110,10 @@ class IdleWait:
                     return True
                 rings.woke.wait(min(remaining, _RING_IDLE_CHECK_S))
             else:
-                rings.reader.wait(min(remaining, _SYNC_RING_CHECK_S))
+                reader = rings.reader
+                if reader is None:  # closed by another thread: exist_tasks() raises
+                    return exist_tasks()
+                reader.wait(min(remaining, _SYNC_RING_CHECK_S))
             if exist_tasks():  # receives (sync), raises what the receivers learned
                 return True
 

@@ -136,7 +136,14 @@ class RingPrefetch:
             self.reader.post()
 
     def close(self) -> None:
-        """Close the ring (the mapping stays while arrays view it). Only once the thread
-        stopped."""
-        if self.reader is not None:
-            self.reader.close()
+        """Close the ring and let go of it: nothing of the client holds its mapping (or the
+        descriptor libc keeps with it) from here on, so it is unmapped now, or with the
+        last array that views it, or when a step call of another thread that still reads
+        it returns; a reference cycle through the client would otherwise keep it until
+        a garbage collection. Only once the thread stopped. ``reader`` and ``words`` are
+        None afterwards."""
+        reader = self.reader
+        self.words = None  # first: a step call finding ``words`` set may read ``reader``
+        self.reader = None
+        if reader is not None:
+            reader.close()

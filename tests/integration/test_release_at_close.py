@@ -3,10 +3,11 @@ garbage collection)."""
 
 import time
 
+import pytest
 import zmq
 
 from conftest import SPAWN
-from release_procs import busy_engine
+from release_procs import busy_engine, client_lives, engine_lives
 
 # Connections made to a starved engine: each makes its socket monitor report two events
 # (accepted, disconnected), more than a default monitor queue holds (1 000 + 1 000).
@@ -15,7 +16,7 @@ _BURST = 1500
 
 def _connect_and_close(ctx, endpoint, i) -> bool:
     """One connection to ``endpoint`` that the engine's libzmq accepts, then closed. False
-    if it could not be made within 2 s (the engine's libzmq no longer accepts)."""
+    if it could not be made within 10 s (the engine's libzmq no longer accepts)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.monitor(f"inproc://burst-{i}", zmq.EVENT_CONNECTED)
@@ -23,7 +24,7 @@ def _connect_and_close(ctx, endpoint, i) -> bool:
     try:
         mon.connect(f"inproc://burst-{i}")
         sock.connect(endpoint)
-        return bool(mon.poll(2000))
+        return bool(mon.poll(10_000))
     finally:
         sock.monitor(None, 0)
         mon.close(linger=0)
@@ -71,3 +72,87 @@ def test_close_returns_after_a_burst_of_connections_nobody_read(name):
         if engine.is_alive():
             engine.kill()
             engine.join(timeout=10)
+
+
+def _serve_lives(name, lives, async_prefetch, tp):
+    """One engine; ``tp`` worker processes (collector disabled), the ranks of a group that
+    builds and closes its clients ``lives`` times, each life taking one step of a small
+    and a pool-sized batch; returns what each rank counted after each life."""
+    import numpy as np
+
+    from fastdeploy_sync import TaskQueue
+
+    pipes = [SPAWN.Pipe() for _ in range(tp)]
+    workers = [SPAWN.Process(target=client_lives, args=(pipes[r][1], name, lives,
+                                                        async_prefetch, tp, r), daemon=True)
+               for r in range(tp)]
+    with TaskQueue(name, tp) as engine:
+        for worker in workers:
+            worker.start()
+        try:
+            for life in range(lives):
+                for here, _ in pipes:
+                    here.send("go")
+                for rank, (here, _) in enumerate(pipes):
+                    assert here.poll(30), f"rank {rank} did not start life {life} within 30 s"
+                    kind, payload = here.recv()
+                    assert kind == "ready", payload
+                engine.put_tasks([{"ids": np.arange(64)}, {"big": np.ones(1 << 20)}],
+                                 timeout=20)
+                # the next life once this group is gone (its ranks' BYE retires it)
+                assert engine.group_events.get(timeout=30).incarnation
+            counts = []
+            for rank, (here, _) in enumerate(pipes):
+                assert here.poll(60), f"rank {rank} did not report within 60 s"
+                kind, payload = here.recv()
+                assert kind == "counts", payload
+                counts.append(payload)
+            for worker in workers:
+                worker.join(timeout=10)
+        finally:
+            for worker in workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=10)
+    return counts
+
+
+@pytest.mark.parametrize("tp", [1])
+@pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
+def test_client_lives_release_at_close_with_the_collector_disabled(name, async_prefetch, tp):
+    """A worker that builds and closes its client once per engine life keeps no descriptor
+    and no mapping of an old ring, pool or TP group. Was: four descriptors more per life
+    (the client's objects refer to one another, and the ring reader, the pools read and
+    the batches held, with their mappings and the descriptors mmap keeps, were freed only
+    by a garbage collection)."""
+    lives = 8
+    for rank, counts in enumerate(_serve_lives(name, lives, async_prefetch, tp)):
+        fds = [c[0] for c in counts]
+        maps = [c[1] for c in counts]
+        # from the third life (lazily made things: numpy's, libzmq's first context)
+        assert fds[-1] <= fds[2] and maps[-1] <= maps[2], (
+            f"rank {rank}: descriptors after each life {fds}, mappings of our names {maps}")
+
+
+def test_retired_groups_release_their_pools_while_their_events_are_kept(name):
+    """An engine that keeps the ``GroupLost`` events of the groups it retired (their
+    unfinished batches' arrays are copies) keeps no mapping or descriptor of their pools.
+    Was: one pool (its whole size, pre-faulted) more per retired group, until a garbage
+    collection happened to run (the pool and its regions refer to one another)."""
+    lives = 5
+    here, there = SPAWN.Pipe()
+    # not a daemon: it starts the worker processes itself
+    engine = SPAWN.Process(target=engine_lives, args=(there, name, lives))
+    engine.start()
+    try:
+        assert here.poll(40 * lives), "the engine did not report"
+        kind, counts = here.recv()
+        assert kind == "counts", counts
+        engine.join(timeout=20)
+    finally:
+        if engine.is_alive():
+            engine.kill()
+            engine.join(timeout=10)
+    fds = [c[0] for c in counts]
+    maps = [c[1] for c in counts]
+    assert fds[-1] <= fds[1] and maps[-1] <= maps[1], f"descriptors {fds}, mappings {maps}"

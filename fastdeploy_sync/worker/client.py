@@ -494,6 +494,13 @@ class TaskClient:
             self._rings.close()
             if self._payload_reader is not None:
                 self._payload_reader.close()
+        # What refers back to this object: the profiler's wrappers (attributes of this
+        # instance) and the idle wait's check. Without them nothing of the client refers to
+        # it, so a closed client is freed once its caller lets go of it (with whatever a
+        # bound above kept), not at a garbage collection. Both raise ClosedError as before.
+        for attr in ("exist_tasks", "barrier", "get_tasks"):
+            self.__dict__.pop(attr, None)
+        self._idle.closed(self._faults.raise_error)
 
     def __enter__(self):
         return self

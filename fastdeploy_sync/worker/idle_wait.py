@@ -44,6 +44,11 @@ class IdleWait:
         self._rings, self._slot, self._group = rings, slot, group
         self._faults, self._receiver, self._conn = faults, receiver, connection
 
+    def closed(self, check) -> None:
+        """The client closed: ``check`` (which raises ``ClosedError``) replaces its
+        ``exist_tasks``, so that this object no longer refers to the client."""
+        self._exist_tasks = check
+
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         exist_tasks = self._exist_tasks

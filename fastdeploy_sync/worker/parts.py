@@ -21,7 +21,7 @@ class Parts:
     """The collaborators of one rank's client, each with one idea (``worker.client``)."""
 
     __slots__ = ("slot", "group", "watch", "faults", "rings", "connection", "acks", "receiver",
-                 "taker", "background", "payload_reader")
+                 "taker", "background")
 
 
 def assemble(client, coordinator, auth, node_local: bool, closing, counters) -> Parts:
@@ -42,8 +42,7 @@ def assemble(client, coordinator, auth, node_local: bool, closing, counters) -> 
         wakers = [group.wake]  # what a background failure wakes (the ring's event below)
         faults = p.faults = Faults(who, label, client.endpoint, group, slot, watch,
                                    client.async_prefetch, wakers)
-        payload_reader = p.payload_reader = (PayloadReader(name, dp_id, tp_size, rank)
-                                             if node_local else None)
+        payload_reader = PayloadReader(name, dp_id, tp_size, rank) if node_local else None
         rings = p.rings = RingPrefetch(name, dp_id, tp_size, rank, slot, payload_reader,
                                        closing, client.async_prefetch, counters,
                                        lambda exc: faults.fail(exc, closing.is_set()))

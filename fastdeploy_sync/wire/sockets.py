@@ -23,8 +23,8 @@ import select
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["new_socket", "open_monitor", "close_monitor", "recv_nowait", "monitor_event_nowait", "receive_available",
-           "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+__all__ = ["new_socket", "open_monitor", "close_monitor", "recv_nowait", "monitor_event_nowait",
+           "receive_available", "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "raise_fd_limit", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
 
 
 # File descriptors our objects need (a Context's reaper and I/O thread, each socket, each

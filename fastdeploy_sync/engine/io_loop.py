@@ -249,7 +249,12 @@ class IOLoop:
 
     def _receive(self):
         """At most ``_RECEIVE_BUDGET`` messages from the workers' socket (ZeroMQ serves
-        its connections in turn, so a flooding peer gets its share, not the pass)."""
+        its connections in turn, so a flooding peer gets its share, not the pass), fewer
+        once ``close()`` asks the thread to stop: close() waits for this pass, and one
+        message may cost a worker group (a HELLO of a new one retires the old and makes
+        its ring: a backlog of 256 of them after a few hundred client lives held close()
+        for seconds, and past its 5 s wait close() returned with nothing freed)."""
+        ledger = self._ledger
         for msg in receive_available(self._sock, _RECEIVE_BUDGET, copy=False):
             self._peers.current = msg[0]  # where the message came from, for the log
             try:
@@ -266,6 +271,8 @@ class IOLoop:
                 self._note_rank_connection(fd)
             elif self._guard.unwelcome(msg[0], time.monotonic()):
                 self._counters["connections_cut"] += 1
+            if ledger.stopping:
+                return  # the rest stays on the socket: CLOSE is read for BYEs only
 
     def _dispatch(self, frames) -> bool:
         """One message from the workers' socket: STATUS is answered here, the rest is

@@ -198,3 +198,25 @@ def test_a_closed_client_is_freed_once_dropped_without_a_collection(name, async_
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_close_after_a_burst_of_client_lives_frees_everything(name, monkeypatch):
+    """300 clients built and closed as fast as they go leave the engine's I/O thread a
+    backlog of HELLOs from new worker groups, each of which retires the previous group
+    and creates a ring (large rings here: the costly part). close() must still stop the
+    thread and free every name (the ``name`` fixture checks). Was: close() waited for the
+    thread to finish its pass of up to 256 such HELLOs, gave up after 5 s and returned
+    with the sockets, the ring and the names kept (5 names left, close() took 5.01 s)."""
+    import logging
+
+    from fastdeploy_sync import TaskClient, TaskQueue
+
+    monkeypatch.setenv("FD_SYNC_SHM_RING_KB", "4096")
+    logging.getLogger("fastdeploy_sync").setLevel(logging.WARNING)  # a line per group
+    try:
+        engine = TaskQueue(name, 1)
+        for _ in range(300):
+            TaskClient(name, 1, 0).close()
+        assert engine.close(timeout=1) == []
+    finally:
+        logging.getLogger("fastdeploy_sync").setLevel(logging.NOTSET)

@@ -21,7 +21,7 @@ import zmq
 
 from ..errors import ProtocolError
 from ..wire import codec
-from ..wire.sockets import WakePipe, monitor_events, receive_available
+from ..wire.sockets import WakePipe, close_monitor, monitor_events, receive_available
 from .flood_guard import FloodGuard
 
 __all__ = ["IOLoop"]
@@ -205,12 +205,8 @@ class IOLoop:
     def close_sockets(self, linger=None) -> None:
         """Close the monitors and both sockets (idempotent; holding ``lock``).
         ``linger=None``: what the I/O thread set (a short linger for the CLOSE messages)."""
-        if not self._sock.closed:
-            self._sock.disable_monitor()
-        if not self._put_sock.closed:
-            self._put_sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._put_monitor.close(linger=0)
+        close_monitor(self._sock, self._monitor)  # never blocks, whatever they hold
+        close_monitor(self._put_sock, self._put_monitor)
         self._sock.close(linger=linger)
         self._put_sock.close(linger=linger)
 
@@ -253,7 +249,12 @@ class IOLoop:
 
     def _receive(self):
         """At most ``_RECEIVE_BUDGET`` messages from the workers' socket (ZeroMQ serves
-        its connections in turn, so a flooding peer gets its share, not the pass)."""
+        its connections in turn, so a flooding peer gets its share, not the pass), fewer
+        once ``close()`` asks the thread to stop: close() waits for this pass, and one
+        message may cost a worker group (a HELLO of a new one retires the old and makes
+        its ring: a backlog of 256 of them after a few hundred client lives held close()
+        for seconds, and past its 5 s wait close() returned with nothing freed)."""
+        ledger = self._ledger
         for msg in receive_available(self._sock, _RECEIVE_BUDGET, copy=False):
             self._peers.current = msg[0]  # where the message came from, for the log
             try:
@@ -270,6 +271,8 @@ class IOLoop:
                 self._note_rank_connection(fd)
             elif self._guard.unwelcome(msg[0], time.monotonic()):
                 self._counters["connections_cut"] += 1
+            if ledger.stopping:
+                return  # the rest stays on the socket: CLOSE is read for BYEs only
 
     def _dispatch(self, frames) -> bool:
         """One message from the workers' socket: STATUS is answered here, the rest is

@@ -47,7 +47,8 @@ from ..wire.auth import ServerAuth
 from ..wire.endpoints import (claim_ipc_path, close_listeners, default_endpoint, ipc_path,
                               listener_address, secure_socket_file, unlink_quietly, validate_name)
 from ..wire.liveness import NEVER, Heartbeat, id_tag
-from ..wire.sockets import ENGINE_FDS, FdLimitHold, anon_rss_bytes, ensure_free_fds, new_socket
+from ..wire.sockets import (ENGINE_FDS, FdLimitHold, anon_rss_bytes, close_monitor,
+                            ensure_free_fds, new_socket, open_monitor)
 from .encoder import BatchEncoder
 from .flood_guard import InputGuard
 from .io_loop import IOLoop
@@ -205,9 +206,8 @@ class TaskQueue:
         # A connection of the workers' socket that drops makes the I/O thread probe the
         # ranks at once instead of at the next tick; connections are followed for the
         # input guard too (both sockets).
-        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
-        undo.callback(monitor.close, linger=0)
-        undo.callback(sock.disable_monitor)
+        monitor = open_monitor(sock, _WATCHED_EVENTS)
+        undo.callback(close_monitor, sock, monitor)
         input_guard = InputGuard(anon_rss_bytes, small=_UNFINISHED_INPUT_BYTES,
                                  large=max_batch + _UNFINISHED_INPUT_BYTES)
         # The producer endpoint: node-local, for engine processes other than this one
@@ -218,9 +218,8 @@ class TaskQueue:
         put_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         put_sock.setsockopt(zmq.MAXMSGSIZE, max_batch + 4096)
         ProducerEndpoint.configure_socket(put_sock)
-        put_monitor = put_sock.get_monitor_socket(_WATCHED_EVENTS)
-        undo.callback(put_monitor.close, linger=0)
-        undo.callback(put_sock.disable_monitor)
+        put_monitor = open_monitor(put_sock, _WATCHED_EVENTS)
+        undo.callback(close_monitor, put_sock, put_monitor)
         claim_ipc_path(self._put_path)
         put_sock.bind(self.producer_endpoint)
         secure_socket_file(self._put_path)

@@ -38,8 +38,8 @@ from ..wire import codec
 from ..wire.auth import ClientAuth, ServerAuth
 from ..wire.endpoints import (check_ipc_endpoint, claim_ipc_path, ipc_path, secure_socket_file,
                               unlink_quietly)
-from ..wire.sockets import (CLIENT_FDS, ENGINE_FDS, WakePipe, anon_rss_bytes, ensure_free_fds,
-                            monitor_events, new_socket)
+from ..wire.sockets import (CLIENT_FDS, ENGINE_FDS, WakePipe, anon_rss_bytes, close_monitor,
+                            ensure_free_fds, monitor_events, new_socket, open_monitor)
 from .channels import BarrierBroken, NotReady, OPERATIONS as OPS
 
 __all__ = ["LocalLink", "RemoteLink", "SideService", "call_until", "REPLY_TIMEOUT_S"]
@@ -219,7 +219,7 @@ class SideService:
                 self._auth.apply(sock)
             self._sock = sock
             # connections accepted and dropped, for the input guard
-            self._monitor = sock.get_monitor_socket(_CONNECTION_EVENTS)
+            self._monitor = open_monitor(sock, _CONNECTION_EVENTS)
             if self._path:
                 claim_ipc_path(self._path)
             sock.bind(endpoint)
@@ -349,8 +349,7 @@ class SideService:
                       "kept until exit", self.endpoint)
             return
         self._wake.close()
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
+        close_monitor(self._sock, self._monitor)  # never blocks, whatever it holds
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.close()

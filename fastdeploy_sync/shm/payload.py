@@ -395,6 +395,12 @@ class PayloadReader:
                                     f"{found:#018x}, the engine wrote {r.data_hash:#018x}")
         return codec.decode_payload([body, r.offsets, data], None)
 
+    def close(self) -> None:
+        """Let go of every pool mapped: each is unmapped (and its descriptor closed) now,
+        or with the last array that views it. Decoding after close maps a pool again."""
+        with self._pools_lock:
+            self._pools = collections.OrderedDict()
+
     def _pool(self, name):
         # under a lock: the socket's receiver, the ring's prefetch thread and the event loop
         # may decode at once, and each pool must be mapped once (its release bookkeeping)

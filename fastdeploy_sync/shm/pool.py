@@ -241,12 +241,18 @@ class PayloadPool:
 
     def close(self) -> None:
         """Unlink the name and drop the ownership lock. Idempotent. The mapping stays
-        until this object is garbage: a region still being written by a put that is about
-        to fail, or decoded again for a ``LostBatch`` (whose arrays then keep it), must
-        find it mapped; the memory returns to the system with the last of them."""
+        while something still refers to this pool: a region still being written by a put
+        that is about to fail, or being decoded again for a ``LostBatch`` (whose arrays
+        are copies), must find it mapped; the memory returns to the system with the last
+        of them, at once when there is none.
+
+        The pool forgets its regions here: each region refers to its pool, so a pool
+        that kept its own would be freed (its mapping, pre-faulted, and the descriptor
+        mmap keeps) only by a garbage collection."""
         if self.closed:
             return
         self.closed = self.retired = True
+        self._live.clear()
         self._seg.unlink_if_mine()
         self._seg.release_locks()
 

@@ -4,7 +4,8 @@ Topology: the engine binds one ROUTER socket; every worker rank connects DEALER 
 it (batches, acknowledgements, heartbeats). A ZeroMQ socket is not thread-safe, so each
 socket has exactly one owning thread at a time.
 
-Here: the options every socket shares (``new_socket``), receiving what a socket holds
+Here: the options every socket shares (``new_socket``), a socket's monitor
+(``open_monitor``, ``close_monitor``), receiving what a socket holds
 without blocking (``recv_nowait``, ``monitor_event_nowait``: the one place that turns
 ZeroMQ's ``Again`` into "nothing waiting"; ``receive_available``, ``monitor_events`` for a
 loop with a budget), waking a polling thread (``WakePipe``), a poll whose answer another
@@ -14,6 +15,7 @@ libzmq needs headroom in (file descriptors, heap memory).
 
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import resource
@@ -23,8 +25,9 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["new_socket", "recv_nowait", "monitor_event_nowait", "receive_available",
-           "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds", "FdLimitHold", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
+__all__ = ["new_socket", "open_monitor", "close_monitor", "recv_nowait", "monitor_event_nowait",
+           "receive_available", "monitor_events", "WakePipe", "ReadinessPoll", "ensure_free_fds",
+           "FdLimitHold", "anon_rss_bytes", "trim_heap", "ENGINE_FDS", "CLIENT_FDS"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 # for the ranks' two connections.
 CLIENT_FDS = 32
 ENGINE_FDS = 32
+
+_MONITOR_IDS = itertools.count()
 
 
 def ensure_free_fds(count: int, who: str) -> None:
@@ -218,6 +223,42 @@ def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     return sock
+
+
+def open_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """Attach a monitor to ``sock`` for ``events``: the PAIR socket its events arrive on,
+    owned by ``sock``'s owner. Stop it with ``close_monitor``, never ``disable_monitor``.
+
+    The PAIR's queue is unbounded, unlike ``Socket.get_monitor_socket``'s (1 000 + 1 000
+    messages): libzmq's I/O thread writes every event with a blocking send while holding
+    the socket's monitor lock, so a full queue stops that thread, and with it every
+    connection of the context, until the events are read, and makes stopping the monitor
+    (which takes that lock) wait as long: an engine whose loop could not read for a burst
+    of a thousand connections never served nor closed again. An event costs a few hundred
+    bytes, less than the connection it reports, and the owner reads them every pass."""
+    # a fresh name each time: a stopped monitor's inproc name is freed only once libzmq's
+    # reaper has closed it
+    addr = f"inproc://fdsync-monitor-{os.getpid()}-{next(_MONITOR_IDS)}"
+    sock.monitor(addr, events)
+    pair = sock.context.socket(zmq.PAIR)
+    try:
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.setsockopt(zmq.RCVHWM, 0)  # before connect: the pipe's bound is set then
+        pair.connect(addr)
+    except BaseException:
+        pair.close(linger=0)
+        sock.monitor(None, 0)
+        raise
+    return pair
+
+
+def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop ``sock``'s monitor and close its PAIR (``open_monitor``), whatever the PAIR
+    still holds; idempotent. Never blocks: libzmq's I/O thread holds the monitor's lock
+    only while it queues an event, which never waits on an unbounded queue."""
+    if not sock.closed:
+        sock.monitor(None, 0)
+    monitor.close(linger=0)
 
 
 def recv_nowait(sock: zmq.Socket, copy: bool = True):

@@ -245,7 +245,8 @@ class TaskClient:
             if words[PUBLISHED] <= taken:
                 return False  # nothing published this rank has not taken: one read
             group = self._group
-            ring = self._rings.reader
+            if (ring := self._rings.reader) is None:
+                return False  # closed by another thread meanwhile: the next call raises
             if not self._peers_welcomed:
                 if not group.all_welcomed(self._watch.engine):
                     return False  # a peer has not attached the ring yet
@@ -376,7 +377,8 @@ class TaskClient:
         if words is not None:
             if words[PUBLISHED] <= taken:
                 return 0  # nothing published this rank has not taken: one read
-            return self._rings.reader.ready_upto(taken, self._own_received) - taken
+            ring = self._rings.reader  # None: closed by another thread meanwhile
+            return ring.ready_upto(taken, self._own_received) - taken if ring else 0
         return self._slot.received - taken
 
     def _own_received(self) -> int:
@@ -455,12 +457,12 @@ class TaskClient:
         The engine is told (a ``BYE`` carrying the highest seq this rank took) when it
         welcomed this rank and is not known to be gone, so it need not wait for a timeout.
 
-        Blocks at most ~5 s for each background thread (normally blocked in poll or on a
-        semaphore: it wakes at once), ~1 s for a thread blocked in the group, ~2 s for a
-        step call of another thread to let go of a socket, and 0.2 s for the goodbye to
-        leave. Whatever is still in use when a bound passes is kept (leaked until the
-        object is garbage, or the process exits), never freed under its user; that is
-        logged."""
+        Releases every descriptor, socket, semaphore and mapping before it returns, but a
+        mapping still viewed (arrays; a TP group's, kept for a reader) goes with its last
+        view or the client. Blocks at most ~5 s per background thread (normally blocked: it
+        wakes at once), ~1 s for a thread blocked in the group, ~2 s for a step call of
+        another thread to let go of a socket, 0.2 s for the goodbye to leave. What is still
+        in use when a bound passes is kept until exit, never freed under its user (logged)."""
         if self._closed:
             return
         self._closed = True
@@ -488,8 +490,9 @@ class TaskClient:
             prior, (EngineGoneError, EngineRejectedError, EngineUnreachableError))
         self._conn.close(stopped, self._slot.taken if say_bye else None)
         self._acks.close()
-        if stopped:  # the ring: arrays may view it (unmapped when the last is garbage)
+        if stopped:  # the shared memory it reads: unmapped now, or with the last array
             self._rings.close()
+        _unwire(self)
 
     def __enter__(self):
         return self
@@ -505,3 +508,15 @@ class TaskClient:
         except OSError as exc:  # a profile must never break the worker's shutdown
             log.error("TaskClient %s rank %d: could not write the step profile to %s: %s",
                       self.name, self.tp_rank, path, exc)
+
+
+def _unwire(client) -> None:
+    """At the end of ``close()``: remove what refers back to ``client``, the profiler's
+    wrappers (attributes of the instance) and the idle wait's check (its bound
+    ``exist_tasks``); both raise ``ClosedError`` as before. Nothing of the client then refers
+    to it, so a closed client is freed, with whatever a bound of ``close()`` kept (a TP
+    group's mapping a thread might still read), as soon as its caller lets go of it, not at
+    a garbage collection."""
+    for attr in ("exist_tasks", "barrier", "get_tasks"):
+        client.__dict__.pop(attr, None)
+    client._idle.closed(client._faults.raise_error)

@@ -25,7 +25,7 @@ import zmq
 from .. import envs
 from ..wire import codec
 from ..wire.auth import HANDSHAKE_FAILED_EVENTS
-from ..wire.sockets import new_socket
+from ..wire.sockets import close_monitor, new_socket, open_monitor
 
 __all__ = ["EngineConnection"]
 
@@ -80,7 +80,7 @@ class EngineConnection:
         self._heartbeat.configure_socket(sock, receives_batches=receives_batches)
         if self.auth is not None:
             self.auth.apply(sock)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS) if monitored else None
+        monitor = open_monitor(sock, _MONITOR_EVENTS) if monitored else None
         sock.connect(self.endpoint)
         return (sock, monitor) if monitored else sock
 
@@ -152,8 +152,8 @@ class EngineConnection:
                 log.error("TaskClient %s rank %d: a thread still uses its sockets; they are "
                           "kept open until exit", self._name, self._rank)
                 return False
-            self.data.disable_monitor()
-            self.hb.disable_monitor()
+            close_monitor(self.data, self.monitor)
+            close_monitor(self.hb, self.hb_monitor)
             if bye_seq is not None:
                 try:
                     self.data.send(self.header(codec.BYE, seq=bye_seq), zmq.NOBLOCK)

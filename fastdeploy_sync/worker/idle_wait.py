@@ -44,6 +44,11 @@ class IdleWait:
         self._rings, self._slot, self._group = rings, slot, group
         self._faults, self._receiver, self._conn = faults, receiver, connection
 
+    def closed(self, check) -> None:
+        """The client closed: ``check`` (which raises ``ClosedError``) replaces its
+        ``exist_tasks``, so that this object no longer refers to the client."""
+        self._exist_tasks = check
+
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         exist_tasks = self._exist_tasks
@@ -110,7 +115,10 @@ class IdleWait:
                     return True
                 rings.woke.wait(min(remaining, _RING_IDLE_CHECK_S))
             else:
-                rings.reader.wait(min(remaining, _SYNC_RING_CHECK_S))
+                reader = rings.reader
+                if reader is None:  # closed by another thread: exist_tasks() raises
+                    return exist_tasks()
+                reader.wait(min(remaining, _SYNC_RING_CHECK_S))
             if exist_tasks():  # receives (sync), raises what the receivers learned
                 return True
 

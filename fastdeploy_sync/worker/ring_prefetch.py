@@ -136,7 +136,18 @@ class RingPrefetch:
             self.reader.post()
 
     def close(self) -> None:
-        """Close the ring (the mapping stays while arrays view it). Only once the thread
-        stopped."""
-        if self.reader is not None:
-            self.reader.close()
+        """Close the ring and let go of the shared memory this rank reads: the batches
+        held but not taken (the slot's), the ring, the pools (the payload reader's).
+        Nothing of the client holds their mappings (or the descriptors mmap keeps with
+        them) from here on: each is unmapped now, or with the last array that views it, or
+        when a step call of another thread that still reads it returns; never later
+        because the client's objects wait for a garbage collection. Only once no thread
+        receives or decodes any more. ``reader`` and ``words`` are None afterwards."""
+        self._slot.drop_held()
+        reader = self.reader
+        self.words = None  # first: a step call finding ``words`` set may read ``reader``
+        self.reader = None
+        if reader is not None:
+            reader.close()
+        if self._payload_reader is not None:
+            self._payload_reader.close()

@@ -55,6 +55,12 @@ class LocalSlot:
             held = self._held
             return {s: held.pop(s) for s in range(from_seq + 1, to_seq + 1) if s in held}
 
+    def drop_held(self) -> None:
+        """Forget the batches held but not taken (at close, once no thread adds any): their
+        arrays may view shared memory, which then is unmapped with them."""
+        with self._lock:
+            self._held = {}
+
     def snapshot(self):
         """``(received, held count)`` read together (for ``stats()``)."""
         with self._lock:

@@ -206,8 +206,8 @@ class TaskClient:
         # after attach: wait_for_tasks' checks are the (timed) step calls
         self._idle = IdleWait(self.exist_tasks, self.async_prefetch, self._rings, self._slot,
                               self._group, self._faults, self._receiver, self._conn)
-        self._fork_guard = refuse_in_child(self, f"TaskClient rank {tp_rank} of {name!r} "
-                                                 f"dp_id={dp_id}", idle={"close": None})
+        who = f"TaskClient rank {tp_rank} of {name!r} dp_id={dp_id}"
+        self._fork_guard = refuse_in_child(self, who, idle={"close": None})
 
     # -- step API (event loop thread) --------------------------------------------------------
 
@@ -446,8 +446,7 @@ class TaskClient:
 
     def close(self) -> None:
         """Say goodbye to the engine, stop the background threads, close every socket,
-        leave the group and remove the shared memory it owns. Idempotent; may be called
-        from any thread.
+        leave the group and remove the shared memory it owns. Idempotent; any thread.
 
         A step call that another thread is blocked in (``barrier()``,
         ``wait_for_tasks()``) is woken and raises ``ClosedError``; later step calls raise
@@ -457,12 +456,11 @@ class TaskClient:
         The engine is told (a ``BYE`` carrying the highest seq this rank took) when it
         welcomed this rank and is not known to be gone, so it need not wait for a timeout.
 
-        Releases every descriptor, socket, semaphore and mapping before it returns, but a
-        mapping still viewed (arrays; a TP group's, kept for a reader) goes with its last
-        view or the client. Blocks at most ~5 s per background thread (normally blocked: it
-        wakes at once), ~1 s for a thread blocked in the group, ~2 s for a step call of
-        another thread to let go of a socket, 0.2 s for the goodbye to leave. What is still
-        in use when a bound passes is kept until exit, never freed under its user (logged)."""
+        Releases every descriptor, socket, semaphore and mapping before it returns (a mapping
+        still viewed, by arrays or a TP group's reader, goes with its last view). Blocks at
+        most ~5 s per background thread, ~1 s for a thread in the group, ~2 s for another
+        thread's step call to let go of a socket, 0.2 s for the goodbye; what a bound leaves
+        in use is kept until exit, never freed under its user (logged)."""
         if self._closed:
             return
         self._closed = True

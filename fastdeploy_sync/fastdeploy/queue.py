@@ -47,8 +47,9 @@ Where FastDeploy's semantics are not kept (each would break step consistency or 
 nothing here):
   * ``get_tasks()`` is a take, not a peek: a rank cannot re-read the current batch; one
     calling it more often than its peers gets ``ProtocolError`` instead of diverging.
-  * ``exist_tasks()`` is derived: on the engine "``put_tasks()`` would wait"; on worker
-    rank 0 "every rank holds a batch not yet taken". ``set_exist_tasks(True)`` creates no
+  * ``exist_tasks()`` is derived: on the engine "``put_tasks()`` would wait, or what
+    ``clear_data()`` retired is not yet drained"; on worker rank 0 "every rank holds a
+    batch not yet taken". ``set_exist_tasks(True)`` creates no
     batch; ``set_exist_tasks(False)`` makes the engine's ``exist_tasks()`` read False until
     the next put, but the workers still take what was put (``clear_data()`` drops it).
   * ``put_tasks()`` does not convert multimodal numpy inputs to paddle tensors (arrays
@@ -334,11 +335,13 @@ class EngineWorkerQueue(ChannelMethods):
 
     def exist_tasks(self) -> bool:
         """Engine side: True while ``put_tasks()`` would wait (``max_inflight`` batches not
-        yet taken by every rank, those ``clear_data()`` retired excepted); False after
-        ``set_exist_tasks(False)`` until the next put. Raises ``GroupLostError`` when the
-        worker group is lost (retired by the engine, or a rank disconnected for longer than
-        the heartbeat timeout) until a new group has every rank connected; the error names
-        the ranks, why, and carries the batches the group did not finish (``.unfinished``).
+        yet taken by every rank, those ``clear_data()`` retired excepted) and, as
+        FastDeploy's flag, while batches ``clear_data()`` retired are not yet drained by
+        every rank; False after ``set_exist_tasks(False)`` until the next put. Raises
+        ``GroupLostError`` when the worker group is lost (retired by the engine, or a rank
+        disconnected for longer than the heartbeat timeout) until a new group has every
+        rank connected; the error names the ranks, why, and carries the batches the group
+        did not finish (``.unfinished``).
 
         Worker side: True when every rank of the group holds a batch not yet taken; on
         rank 0 it also latches what the group's next ``get_tasks()`` takes. A flag read in
@@ -391,12 +394,14 @@ class EngineWorkerQueue(ChannelMethods):
             self._engine.set_exist_tasks(flag)
 
     def clear_data(self) -> None:
-        """Engine side: retire what is pending. ``num_tasks()`` reads 0 and ``exist_tasks()``
-        False right after, and the engine may put again at once; the retired batches
-        travel on with a marker and every rank drops them in the same ``get_tasks()``
-        call, so every rank drops exactly the same batches and none is ever returned;
-        batches a rank already took are not affected. Never waits for the workers; a
-        second call with nothing put in between adds nothing.
+        """Engine side: retire what is pending. ``num_tasks()`` reads 0 right after and the
+        engine may put again at once; ``exist_tasks()`` reads True until every rank
+        drained the retired batches (FastDeploy's flag stays set until the workers' next
+        read; ``set_exist_tasks(False)`` clears it). The retired batches travel on with a
+        marker and every rank drops them in the same ``get_tasks()`` call, so every rank
+        drops exactly the same batches and none is ever returned; batches a rank already
+        took are not affected. Never waits for the workers; a second call with nothing
+        put in between adds nothing.
 
         Worker side: every batch this rank holds now is dropped when the group takes it,
         by every rank alike (the bound is sealed into the decisions rank 0 latches, so the

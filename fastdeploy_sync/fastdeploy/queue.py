@@ -70,7 +70,7 @@ from .address import parse_address
 from .channel_api import ChannelMethods, PrefillInstances, SideLock, make_barriers
 from .engine_side import EngineSide
 from .links import RemoteLink
-from .roles import UndecidedRole, late_rank0_error
+from .roles import UndecidedRole, hints_apply, late_rank0_error
 from .server import Server, lookup
 from .watch import GroupWatch
 from .worker_side import WorkerSide
@@ -271,8 +271,9 @@ class EngineWorkerQueue(ChannelMethods):
         None (still undecided: the caller reads False/0)."""
         self._check_open()
         if self._undecided is None:
-            self._undecided = UndecidedRole(self._link, self.local_data_parallel_id,
-                                            self.client_id, self._where)
+            self._undecided = UndecidedRole(
+                self._link, self.local_data_parallel_id, self.client_id, self._where,
+                hints=hints_apply(self._addr.single_node, self.num_client))
         if self._undecided.poll(what):
             return self._as_worker(what)
         return None

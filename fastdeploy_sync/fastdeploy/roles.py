@@ -16,16 +16,19 @@ Role hints, each unambiguous in FastDeploy's layouts:
     is there, so a client elsewhere polling for tasks is a TP rank. Asked at most every
     ``ASK_EVERY_S``, only while undecided.
 An engine in a process of its own (the V0 scheduler's, a DP engine) has none of them: its
-polls read False/0 and its first ``put_tasks()`` decides.
+polls read False/0 and its first ``put_tasks()`` decides. On an address across nodes no hint
+is used (``hints_apply``).
 """
 
 import logging
 import os
 import time
 
+from .. import envs
 from ..errors import ProtocolError
 
-__all__ = ["UndecidedRole", "launched_as_tp_rank", "how_to_decide", "late_rank0_error"]
+__all__ = ["UndecidedRole", "launched_as_tp_rank", "hints_apply", "how_to_decide",
+           "late_rank0_error"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,15 @@ def launched_as_tp_rank() -> bool:
     """This process was started by paddle.distributed's launcher (see the module
     docstring)."""
     return "PADDLE_TRAINER_ID" in os.environ
+
+
+def hints_apply(single_node, tp_size) -> bool:
+    """Whether a poll may make the client join its TP group. Not where the join may locate
+    the group with a collective over the paddle world (an address across nodes, see
+    ``WorkerSide``): every rank must join at the same point of the loop then, and rank 0
+    joins in ``read_finish_flag.get()`` with its peers, as FastDeploy's ``nnode > 1`` loop
+    makes it, never in its check alone."""
+    return single_node or tp_size == 1 or envs.tp_coordinator(allow_auto=True) == "shm"
 
 
 def how_to_decide() -> str:
@@ -60,11 +72,13 @@ def late_rank0_error(where) -> ProtocolError:
 
 class UndecidedRole:
     """The role hints of one undecided client: ``link`` (its side channels), ``dp_id``,
-    ``client_id``, ``where`` (a callable naming the queue in messages). Used under the
-    client's role lock or from its one polling thread."""
+    ``client_id``, ``where`` (a callable naming the queue in messages); ``hints=False``:
+    none applies (polls only read, and warn). Used under the client's role lock or from
+    its one polling thread."""
 
-    def __init__(self, link, dp_id, client_id, where):
+    def __init__(self, link, dp_id, client_id, where, *, hints=True):
         self._link, self._dp, self._cid, self._where = link, dp_id, client_id, where
+        self._hints = hints
         self.polled_since = None  # the first poll that found no hint
         self.said = None  # the warning, once logged
         self._next_ask = 0.0
@@ -91,6 +105,8 @@ class UndecidedRole:
         return False
 
     def _hint(self) -> bool:
+        if not self._hints:
+            return False
         if self._cid > 0 or launched_as_tp_rank():
             return True
         now = time.monotonic()

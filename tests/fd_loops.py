@@ -20,6 +20,14 @@ Shapes (``shape=``), each as ``event_loop_normal`` runs it:
   (check, the queue's barrier, read the signal, nothing). A busy step runs the model's
   collective (``barrier``). Develop's ``nnode = (tp + 8) // 8``: at TP=8 on one node rank 0
   sets ``read_finish_flag`` instead of the signal (pass ``multi_node=True``).
+* ``index`` (the loop docs/index.md teaches, written on the drop-in): TP rank 0 calls
+  ``exist_tasks()``, the caller's TP barrier, every rank calls ``get_tasks()`` every step,
+  then the model step's collective when a rank has running requests.
+
+``read_flag=False``: the loop reads only the node-local signal, never
+``read_finish_flag.get()`` (a loop that calls nothing of the queue but rank 0's check and
+``get_tasks()`` once the signal is set; with ``shape="overlap"`` the queue's barrier is then
+its only other call).
 
 ``nnode > 1`` (``multi_node=True``): rank 0 sets ``read_finish_flag`` instead of the
 node-local signal, as FastDeploy does when the TP group spans nodes.
@@ -65,7 +73,7 @@ def spin(ms):
 
 def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, until_stop=True,
              step_ms=0.0, gil_step=False, busy_steps=1, deadline_s=60.0, on_take=None,
-             barrier_timeout=20.0, lag=None, stats=None):
+             barrier_timeout=20.0, lag=None, stats=None, read_flag=True, on_step=None):
     """Run FastDeploy's loop of ``shape`` over the drop-in ``q`` until the STOP batch was
     taken (every rank takes it at the same step). Returns ``calls``: one
     ``(step, call, tasks)`` per ``get_tasks()`` call that returned batches (an ``overlap``
@@ -74,8 +82,9 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
     ``on_take(step, tasks)`` sees each call's tasks (for timing).
     ``lag=(rank, seconds)``: that rank sleeps this long right after the step's TP barrier,
     before it reads the signal, every step (a rank the OS descheduled there).
-    ``stats``: a dict; ``stats["early"]`` counts the overlap reads answered ``[]``."""
-    if shape not in ("develop", "v2x", "v20", "overlap"):
+    ``stats``: a dict; ``stats["early"]`` counts the overlap reads answered ``[]``.
+    ``on_step(step)`` is called at the top of every step."""
+    if shape not in ("develop", "v2x", "v20", "overlap", "index"):
         raise ValueError(shape)
     calls = []
     step = 0
@@ -92,14 +101,17 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
                 barrier.wait(barrier_timeout)
 
     while not stop:
+        if on_step is not None:
+            on_step(step)
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank} ({shape}): no STOP batch within {deadline_s} s "
                                f"(step {step}, {ncall} get_tasks() calls)")
         if shape == "v20":
             tp_barrier()  # "Synchronize before updating weights"
         if rank == 0:
-            found = q.exist_tasks() if shape in ("develop", "overlap") else q.num_tasks() > 0
-            if found:
+            found = (q.exist_tasks() if shape in ("develop", "overlap", "index")
+                     else q.num_tasks() > 0)
+            if found and shape != "index":
                 if multi_node:
                     q.read_finish_flag.set(1)
                 else:
@@ -107,16 +119,17 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
         tp_barrier()  # "Synchronize the signal for other workers"
         if lag is not None and lag[0] == rank:
             time.sleep(lag[1])
-        if signal.value == 1 or q.read_finish_flag.get() == 1:
+        if (shape == "index" or signal.value == 1
+                or (read_flag and q.read_finish_flag.get() == 1)):
             tasks, read_finish = q.get_tasks()
             # overlap: a read that came before the peers' (the drop-in answers [] to it)
             # is no call of the group's; only calls that took batches are compared
-            listed = shape != "overlap" or bool(tasks)
+            listed = shape not in ("overlap", "index") or bool(tasks)
             if listed:
                 ncall += 1
-            elif stats is not None:
+            elif stats is not None and shape == "overlap":
                 stats["early"] = stats.get("early", 0) + 1
-            if read_finish:
+            if read_finish and shape != "index":
                 if shape in ("develop", "overlap"):
                     if multi_node:
                         q.read_finish_flag.set(0)
@@ -138,7 +151,7 @@ def run_loop(q, shape, tp_size, rank, barrier, signal, *, multi_node=False, unti
             if shape in ("develop", "overlap") and control:
                 for _ in control:  # run_control_method, then the TP barrier
                     tp_barrier()
-        if shape == "overlap":
+        if shape in ("overlap", "index"):
             if busy:  # the model step and its collective; an idle step does nothing
                 if step_ms:
                     spin(step_ms) if gil_step else time.sleep(step_ms / 1000)
@@ -269,7 +282,7 @@ def batches(dp_id, n, *, every_control=0, array_len=64):
 
 def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, *, sync=False,
                 name=None, multi_node=False, deadline_s=60.0, step_ms=0.0, busy_steps=1,
-                queue_kw=None, lag=None, barrier_timeout=20.0):
+                queue_kw=None, lag=None, barrier_timeout=20.0, read_flag=True):
     """A worker process running ``run_loop``; reports ``("ok", dp_id, rank, {"calls":
     [(step, call, ids)], "steps": n})`` or ``("error", dp_id, rank, traceback)``."""
     import traceback
@@ -295,7 +308,7 @@ def loop_worker(address, shape, tp_size, rank, dp_id, barrier, signal, results, 
         calls, steps = run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=multi_node,
                                 deadline_s=deadline_s, step_ms=step_ms, busy_steps=busy_steps,
                                 on_take=check, lag=lag, barrier_timeout=barrier_timeout,
-                                stats=stats)
+                                stats=stats, read_flag=read_flag)
         results.put(("ok", dp_id, rank, {"calls": [(s, c, ids_of(t)) for s, c, t in calls],
                                          "steps": steps, "early": stats.get("early", 0)}))
     except BaseException:
@@ -333,3 +346,35 @@ def idle_worker(address, tp_size, rank, barrier, signal, results, *, name=None, 
             q.cleanup()
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
+
+
+def closing_worker(address, shape, tp_size, rank, barrier, signal, results, *, name=None,
+                   read_flag=True, sync=False, queue_kw=None):
+    """A worker running ``shape`` (FastDeploy's worker arguments, no role unless
+    ``queue_kw`` says) until the server closes: reports ``("stepping", rank, None)`` after
+    its 20th step, then ``("raised", rank, (type name, message, monotonic time))`` or
+    ``("error", rank, traceback)``."""
+    import traceback
+
+    sync_env(sync)
+    try:
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
+        q = EngineWorkerQueue(address=address, num_client=tp_size, client_id=rank, name=name,
+                              **(queue_kw or {}))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+        return
+
+    def on_step(step):
+        if step == 20:
+            results.put(("stepping", rank, None))
+
+    try:
+        run_loop(q, shape, tp_size, rank, barrier, signal, multi_node=False, deadline_s=60,
+                 barrier_timeout=30, read_flag=read_flag, on_step=on_step)
+        results.put(("error", rank, "the loop ended without an error"))
+    except BaseException as exc:
+        results.put(("raised", rank, (type(exc).__name__, str(exc), time.monotonic())))
+    finally:
+        q.cleanup()

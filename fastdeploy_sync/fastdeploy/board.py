@@ -32,10 +32,13 @@ EARLY = None
 
 # word OWNER_PID (1) holds rank 0's pid (shm.segment)
 _B_MAGIC, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = 0, 2, 3, 4, 5, 6
+# rank 0 saw the engine's CLOSE having taken everything: the call and barrier generation
+# from which every rank raises (see WorkerSide.check)
+_B_CLOSED_CALL, _B_CLOSED_GEN = 7, 8
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_SLOT = 6  # call, readers, for_gen, first, last, drop
-_B_RING_BASE = 8
-_B_MAGIC_VALUE = 0x46445359_4E434659  # "FDSYNCFY": this layout
+_B_RING_BASE = 9
+_B_MAGIC_VALUE = 0x46445359_4E43465A  # "FDSYNCFZ": this layout
 _B_CALLS_BASE = _B_RING_BASE + _B_SLOT * _B_RING  # then one word per rank: its calls
 _LOCK_TIMEOUT_S = 5.0
 _ATTACH_POLL_S = 0.01
@@ -166,6 +169,17 @@ class GroupBoard:
                 return EARLY
             v[_B_CALLS_BASE + self.tp_rank] = call
             calls = v[_B_CALLS_BASE:_B_CALLS_BASE + self.tp_size].tolist()
+            if call > v[_B_NEXT_CALL] and v[_B_NEXT_CALL] == 0:
+                # rank 0 never checked as a TP rank: most likely its client's role was
+                # undecided (its exist_tasks() read False) and it joined in get_tasks()
+                raise ProtocolError(
+                    f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call}, but "
+                    f"rank 0 has never checked for tasks as a TP rank (the ranks have made "
+                    f"{calls} calls). If rank 0 is an EngineWorkerQueue built without "
+                    f"role='worker', its role was undecided and its exist_tasks() read False "
+                    f"(rank 0 says so): build it with role='worker' or set "
+                    f"FD_SYNC_QUEUE_ROLE=worker. Otherwise TP rank 0 must call "
+                    f"exist_tasks() or num_tasks() every step, before the TP barrier")
             if call > v[_B_NEXT_CALL]:
                 raise ProtocolError(
                     f"TP rank {self.tp_rank} of {self.shm_name}: get_tasks() call {call}, but "
@@ -219,6 +233,35 @@ class GroupBoard:
     def set_flag(self, value):
         self._view[_B_FLAG] = value
 
+    def set_closed(self, call, for_gen):
+        """Rank 0, in its check before the step's barrier: the engine closed the queue;
+        every rank raises from its ``call``-th ``get_tasks()`` (or the ``read_finish_flag``
+        read before it) made after ``for_gen`` passes of the queue's barrier. Written
+        before the step's barrier; under the board's lock, so that a reader that sees the
+        call word and then takes the lock sees both words (``closed``)."""
+        self._lock()
+        try:
+            v = self._view
+            v[_B_CLOSED_GEN] = for_gen
+            v[_B_CLOSED_CALL] = call
+        finally:
+            self._sem.release()
+
+    def closed(self, call, barriers):
+        """Whether a rank about to make its ``call``-th ``get_tasks()``, having passed
+        ``barriers`` generations of the queue's barrier, must raise ``EngineClosedError``
+        (see ``set_closed``; a read that comes before the step it is for, as in
+        ``last_reader``, does not)."""
+        v = self._view
+        if not v[_B_CLOSED_CALL]:
+            return False  # one read per call until the engine closes
+        self._lock()  # acquire: see set_closed
+        try:
+            at, gen = v[_B_CLOSED_CALL], v[_B_CLOSED_GEN]
+        finally:
+            self._sem.release()
+        return call >= at and not (barriers and barriers < gen)
+
     def close(self):
         self._view = None
         self._finalizer()
@@ -262,6 +305,12 @@ class PaddleBoard:
     def set_flag(self, value):
         pass
 
+    def set_closed(self, call, for_gen):
+        pass  # every rank raises in the step's collective (the client's own error)
+
+    def closed(self, call, barriers):
+        return False
+
     def close(self):
         pass
 
@@ -273,6 +322,7 @@ class SoloBoard:
         self._flag = 0
         self._clear = 0
         self._latched = (0, 0, 0)  # (call, first, last) of the last latch
+        self._closed = False
 
     def last_reader(self, call, barriers):
         latched_call, first, last = self._latched
@@ -296,6 +346,12 @@ class SoloBoard:
 
     def set_flag(self, value):
         self._flag = value
+
+    def set_closed(self, call, for_gen):
+        self._closed = True
+
+    def closed(self, call, barriers):
+        return self._closed
 
     def close(self):
         pass

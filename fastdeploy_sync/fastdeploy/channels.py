@@ -148,6 +148,7 @@ class ChannelState:
         self._lock = threading.Lock()
         self._info = info or {}  # what "hello" answers
         self.connected = None  # callable(dp_id) -> int, set by the server
+        self.engine_here = None  # callable(dp_id) -> bool, set by the server
 
     def call(self, op, dp_id, client_id, arg):
         if op not in OPERATIONS:
@@ -160,6 +161,8 @@ class ChannelState:
                              f"client(s) per DP group")
         if op == "connected":  # asks the task queue, not the channels
             return self.connected(dp_id) if self.connected else 0
+        if op == "engine_here":  # asks the server: a role hint (fastdeploy.queue)
+            return bool(self.engine_here(dp_id)) if self.engine_here else False
         with self._lock:
             return getattr(_Ops, op)(self, self._groups[dp_id], client_id, arg)
 
@@ -425,5 +428,7 @@ def _with_status(response, status):
     return (response[0], status, *response[2:])
 
 
-# Every operation ``ChannelState.call`` runs ("connected" asks the server's task queues).
-OPERATIONS = ("connected",) + tuple(sorted(n for n in vars(_Ops) if not n.startswith("_")))
+# Every operation ``ChannelState.call`` runs ("connected" asks the server's task queues,
+# "engine_here" whether the server's process built an engine client for the DP group).
+OPERATIONS = ("connected", "engine_here") + tuple(sorted(n for n in vars(_Ops)
+                                                        if not n.startswith("_")))

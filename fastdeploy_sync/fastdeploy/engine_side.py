@@ -5,7 +5,8 @@ FastDeploy's bound is one batch at a time (``max_inflight``, more if the server 
 queue underneath holds ``2 * max_inflight + 2`` so that ``clear_data()`` can retire what is
 pending with a marker and let the engine put again at once, as FastDeploy's does: cleared
 batches and their marker travel on, every rank drops them alike, and they no longer count
-for ``num_tasks()``/``exist_tasks()``.
+for ``num_tasks()``; ``exist_tasks()`` reads True until every rank drained them, as
+FastDeploy's flag stays set after its ``clear_data()`` until the workers' next read.
 """
 
 import threading
@@ -94,13 +95,15 @@ class EngineSide:
         return self._visible(self._q.num_tasks())
 
     def exist_tasks(self) -> bool:
-        """``put_tasks()`` would wait; False after ``set_exist_tasks(False)`` until the next
+        """``put_tasks()`` would wait, or batches ``clear_data()`` retired are not yet
+        drained by every rank (FastDeploy's ``clear_data()`` leaves its flag set until
+        the workers' next read); False after ``set_exist_tasks(False)`` until the next
         put."""
         self._watch.check()
         n = self._q.num_tasks()
         if self._flag_off_at is not None and self._flag_off_at == self._last_seq:
             return False
-        return not self._room(n)
+        return not self._room(n) or n > self._visible(n)
 
     def set_exist_tasks(self, flag) -> None:
         """``False``: ``exist_tasks()`` reads False until the next put (FastDeploy clears

@@ -20,11 +20,16 @@ connector (``client_id=0``) and TP rank ``client_id`` are all built alike. So:
     puts through the queue's node-local producer endpoint, ``TaskProducer``);
     ``get_tasks()``, ``read_finish_flag`` or ``worker_process_tp_barrier`` make it TP rank
     ``client_id`` of its DP group, which it joins then (a ``TaskClient``); side-channel calls
-    decide nothing. A cache messager or connector therefore never takes a TP rank. Until
-    then ``exist_tasks()``/``num_tasks()`` read False/0 (FastDeploy's engine and its worker
-    rank 0 both call them first: the engine then puts, rank 0 then reads
-    ``read_finish_flag`` or passes the queue's barrier, so neither waits a step for it)
-    and ``clear_data()``/``set_exist_tasks()`` do nothing: nothing was put or held.
+    decide nothing. A cache messager or connector therefore never takes a TP rank.
+  * ``exist_tasks()``/``num_tasks()``, which FastDeploy's engine and its TP rank 0 both
+    call first, make it TP rank ``client_id`` when a role hint says this process is one
+    (``roles``: ``client_id > 0``, a process paddle.distributed's launcher started, or a
+    server whose process holds the engine's own client of this DP group). Otherwise they
+    read False/0 and decide nothing (an engine in a process of its own then puts), and
+    ``clear_data()``/``set_exist_tasks()`` do nothing: nothing was put or held. A client
+    polled undecided for a second says so, once, in the log, naming the fix; TP rank 0
+    joining in ``get_tasks()`` after such polls raises ``ProtocolError`` saying so (its
+    check for that call was never made).
   * ``role="engine"``/``"worker"`` (or ``FD_SYNC_QUEUE_ROLE``) decides at construction.
 A forked child of the server's process (FastDeploy's DP-1 engine under EP + DP) never acts
 on the server object it inherited (see ``server``): its clients are other processes'. More
@@ -45,8 +50,9 @@ Where FastDeploy's semantics are not kept (each would break step consistency or 
 nothing here):
   * ``get_tasks()`` is a take, not a peek: a rank cannot re-read the current batch; one
     calling it more often than its peers gets ``ProtocolError`` instead of diverging.
-  * ``exist_tasks()`` is derived: on the engine "``put_tasks()`` would wait"; on worker
-    rank 0 "every rank holds a batch not yet taken". ``set_exist_tasks(True)`` creates no
+  * ``exist_tasks()`` is derived: on the engine "``put_tasks()`` would wait, or what
+    ``clear_data()`` retired is not yet drained"; on worker rank 0 "every rank holds a
+    batch not yet taken". ``set_exist_tasks(True)`` creates no
     batch; ``set_exist_tasks(False)`` makes the engine's ``exist_tasks()`` read False until
     the next put, but the workers still take what was put (``clear_data()`` drops it).
   * ``put_tasks()`` does not convert multimodal numpy inputs to paddle tensors (arrays
@@ -70,6 +76,7 @@ from .channel_api import ChannelMethods, PrefillInstances, SideLock, make_barrie
 from .engine_side import EngineSide
 from .links import RemoteLink
 from .processes import Role
+from .roles import UndecidedRole, hints_apply, late_rank0_error
 from .server import Server, lookup
 from .watch import GroupWatch
 from .worker_side import WorkerSide
@@ -77,7 +84,6 @@ from .worker_side import WorkerSide
 __all__ = ["EngineWorkerQueue"]
 
 log = logging.getLogger(__name__)
-
 
 class EngineWorkerQueue(ChannelMethods):
     """FastDeploy's ``EngineWorkerQueue``; see the module docstring for roles, addresses,
@@ -149,6 +155,7 @@ class EngineWorkerQueue(ChannelMethods):
         self._producer = None  # TaskProducer of an engine client in another process
         self._link = None  # to the side channels
         self._role_lock = threading.Lock()
+        self._undecided = None  # UndecidedRole, once a client polls undecided
         self.read_finish_flag = _ReadFinishFlag(self)
         self.connected_client_counter = _ConnectedCounter(self)
         self.worker_process_tp_barrier = _TPBarrier(self)
@@ -177,7 +184,7 @@ class EngineWorkerQueue(ChannelMethods):
         server = lookup(addr.key)
         if server is not None and role != "worker":
             self._server, self._name, self._link = server, server.name, server.link
-            self._engine = server.engine_side(local_data_parallel_id)
+            self._engine = server.engine_side(local_data_parallel_id, client=True)
             self.max_inflight = server.max_inflight
             self.role = "engine"
             return
@@ -237,7 +244,11 @@ class EngineWorkerQueue(ChannelMethods):
             return self._engine
 
     def _as_worker(self, what) -> WorkerSide:
-        """This instance's worker side; an undecided client joins its TP group here."""
+        """This instance's worker side; an undecided client joins its TP group here.
+
+        Raises ``ProtocolError`` when TP rank 0 joins in ``get_tasks()`` after its
+        ``exist_tasks()``/``num_tasks()`` read False undecided: its check for this call
+        was never made, and its peers would otherwise blame the loop."""
         worker = self._worker
         if worker is not None:
             return worker
@@ -247,9 +258,36 @@ class EngineWorkerQueue(ChannelMethods):
                 raise RuntimeError(f"{what} is a worker-side call: this EngineWorkerQueue is "
                                    f"the engine's ({self.role})")
             if self._worker is None:
-                self._worker = self._join()
-                self.role = "worker"
+                undecided = self._undecided
+                late = (what == "get_tasks" and self.client_id == 0 and undecided is not None
+                        and undecided.polled_since is not None)
+                try:
+                    # joins even then: its peers attach to the group rank 0 creates and
+                    # raise at once (their get_tasks() finds no check) instead of waiting
+                    worker = self._join()
+                except BaseException as exc:
+                    if late:  # the cause, whatever the join met (peers leaving first...)
+                        raise late_rank0_error(self._where()) from exc
+                    raise
+                self._worker, self.role = worker, "worker"
+                log.info("%s: TP rank %d (first worker call: %s)", self._where(),
+                         self.client_id, what)
+                if late:
+                    raise late_rank0_error(self._where())
             return self._worker
+
+    def _undecided_poll(self, what):
+        """``exist_tasks()``/``num_tasks()`` on a client whose role is not decided: the
+        ``WorkerSide`` it joined as when a role hint says it is a TP rank (``roles``), or
+        None (still undecided: the caller reads False/0)."""
+        self._check_open()
+        if self._undecided is None:
+            self._undecided = UndecidedRole(
+                self._link, self.local_data_parallel_id, self.client_id, self._where,
+                hints=hints_apply(self._addr.single_node, self.num_client))
+        if self._undecided.poll(what):
+            return self._as_worker(what)
+        return None
 
     def _check_open(self):
         if self._closed:
@@ -297,6 +335,10 @@ class EngineWorkerQueue(ChannelMethods):
         batches are meant for (the overlap scheduler's race, see ``worker_side``) returns
         ``([], False)`` and changes nothing.
 
+        A call that takes nothing raises what the engine side learned, as
+        ``exist_tasks()`` does (``EngineClosedError`` once rank 0's check saw the server's
+        ``cleanup()``: every rank raises it in the same call).
+
         Differs from FastDeploy: a take, not a peek. Raises ``ProtocolError`` if this
         rank's calls disagree with rank 0's decisions. The first call joins the TP group
         (see the module docstring)."""
@@ -305,18 +347,25 @@ class EngineWorkerQueue(ChannelMethods):
 
     def exist_tasks(self) -> bool:
         """Engine side: True while ``put_tasks()`` would wait (``max_inflight`` batches not
-        yet taken by every rank, those ``clear_data()`` retired excepted); False after
-        ``set_exist_tasks(False)`` until the next put. Raises ``GroupLostError`` when the
-        worker group is lost (retired by the engine, or a rank disconnected for longer than
-        the heartbeat timeout) until a new group has every rank connected; the error names
-        the ranks, why, and carries the batches the group did not finish (``.unfinished``).
+        yet taken by every rank, those ``clear_data()`` retired excepted) and, as
+        FastDeploy's flag, while batches ``clear_data()`` retired are not yet drained by
+        every rank; False after ``set_exist_tasks(False)`` until the next put. Raises
+        ``GroupLostError`` when the worker group is lost (retired by the engine, or a rank
+        disconnected for longer than the heartbeat timeout) until a new group has every
+        rank connected; the error names the ranks, why, and carries the batches the group
+        did not finish (``.unfinished``).
 
         Worker side: True when every rank of the group holds a batch not yet taken; on
         rank 0 it also latches what the group's next ``get_tasks()`` takes. A flag read in
-        async mode; never blocks. Raises engine-side errors (``EngineClosedError``,
-        ``PrefetchError``...) as ``TaskClient.exist_tasks``.
+        async mode; never blocks. Raises engine-side errors (``PrefetchError``...) as
+        ``TaskClient.exist_tasks``; the engine's close, on rank 0, reads True instead and
+        every rank raises ``EngineClosedError`` in the step's ``get_tasks()`` (or
+        ``read_finish_flag.get()``), so that no rank leaves its peers waiting in the
+        loop's barrier.
 
-        Undecided client (see the module docstring): False."""
+        Undecided client (see the module docstring): joins as TP rank ``client_id`` when a
+        role hint says it is one (then as above; joining blocks as the constructor with
+        ``role="worker"``), else False."""
         worker = self._worker
         if worker is not None:
             return worker.exist_tasks()
@@ -325,8 +374,8 @@ class EngineWorkerQueue(ChannelMethods):
             if self._server is not None:
                 self._server.usable()
             return engine.exist_tasks()
-        self._check_open()
-        return False
+        worker = self._undecided_poll("exist_tasks")
+        return worker.exist_tasks() if worker is not None else False
 
     def num_tasks(self) -> int:
         """Engine side: batches not yet taken by every rank, those ``clear_data()`` retired
@@ -337,7 +386,7 @@ class EngineWorkerQueue(ChannelMethods):
         so ``if num_tasks() > 0:`` (FastDeploy 2.x's check) works exactly as
         ``if exist_tasks():``. Called after the step's barrier (a log line) it only reads,
         and returns this rank's own count. Other ranks: batches this rank holds and has not
-        taken. Never blocks. Undecided client: 0."""
+        taken. Never blocks. Undecided client: as ``exist_tasks()`` (0 while undecided)."""
         worker = self._worker
         if worker is not None:
             return worker.num_tasks()
@@ -346,8 +395,8 @@ class EngineWorkerQueue(ChannelMethods):
             if self._server is not None:
                 self._server.usable()
             return engine.num_tasks()
-        self._check_open()
-        return 0
+        worker = self._undecided_poll("num_tasks")
+        return worker.num_tasks() if worker is not None else 0
 
     def set_exist_tasks(self, flag) -> None:
         """Engine side: ``False`` makes ``exist_tasks()`` read False until the next put
@@ -357,12 +406,14 @@ class EngineWorkerQueue(ChannelMethods):
             self._engine.set_exist_tasks(flag)
 
     def clear_data(self) -> None:
-        """Engine side: retire what is pending. ``num_tasks()`` reads 0 and ``exist_tasks()``
-        False right after, and the engine may put again at once; the retired batches
-        travel on with a marker and every rank drops them in the same ``get_tasks()``
-        call, so every rank drops exactly the same batches and none is ever returned;
-        batches a rank already took are not affected. Never waits for the workers; a
-        second call with nothing put in between adds nothing.
+        """Engine side: retire what is pending. ``num_tasks()`` reads 0 right after and the
+        engine may put again at once; ``exist_tasks()`` reads True until every rank
+        drained the retired batches (FastDeploy's flag stays set until the workers' next
+        read; ``set_exist_tasks(False)`` clears it). The retired batches travel on with a
+        marker and every rank drops them in the same ``get_tasks()`` call, so every rank
+        drops exactly the same batches and none is ever returned; batches a rank already
+        took are not affected. Never waits for the workers; a second call with nothing
+        put in between adds nothing.
 
         Worker side: every batch this rank holds now is dropped when the group takes it,
         by every rank alike (the bound is sealed into the decisions rank 0 latches, so the

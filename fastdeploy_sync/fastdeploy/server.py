@@ -67,6 +67,7 @@ class Server:
         self.inherited = False
         self.closed = False
         self.queues, self.engine_sides = [], []
+        self.engine_clients = [0] * max(1, dp_size)  # engine client instances built here
         self._reserved = None
         self._service = None
         port = address.port
@@ -96,6 +97,7 @@ class Server:
             self.channels = ChannelState(num_client, dp_size,
                                          {"max_inflight": max_inflight, "name": self.name})
             self.channels.connected = lambda dp: self.engine_sides[dp].connected()
+            self.channels.engine_here = lambda dp: self.engine_clients[dp] > 0
             self._service = SideService(self.channels, self.address.side_endpoint(self.name),
                                         keys_dir=keys_dir)
             self.link = LocalLink(self.channels, self._service.endpoint)
@@ -122,11 +124,17 @@ class Server:
         if self.closed:
             raise ClosedError(f"EngineWorkerQueue{self.address}: its server is cleaned up")
 
-    def engine_side(self, dp_id) -> EngineSide:
+    def engine_side(self, dp_id, *, client=False) -> EngineSide:
+        """DP group ``dp_id``'s engine side. ``client=True``: for an engine client instance
+        of this process (FastDeploy's engine builds one beside its server), which the
+        server then reports to undecided clients elsewhere (``engine_here``): the engine
+        of that group is here, so they are its TP ranks."""
         self.usable()
         if not 0 <= dp_id < len(self.engine_sides):
             raise ValueError(f"local_data_parallel_id={dp_id}: the server at {self.address} "
                              f"serves {len(self.engine_sides)} DP group(s)")
+        if client:
+            self.engine_clients[dp_id] += 1
         return self.engine_sides[dp_id]
 
     def close(self, timeout) -> None:

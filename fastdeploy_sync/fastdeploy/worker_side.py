@@ -30,6 +30,7 @@ import logging
 import time
 
 from .. import envs
+from ..errors import EngineClosedError, ProtocolError
 from ..worker.client import TaskClient
 from .board import EARLY, GroupBoard, PaddleBoard, SoloBoard
 from .clear import Clear
@@ -37,6 +38,10 @@ from .clear import Clear
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger(__name__)
+
+# How long rank 0's latch may be refused (a peer read the call first) before that is a
+# broken loop rather than a check made after the step's barrier (see WorkerSide._refused).
+_REFUSED_FOR_S = 1.0
 
 
 class WorkerSide:
@@ -85,6 +90,7 @@ class WorkerSide:
         self.cleared = 0  # batches dropped by clear_data() (the engine's or a worker's)
         # rank 0: its pass count at its last latching check, None once it read since
         self._checked_at = None
+        self._refused_since = None  # rank 0: (call, since) while its latch is refused
         log.info("Connected EngineWorkerQueue client_id: %d (DP group %d) to %s",
                  tp_rank, dp_id, self.client.endpoint)
 
@@ -168,13 +174,48 @@ class WorkerSide:
         checked_at = self._checked_at
         if checked_at is not None and checked_at != self.barriers:
             return None  # past the barrier of the step it checked for: a read only
-        self._checked_at = self.barriers
-        if client.num_tasks() == 0:  # rank 0 holds nothing new (sync mode: receives first)
+        try:
+            held = client.num_tasks()  # sync mode: receives first
+        except EngineClosedError:
+            if self.coordinator == "paddle":
+                raise  # every rank raises in the step's collective
+            # Every rank raises after this step's barrier, in whatever it calls of this
+            # queue then (get_tasks(), read_finish_flag): a rank raising alone, before the
+            # caller's barrier, would leave its peers waiting in that barrier. "Tasks
+            # exist" sends every loop's ranks to get_tasks().
+            self._board.set_closed(self.calls + 1, self.barriers + 1)
+            return 1
+        if held == 0:  # rank 0 holds nothing new
+            self._checked_at = None  # nothing latched: nothing a later check must keep
             return 0
         latched = self._board.latch_unless_read(call, self.barriers + 1, self._decide)
         if latched is False:
+            self._refused(call)
             return None
+        # A check that latched nothing leaves nothing for the peers to read, so the next
+        # one latches again even without a read in between: an idle step that reads
+        # neither the signal's batch nor read_finish_flag (the overlap loop reading only
+        # its signal) must not turn every later check into a read.
+        self._checked_at = self.barriers if latched else None
         return latched[0] if latched else 0
+
+    def _refused(self, call):
+        """Rank 0's latch for ``call`` was refused: a peer already read that call. Legal
+        for a moment (a check after the step's barrier, before rank 0's own read); but if
+        rank 0 keeps not making that call, a peer called ``get_tasks()`` without rank 0's
+        signal and the group would stall silently: ``ProtocolError`` after
+        ``_REFUSED_FOR_S``."""
+        now = time.monotonic()
+        if self._refused_since is None or self._refused_since[0] != call:
+            self._refused_since = (call, now)
+        elif now - self._refused_since[1] >= _REFUSED_FOR_S:
+            raise ProtocolError(
+                f"EngineWorkerQueue TP rank 0 (DP group {self.dp_id}): get_tasks() call {call} "
+                f"was made by a peer without this rank's check having set the signal for it "
+                f"(rank 0 has not made it for {now - self._refused_since[1]:.1f} s): the ranks "
+                f"no longer call get_tasks() at the same steps. Fix the worker loop: every rank "
+                f"calls it iff the signal TP rank 0 set before the TP barrier is set, at most "
+                f"once per step")
 
     def _decide(self):
         """Under the board lock: latch in the TaskClient; ``(count, first, last)`` (the
@@ -189,6 +230,8 @@ class WorkerSide:
     def get_tasks(self):
         """``(tasks, all_client_read)``; see ``EngineWorkerQueue.get_tasks``."""
         call = self.calls + 1
+        if self._board.closed(call, self.barriers):
+            self._raise_closed()
         # count (and seal decision `call`) before reading it: see latch_unless_read
         answer = self._board.last_reader(call, self.barriers)
         if answer is EARLY:
@@ -197,7 +240,7 @@ class WorkerSide:
         tasks, _ = self.client.get_tasks()
         self.calls = call
         self._taken += len(tasks)
-        self._checked_at = None
+        self._checked_at = self._refused_since = None
         if drop and tasks:
             dropped = tasks[:drop]
             self.cleared += sum(1 for t in dropped if not isinstance(t, Clear))
@@ -211,18 +254,41 @@ class WorkerSide:
                 else:
                     kept.append(t)
             tasks = kept
+        else:
+            # a call that took nothing raises what the engine side learned: in a loop whose
+            # ranks other than 0 call nothing else of this queue (docs' loop: get_tasks()
+            # every step) they would otherwise never learn it
+            self._after_barrier_faults()
         return tasks, bool(last)
+
+    def _after_barrier_faults(self):
+        """Raise what the engine side learned, after the step's barrier, except its CLOSE:
+        that one every rank raises together, once rank 0's check said so (see
+        ``check``); this rank may have seen it a step before rank 0 did. In sync mode
+        it also receives what arrived."""
+        try:
+            self.client.num_tasks()
+        except EngineClosedError:
+            pass
+
+    def _raise_closed(self):
+        raise EngineClosedError(
+            f"EngineWorkerQueue TP rank {self.tp_rank} (DP group {self.dp_id}): the engine at "
+            f"{self.client.endpoint} closed the queue (its server's cleanup()); every batch "
+            f"it sent was taken")
 
     def flag_get(self) -> int:
         """``read_finish_flag.get()``: on one node the group's shared flag (in sync mode it
         also receives what arrived, which keeps ranks other than 0 receiving while the loop
-        idles); across nodes the step's collective (see ``EngineWorkerQueue``)."""
+        idles); across nodes the step's collective (see ``EngineWorkerQueue``). Raises what
+        the engine side learned (``EngineClosedError``...), as ``TaskClient.num_tasks``."""
         if self.coordinator == "paddle":
             self.client.barrier()
             return 1 if self.client.step_size() else 0
-        client = self.client
-        if not client.async_prefetch:
-            client.num_tasks()  # receives: see the docstring
+        if self._board.closed(self.calls + 1, self.barriers):
+            self._raise_closed()
+        # FastDeploy's idle loop calls nothing else of this queue on ranks other than 0
+        self._after_barrier_faults()
         value = int(self._board.get_flag())
         self._checked_at = None
         return value
@@ -231,8 +297,15 @@ class WorkerSide:
         self._board.set_flag(int(value))  # across nodes: nothing to set, see flag_get()
 
     def barrier(self, timeout=None) -> None:
-        """``worker_process_tp_barrier.wait()``: the group's shared-memory barrier."""
-        self.client.barrier(timeout)
+        """``worker_process_tp_barrier.wait()``: the group's shared-memory barrier. In sync
+        mode a rank other than 0 first receives what arrived (a non-blocking poll): a loop
+        whose only other call on this queue is ``get_tasks()`` once the signal is set
+        (the overlap loop reading only its signal) must keep those ranks receiving, or
+        rank 0 never sees every rank holding a batch."""
+        client = self.client
+        if self.tp_rank and not client.async_prefetch:
+            client.num_tasks()
+        client.barrier(timeout)
         self.barriers += 1
 
     def clear_data(self) -> int:

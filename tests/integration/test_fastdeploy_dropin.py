@@ -216,26 +216,36 @@ def test_put_get_num_tasks_and_clear(name):
             assert all_read and fetched == [tasks]
             _until(lambda: engine.num_tasks() == 0)
             assert not engine.exist_tasks()
-            # put, clear: FastDeploy's engine reads an empty queue at once and may put again;
+            # put, clear: FastDeploy's engine reads an empty queue at once and may put again,
+            # and its exist_tasks() stays True until the workers drained what was cleared;
             # the worker never gets the cleared batch
             engine.put_tasks(tasks)
             engine.clear_data()
-            assert engine.num_tasks() == 0 and not engine.exist_tasks()
+            assert engine.num_tasks() == 0 and engine.exist_tasks()
             engine.clear_data()  # nothing put since: adds nothing
             engine.put_tasks(["task-C"], timeout=1)  # no wait for the workers
-            assert engine.num_tasks() == 1
+            assert engine.num_tasks() == 1 and engine.exist_tasks()
             _until(lambda: worker.num_tasks() == 3)  # the batch, the marker, task-C
             assert worker.exist_tasks()
             fetched, all_read = worker.get_tasks()
             assert fetched == [["task-C"]] and all_read and worker.cleared == 1
             _until(lambda: engine.num_tasks() == 0)
+            assert not engine.exist_tasks()  # drained
+            # cleared, then drained by the workers alone: the flag falls with the drain
+            engine.put_tasks(["task-E"])
+            engine.clear_data()
+            assert engine.num_tasks() == 0 and engine.exist_tasks()
+            _until(lambda: worker.num_tasks() == 2)  # the batch and the marker
+            assert worker.exist_tasks()
+            assert worker.get_tasks() == ([], True) and worker.cleared == 2
+            _until(lambda: not engine.exist_tasks())
             engine.clear_data()  # nothing pending: a no-op
             assert engine.num_tasks() == 0
             # worker-side clear_data empties what the worker holds, as FastDeploy's
             engine.put_tasks(["task-B"])
             _until(worker.exist_tasks)
             worker.clear_data()
-            assert worker.get_tasks() == ([], True) and worker.cleared == 2
+            assert worker.get_tasks() == ([], True) and worker.cleared == 3
             engine.put_tasks(["task-D"], timeout=5)
             _until(worker.exist_tasks)
             assert worker.get_tasks() == ([["task-D"]], True)

@@ -13,7 +13,9 @@ stopped, its socket file removed, by the ``withdraw()`` of its last memfd, and a
 (``envs.ipc_dir()``, mode 0700, checked as for the engine's sockets), the socket file
 itself mode 0600; ``token`` is a random 63-bit number the creator writes into the anchor,
 so two creators in different pid namespaces (which may share a pid) never share a path.
-One daemon thread polls the listening socket (and a pipe that stops it), accepts one
+A killed process leaves its file behind, and no later process has its random name: a
+starting server removes such files (``_sweep_stale``: nobody listens, older than
+``STALE_AFTER_S``), as ``fastdeploy-sync clean`` does. One daemon thread polls the listening socket (and a pipe that stops it), accepts one
 connection at a time and answers it within ``PEER_TIMEOUT_S``: it reads the peer's
 credentials (``SO_PEERCRED``) and closes a peer of another uid before sending anything;
 then it reads one request of exactly ``REQUEST_BYTES`` (a magic word and an anchor name,
@@ -38,6 +40,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -45,7 +48,8 @@ import weakref
 
 from .. import envs, names
 from ..logs import RateLimitedLog
-from ..wire.endpoints import check_ipc_endpoint, private_dir, secure_socket_file, unlink_quietly
+from ..wire.endpoints import (check_ipc_endpoint, ipc_listener_alive, private_dir,
+                              secure_socket_file, unlink_quietly)
 
 __all__ = ["serve", "withdraw", "fetch", "socket_path", "served", "request", "REQUEST_BYTES",
            "PEER_TIMEOUT_S", "FETCH_TIMEOUT_S"]
@@ -63,6 +67,9 @@ FETCH_TIMEOUT_S = 3 * PEER_TIMEOUT_S
 # How long the thread sleeps in poll between checks (it is woken at once to stop).
 _POLL_MS = 1000
 _BACKLOG = 16
+# A server's socket file nobody listens on is a killed process's once it is this old (a
+# live server binds, then listens: in between, a probe is refused too).
+STALE_AFTER_S = 60.0
 # struct ucred: pid, uid, gid
 _UCRED = struct.Struct("iII")
 
@@ -178,7 +185,7 @@ class _Server:
     """One listening socket, its thread, and the duplicated memfds it hands out."""
 
     def __init__(self):
-        private_dir(envs.ipc_dir())
+        _sweep_stale(private_dir(envs.ipc_dir()))
         self.memfds = {}  # anchor name -> (duplicated memfd, inode)
         self.token, self.path, self._listener = _bound_listener()
         try:
@@ -347,6 +354,33 @@ def _bound_listener():
             raise
         return token, path, sock
     raise OSError("no free socket path for the sealed-memory server")
+
+
+def _sweep_stale(directory: str) -> int:
+    """Remove the socket files of servers of killed processes (their names are random, so
+    no later process would ever reclaim them): sockets of our uid named as a server's,
+    older than ``STALE_AFTER_S``, that nobody listens on. Returns how many; never raises.
+    Blocks at most 1 s per such file (``ipc_listener_alive``)."""
+    removed = 0
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return 0
+    now = time.time()
+    for entry in entries:
+        parsed = names.parse_socket_entry(entry)
+        if parsed is None or parsed.kind != "memfd":
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            st = os.lstat(path)
+            if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+                    and now - st.st_mtime > STALE_AFTER_S and not ipc_listener_alive(path)):
+                unlink_quietly(path)
+                removed += 1
+        except OSError:  # gone meanwhile, or not ours to probe: left alone
+            continue
+    return removed
 
 
 def _shut(path, wake_w):

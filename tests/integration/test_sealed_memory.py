@@ -341,6 +341,54 @@ def test_a_forked_child_never_serves_nor_removes_the_parents_socket(shm_name, ow
     assert not os.path.exists(path)
 
 
+def test_a_starting_server_removes_killed_servers_sockets_only(shm_name, own_ipc_dir):
+    """Socket files of servers of killed processes (random names: nobody else would ever
+    reclaim them) are removed when a server starts, once older than STALE_AFTER_S; a
+    younger one (a server between bind and listen) and a live one are kept."""
+    old = time.time() - memfd_server.STALE_AFTER_S - 10
+    paths = {what: os.path.join(own_ipc_dir, names.memfd_socket(token))
+             for what, token in (("stale", 1), ("young", 2), ("live", 3))}
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for what, path in paths.items():
+            sock = live if what == "live" else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            if what == "live":
+                sock.listen(1)
+            else:
+                sock.close()  # nobody listens: what a killed process leaves
+            if what != "young":
+                os.utime(path, (old, old))
+        made = SealedSegment.create(shm_name, 1 << 16)
+        try:
+            left = {what for what, path in paths.items() if os.path.exists(path)}
+            assert left == {"young", "live"}, left
+        finally:
+            made.unlink_if_mine()
+            made.close()
+    finally:
+        live.close()
+
+
+def test_a_process_leaving_without_close_removes_its_servers_socket(shm_name):
+    """A creator that exits normally without closing its sealed memory (its objects
+    garbage at exit, or never collected) leaves no socket file: the server's finalizer
+    removes it at exit."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from fastdeploy_sync.shm import memfd_server
+        from fastdeploy_sync.shm.sealed import SealedSegment
+        kept = SealedSegment.create({shm_name!r}, 1 << 16)
+        print(memfd_server.served()["path"], flush=True)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip()
+    assert os.path.basename(path).startswith("fdsync-memfd.") and not os.path.exists(path)
+
+
 def test_clean_removes_a_stale_servers_socket_and_keeps_a_live_one(shm_name, own_ipc_dir):
     """A sealed-memory server's socket left by a killed process is stale for
     `fastdeploy-sync clean`; a live server's is in use."""

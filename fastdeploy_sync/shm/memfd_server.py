@@ -108,7 +108,8 @@ def withdraw(name: str, ino: int, stop: bool = True) -> None:
     """Stop serving anchor ``name``'s memfd (if it is still inode ``ino``: a newer memfd of
     the same name stays) and close the duplicate. With ``stop`` and nothing left to serve,
     stop the server and remove its socket file; blocks at most ~``PEER_TIMEOUT_S`` (the
-    thread finishing the peer it answers). ``stop=False`` never blocks (for ``__del__``)."""
+    thread finishing the peer it answers). ``stop=False`` never blocks (for ``__del__``;
+    the server then stays, serving nothing, until the next ``withdraw`` or exit)."""
     global _SERVER
     with _LOCK:
         server = _SERVER

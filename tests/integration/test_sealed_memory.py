@@ -46,6 +46,7 @@ def shm_name():
 def own_ipc_dir(monkeypatch):
     """An ipc directory of this test's own (FD_SYNC_IPC_DIR), and no sealed-memory server
     running in this process yet (one left by an earlier test would serve from another)."""
+    memfd_server.withdraw("", 0)  # stops a server serving nothing (a collected segment's)
     assert memfd_server.served() is None, memfd_server.served()
     path = tempfile.mkdtemp(prefix="fdsm-", dir="/tmp")  # short: a unix socket path
     monkeypatch.setenv("FD_SYNC_IPC_DIR", path)

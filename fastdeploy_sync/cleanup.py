@@ -20,7 +20,9 @@ process's effective uid, and never a name whose owner is alive:
     younger than ``CREATING_GRACE_S``;
   * a semaphore lives and dies with its segment (a semaphore without one is left by a
     killed run: its creator makes the segment first and unlinks it first);
-  * a socket file is in use while a process accepts connections on it.
+  * a socket file is in use while a process accepts connections on it (a sealed-memory
+    server's, ``fdsync-memfd.*.ipc``, belongs to a process, not a queue: only a scan of
+    every name, without a queue name, lists it).
 
 Another user's names are reported, never opened or removed, and nothing is judged through
 a symlink (``lstat``; a symlink among the names, whoever planted it, is "not ours"). A name
@@ -62,7 +64,8 @@ class Leftover:
 
     ``state`` is ``"stale"`` (its owner exited: ``remove()`` may take it), ``"in use"`` (a
     live owner, or being created), or ``"not ours"`` (another uid owns it; never touched).
-    ``why`` says how that was decided, for people."""
+    ``why`` says how that was decided, for people. ``name`` is None for a name of a
+    process rather than of a queue (a sealed-memory server's socket)."""
     path: str
     kind: str
     name: str
@@ -184,8 +187,10 @@ def remove(items) -> list:
 
 def describe(item: Leftover) -> str:
     """One line for people: path, what it is, and why it is stale or kept."""
-    return (f"{item.path}  ({names.KINDS.get(item.kind, item.kind)} of {item.name!r} dp "
-            f"{item.dp_id}: {item.why})")
+    what = names.KINDS.get(item.kind, item.kind)
+    if item.name is None:  # a process's, not one queue's (a sealed-memory server)
+        return f"{item.path}  ({what}: {item.why})"
+    return f"{item.path}  ({what} of {item.name!r} dp {item.dp_id}: {item.why})"
 
 
 def _wanted(m, name, dp_id) -> bool:

@@ -19,6 +19,11 @@ In the private ipc directory (``envs.ipc_dir()``)::
     fdsync-NAME-dpN.side.ipc       the drop-in server's side channels
     dropin/<pid>-<token>.json      a process that uses the drop-in (``fastdeploy.processes``)
     dropin/<pid>-<token>.lock      held locked by that process while it lives
+    fdsync-memfd.T.ipc             a process's sealed-memory server (``shm.memfd_server``;
+                                   T: the random token its anchors record, 16 hex digits)
+
+A sealed-memory server belongs to a process, not to one queue: its ``Parsed`` has no
+queue name (None) and dp_id 0.
 
 A shared-memory name is what ``posix_ipc`` takes (a leading ``/``, no directory); its file
 is ``SHM_DIR`` + the name, and a semaphore's file is ``SHM_DIR/sem.`` + the name without
@@ -35,7 +40,8 @@ import re
 
 __all__ = ["SHM_DIR", "KINDS", "Parsed", "group_segment", "group_semaphore", "ack_board",
            "dropin_board", "dropin_board_lock", "payload_prefix", "batch_segment", "pool",
-           "ring", "ring_semaphore", "socket_file", "dropin_records", "shm_path", "semaphore_path",
+           "ring", "ring_semaphore", "socket_file", "dropin_records", "memfd_socket",
+           "shm_path", "semaphore_path",
            "parse_shm_entry", "parse_socket_entry", "is_payload_of", "is_ring_semaphore_of",
            "ring_of_semaphore"]
 
@@ -46,7 +52,8 @@ KINDS = {"": "TP group segment", ".acks": "engine ack board", ".fd": "drop-in gr
          ".put": "engine producer socket", "socket": "engine socket",
          ".side": "drop-in side channels socket", "payload": "shared batch",
          "semaphore": "barrier semaphore", ".fd.lock": "drop-in board lock",
-         "ring": "worker group's batch ring", "ring semaphore": "ring wake-up semaphore"}
+         "ring": "worker group's batch ring", "ring semaphore": "ring wake-up semaphore",
+         "memfd": "sealed-memory server socket"}
 SEMAPHORE_KINDS = ("semaphore", ".fd.lock", "ring semaphore")
 
 
@@ -115,6 +122,12 @@ def dropin_records(ipc_dir: str) -> str:
     return os.path.join(ipc_dir, "dropin")
 
 
+def memfd_socket(token: int) -> str:
+    """The file name (no directory) of the sealed-memory server whose anchors record
+    ``token`` (a positive 63-bit number)."""
+    return f"fdsync-memfd.{token:016x}.ipc"
+
+
 def shm_path(shm_name: str) -> str:
     """The file of shared-memory name ``shm_name``."""
     return SHM_DIR + shm_name
@@ -148,6 +161,7 @@ _SEGMENT_RE = re.compile(r"\Afdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
 _SEMAPHORE_RE = re.compile(r"\Asem\.fdsync\.(?P<name>.+)\.dp(?P<dp>\d+)"
                            r"(?P<kind>\.w\d+|\.fd\.lock|(?P<ring>\.br\d+\.\d+)\.w\d+)\Z")
 _SOCKET_RE = re.compile(r"\Afdsync-(?P<name>.+)-dp(?P<dp>\d+)(?P<kind>|\.put|\.side)\.ipc\Z")
+_MEMFD_SOCKET_RE = re.compile(r"\Afdsync-memfd\.[0-9a-f]{16}\.ipc\Z")
 
 
 def parse_shm_entry(entry: str):
@@ -171,7 +185,10 @@ def parse_shm_entry(entry: str):
 
 
 def parse_socket_entry(entry: str):
-    """A ``Parsed`` for an entry of the ipc directory this library makes, else None."""
+    """A ``Parsed`` for an entry of the ipc directory this library makes, else None (a
+    sealed-memory server's: kind ``"memfd"``, no queue name)."""
+    if _MEMFD_SOCKET_RE.match(entry):
+        return Parsed("memfd", None, 0)
     m = _SOCKET_RE.match(entry)
     if m is None:
         return None

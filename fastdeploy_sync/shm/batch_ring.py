@@ -402,8 +402,10 @@ class RingReader:
         board) created. ``FileNotFoundError`` if there is none (the engine could not make
         one: batches then travel over the socket); ``ProtocolError`` for one that is not a
         ready ring of this layout, group and size, among them ``shm.sealed.SealedUnreachable``
-        for one whose sealed memory this process cannot open (the engine is in another pid
-        namespace); ``PermissionError`` for another user's. Never blocks."""
+        for one whose sealed memory this process can neither open through ``/proc`` nor
+        receive over the engine's socket; ``PermissionError`` for another user's. Never
+        blocks, but for the engine's socket when the engine is in another pid namespace
+        (at most ``shm.memfd_server.FETCH_TIMEOUT_S``, 3 s)."""
         shm_name = names.ring(name, dp_id, epoch, pid)
         seg = SealedSegment.attach(shm_name)  # what it maps can never shrink
         try:
@@ -592,8 +594,10 @@ class RingReader:
 def published_rings(name: str, dp_id: int) -> list:
     """``[(shm name, epoch, published seq)]`` of every ring of queue ``name``/``dp_id`` in
     ``/dev/shm`` owned by this uid (for ``fastdeploy-sync status``). Reads the headers
-    only, read-only; never blocks; skips what it cannot read (among them the rings of an
-    engine in another pid namespace: ``shm.sealed``)."""
+    only, read-only; skips what it cannot read (among them the rings of an engine in
+    another pid namespace that it cannot reach over the engine's socket either:
+    ``shm.sealed``). Never blocks, but up to ``shm.memfd_server.FETCH_TIMEOUT_S`` per ring
+    of an engine in another pid namespace."""
     found = []
     try:
         entries = sorted(os.listdir(names.SHM_DIR))

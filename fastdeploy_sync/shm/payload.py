@@ -246,7 +246,8 @@ def _open_checked(name: str, prefix: str, read_only: bool):
 def _open_sealed_pool(name: str, prefix: str) -> int:
     """The checked descriptor of pool ``name``'s sealed memory (``shm.sealed.open_sealed``)
     after the name checks of ``_open_checked``; ``GroupLostError`` if it is gone,
-    ``ProtocolError`` if it is not ours or cannot be reached (another pid namespace)."""
+    ``ProtocolError`` if it is not ours or cannot be reached (neither through ``/proc`` nor
+    over the engine's socket: ``shm.sealed.open_sealed``)."""
     if not name.startswith(prefix) or "/" in name[1:]:
         raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
                             f"batches ({prefix}*)")

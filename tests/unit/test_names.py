@@ -93,3 +93,14 @@ def test_socket_files_read_back_and_strangers_do_not():
     for stranger in ("fdsync-llm-dpx.ipc", "other.ipc", "fdsync.llm.dp0.bogus", "sem.x"):
         assert names.parse_socket_entry(stranger) is None
         assert names.parse_shm_entry(stranger) is None
+
+
+def test_a_sealed_memory_servers_socket_reads_back_as_no_queues():
+    entry = names.memfd_socket(0x1234)
+    assert entry == "fdsync-memfd.0000000000001234.ipc"
+    parsed = names.parse_socket_entry(entry)
+    assert (parsed.kind, parsed.name) == ("memfd", None) and parsed.kind in names.KINDS
+    # a queue named like one is still that queue's socket, and a bad token is nobody's
+    queue = names.parse_socket_entry(names.socket_file("memfd.0000000000001234", 0))
+    assert (queue.kind, queue.name) == ("socket", "memfd.0000000000001234")
+    assert names.parse_socket_entry("fdsync-memfd.1234.ipc") is None

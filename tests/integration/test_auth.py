@@ -77,9 +77,10 @@ def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
 
     mode: "good" (our keys), "anonymous" (no CURVE), "stranger" (a valid key pair that is not
     allowlisted, right server key pinned), "wrong_pin" (pins another server's key).
-    "good" listens until the reply arrives, the others until ``listen_s`` after their
-    handshake failed (what they must not receive); each at most ``REPLY_WAIT_S``. Not a
-    fixed window from the send: it could close before a descheduled engine answered."""
+    "good" listens until it has the reply and the handshake's event, the others until
+    ``listen_s`` after their handshake failed (what they must not receive); each at most
+    ``REPLY_WAIT_S``. Not a fixed window from the send: it could close before a
+    descheduled engine answered."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -106,13 +107,15 @@ def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
         for s, _ in poller.poll(50):
             if s is sock:
                 received.append(sock.recv(zmq.NOBLOCK))
-                if mode == "good":
-                    until = 0  # got the reply: done
             else:
                 ev = recv_monitor_message(mon)
                 events.append((ev["event"], ev["value"]))
                 if ev["event"] in HANDSHAKE_FAILED:
                     until = min(until, time.monotonic() + listen_s)
+        # done once it has the reply and the monitor told of the handshake (its event can
+        # be read after the reply: it comes through another socket)
+        if mode == "good" and received and (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) in events:
+            break
     results.put((mode, received, events))
     sock.disable_monitor()
     mon.close(0)

@@ -3,7 +3,7 @@
 import os
 import subprocess
 import sys
-import time
+import threading
 import pytest
 from fastdeploy_sync import TaskQueue
 from workers import collect, hold_group_rank, take_n_rank, wait_until
@@ -114,7 +114,7 @@ def test_status_says_plainly_that_no_engine_answered(name):
     assert f"nothing of {name!r} dp 0 runs on this node" in out.stdout
 
 
-def test_status_watch_refreshes_until_interrupted(name, procs, results):
+def test_status_watch_refreshes_until_interrupted(name, procs, results, tmp_path):
     import signal
 
     with TaskQueue(name, 2):
@@ -123,18 +123,41 @@ def test_status_watch_refreshes_until_interrupted(name, procs, results):
         collect(results, "ready", 2)
         # SIGINT as in a terminal (a shell running the suite in the background would hand
         # the child SIGINT ignored)
-        watch = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
-                                  "--watch", "0.2"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # its stderr to a file: a pipe nobody reads until the end could fill and block it
+        with (tmp_path / "stderr").open("w") as err:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "fastdeploy_sync.cli", "status", name, "--watch", "0.2"],
+                stdout=subprocess.PIPE, stderr=err, text=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # Ctrl-C once it has shown three whole snapshots (each ends with an empty line),
+        # between two asks: a fixed sleep interrupted its imports on a loaded machine
+        # (KeyboardInterrupt, exit status 1)
+        header = f"fastdeploy-sync status {name} --dp-id 0"
+        lines = []
+
+        def read():
+            for line in watch.stdout:
+                lines.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            time.sleep(2.0)
+            wait_until(lambda: lines.count("\n") >= 3, 120)
         finally:
             watch.send_signal(signal.SIGINT)
-            stdout, stderr = watch.communicate(timeout=20)
+            try:
+                watch.wait(timeout=30)
+            finally:
+                if watch.poll() is None:
+                    watch.kill()
+                    watch.wait(timeout=10)
+                reader.join(timeout=10)
+                watch.stdout.close()
+    stderr = (tmp_path / "stderr").read_text()
+    stdout = "".join(lines)
     assert watch.returncode == 0, stderr
     assert "Traceback" not in stderr
-    snapshots = stdout.count(f"fastdeploy-sync status {name} --dp-id 0")
+    snapshots = stdout.count(header)
     assert snapshots >= 3, stdout
     # every snapshot but perhaps the one Ctrl-C cut short shows the engine's view
     assert stdout.count(f"engine {name!r} dp_id=0 tp_size=2") >= snapshots - 1

@@ -163,11 +163,15 @@ def profiled_rank(out, rank, name, tp, n_batches, deadline_s=60.0):
 
 
 @_report_errors
-def hold_group_rank(out, rank, name, tp, seconds):
-    """Join the group, say so, then stay until killed or ``seconds`` pass."""
+def hold_group_rank(out, rank, name, tp, seconds, leave=None):
+    """Join the group, say so, then stay until killed or ``seconds`` pass (with ``leave``,
+    an Event: until it is set, at most ``seconds``)."""
     with TaskClient(name, tp, rank):
         out.put(("ready", rank, os.getpid()))
-        time.sleep(seconds)
+        if leave is None:
+            time.sleep(seconds)
+        else:
+            leave.wait(seconds)
 
 
 @_report_errors

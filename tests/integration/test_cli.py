@@ -6,6 +6,7 @@ import sys
 import threading
 import pytest
 from fastdeploy_sync import TaskQueue
+from conftest import SPAWN
 from workers import collect, hold_group_rank, take_n_rank, wait_until
 
 
@@ -30,13 +31,17 @@ def test_status_of_a_live_group(name, procs, results):
     """Two ranks that can take 3 batches from the ring and take none: status shows the
     ring holding 3 and the ranks having consumed none."""
     with TaskQueue(name, 2) as queue:
+        # the ranks stay until the status was read: with 3 s, they had left (and their
+        # group segment was gone) before a loaded machine's status commands had run
+        leave = SPAWN.Event()
         for rank in range(2):
-            procs(hold_group_rank, results, rank, name, 2, 3.0)
+            procs(hold_group_rank, results, rank, name, 2, 120.0, leave)
         pids = collect(results, "ready", 2)
         for i in range(3):
             queue.put_tasks(i, timeout=5)
-        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout)
+        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout, 60)
         out = _status(name)
+        leave.set()
     assert out.returncode == 0, out.stderr
     assert "tp_size=2" in out.stdout and f"owner pid {pids[0]} (alive)" in out.stdout
     rows = _rows(out.stdout)

@@ -36,13 +36,15 @@ def test_timeout_message_says_which_ranks_connected(name, procs, results):
     """Rank 0 is up, rank 1 never started: nothing can be taken (a step needs every rank
     to hold the batch), and the error says who is there and who is not."""
     with TaskQueue(name, 2, max_inflight=2) as queue:
-        procs(hold_group_rank, results, 0, name, 2, 3.0)
+        leave = SPAWN.Event()  # rank 0 stays connected until the error was read
+        procs(hold_group_rank, results, 0, name, 2, 120.0, leave)
         collect(results, "ready", 1)
         assert wait_until(lambda: queue.stats().get("hellos", 0) == 1)
         queue.put_tasks("a", timeout=5)
         queue.put_tasks("b", timeout=5)
         with pytest.raises(TimeoutError) as info:
             queue.put_tasks("c", timeout=0.3)
+        leave.set()
     assert "rank 0 consumed up to seq 0 of 2 (connected)" in str(info.value)
     assert "rank 1 consumed up to seq 0 of 2 (never connected)" in str(info.value)
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,18 @@ SUMMARY = re.compile(r"^(FAILED|ERROR) |^=* ?\d+ (passed|failed|error|skipped|de
                      r"|^=* ?no tests ran|^\.ci/run: ")
 
 
+# A CPU-bound loop that ends once its parent (this script) is gone, however that ended.
+HOG = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(1_000_000):
+        pass
+"""
+
+
 def start_hogs(n):
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(n)]
 
 
 def start_foreign():
@@ -49,8 +60,16 @@ def run_round(k, logs, install, pytest_args):
     log = os.path.join(logs, f"round{k}.log")
     started = time.monotonic()
     with open(log, "w") as out:
-        rc = subprocess.call(command + pytest_args, cwd=ROOT, stdout=out,
-                             stderr=subprocess.STDOUT)
+        # a session of its own: if this script is stopped, the whole round (pytest and the
+        # processes its tests started) is stopped with it
+        suite = subprocess.Popen(command + pytest_args, cwd=ROOT, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = suite.wait()
+        except BaseException:
+            os.killpg(suite.pid, signal.SIGKILL)
+            suite.wait()
+            raise
     elapsed = time.monotonic() - started
     with open(log) as f:
         summary = [line.rstrip() for line in f if SUMMARY.search(line)]
@@ -66,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--logs", help="directory for round<K>.log (default: a new temp dir)")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to both parts")
     args = parser.parse_args(argv)
+    # SIGTERM (timeout, kill) ends it through the finally below, like Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     logs = args.logs or tempfile.mkdtemp(prefix="busy_suite-")
     os.makedirs(logs, exist_ok=True)
     hogs, holder, foreign = [], None, []

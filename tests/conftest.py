@@ -1,9 +1,12 @@
 import glob
+import json
 import multiprocessing
 import os
 import pathlib
+import select
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 
@@ -102,3 +105,34 @@ def _unshare_pid_namespace_allowed():
 needs_pid_namespace = pytest.mark.skipif(
     not _unshare_pid_namespace_allowed(),
     reason="this machine does not allow a new pid namespace (unshare -p -f --mount-proc)")
+
+
+@pytest.fixture
+def foreign_names():
+    """Another program's live names in /dev/shm and the default ipc directory, held by a
+    process of its own for the whole test (``tests/foreign_names.py``: names that look
+    like this library's, owner locks held, and names that do not). Yields their paths; a
+    test that looks at a directory as a whole proves with it that it judges only the names
+    it created. After the test every one of them must still be there: a test must not
+    remove another program's names."""
+    holder = subprocess.Popen([sys.executable, os.path.join(TESTS, "foreign_names.py")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    paths = []
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 60)
+        assert ready, "tests/foreign_names.py printed no names within 60 s"
+        paths = json.loads(holder.stdout.readline())
+        yield paths
+        gone = [p for p in paths if not os.path.lexists(p)]
+        assert not gone, f"the test removed another program's names: {gone}"
+    finally:
+        holder.stdin.close()
+        try:
+            holder.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait(timeout=10)
+        holder.stdout.close()
+        for path in paths:  # what a killed holder could not remove
+            if os.path.lexists(path):
+                os.unlink(path)

@@ -74,8 +74,11 @@ def take_checked(client) -> list:
 
 @_report_errors
 def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=None,
-                deadline_s=60.0):
-    """sync_step() until n batches are taken; report the batches (as given) in order."""
+                deadline_s=60.0, leave=None):
+    """sync_step() until n batches are taken; report the batches (as given) in order.
+    With ``leave`` (an Event), close only once it is set (at most 60 s): a rank that closes
+    says BYE, and the engine then retires the group at once, perhaps before it learned
+    what its peers took (a test that reads the engine's view of a live group waits)."""
     got = []
     deadline = time.monotonic() + deadline_s
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint) as client:
@@ -88,6 +91,8 @@ def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=No
             if not tasks:
                 time.sleep(0.0005)
         out.put(("taken", rank, got))
+        if leave is not None:
+            leave.wait(60)
 
 
 @_report_errors
@@ -158,11 +163,15 @@ def profiled_rank(out, rank, name, tp, n_batches, deadline_s=60.0):
 
 
 @_report_errors
-def hold_group_rank(out, rank, name, tp, seconds):
-    """Join the group, say so, then stay until killed or ``seconds`` pass."""
+def hold_group_rank(out, rank, name, tp, seconds, leave=None):
+    """Join the group, say so, then stay until killed or ``seconds`` pass (with ``leave``,
+    an Event: until it is set, at most ``seconds``)."""
     with TaskClient(name, tp, rank):
         out.put(("ready", rank, os.getpid()))
-        time.sleep(seconds)
+        if leave is None:
+            time.sleep(seconds)
+        else:
+            leave.wait(seconds)
 
 
 @_report_errors

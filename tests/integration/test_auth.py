@@ -21,6 +21,13 @@ from fastdeploy_sync.wire.auth import (ClientAuth, create_keys, handshake_failur
 from fastdeploy_sync.errors import AuthenticationError
 
 RECV_MS = 3000
+# Bounds on a hang, not performance claims: a peer process started on a loaded machine may
+# take many seconds to import, connect and handshake, and a reply as long to arrive.
+HELLO_WAIT_MS = 60_000
+REPLY_WAIT_S = 60.0
+RESULT_WAIT_S = 120.0
+HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH}
 
 
 def _keys_cli(directory, *extra):
@@ -69,7 +76,11 @@ def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
     """A DEALER that connects, says hello and listens; reports what it saw.
 
     mode: "good" (our keys), "anonymous" (no CURVE), "stranger" (a valid key pair that is not
-    allowlisted, right server key pinned), "wrong_pin" (pins another server's key)."""
+    allowlisted, right server key pinned), "wrong_pin" (pins another server's key).
+    "good" listens until it has the reply and the handshake's event, the others until
+    ``listen_s`` after their handshake failed (what they must not receive); each at most
+    ``REPLY_WAIT_S``. Not a fixed window from the send: it could close before a
+    descheduled engine answered."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -88,7 +99,7 @@ def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
     sock.send(b"hello from " + identity)
     received = []
     events = []
-    until = time.monotonic() + listen_s
+    until = time.monotonic() + REPLY_WAIT_S
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(mon, zmq.POLLIN)
@@ -96,11 +107,15 @@ def peer(endpoint, keys, mode, results, identity=b"r0", listen_s=2.0):
         for s, _ in poller.poll(50):
             if s is sock:
                 received.append(sock.recv(zmq.NOBLOCK))
-                if mode == "good":
-                    until = 0  # got the reply: done
             else:
                 ev = recv_monitor_message(mon)
                 events.append((ev["event"], ev["value"]))
+                if ev["event"] in HANDSHAKE_FAILED:
+                    until = min(until, time.monotonic() + listen_s)
+        # done once it has the reply and the monitor told of the handshake (its event can
+        # be read after the reply: it comes through another socket)
+        if mode == "good" and received and (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) in events:
+            break
     results.put((mode, received, events))
     sock.disable_monitor()
     mon.close(0)
@@ -115,13 +130,13 @@ def _recv(sock, ms=RECV_MS):
 
 
 def _result(results):
-    return results.get(timeout=30)
+    return results.get(timeout=RESULT_WAIT_S)
 
 
 def test_stream_works_with_keys(server, keys, procs, results):
     sock, endpoint = server
     procs(peer, endpoint, keys, "good", results)
-    got = _recv(sock, 10_000)
+    got = _recv(sock, HELLO_WAIT_MS)
     assert got == [b"r0", b"hello from r0"]
     sock.send_multipart([b"r0", b"batch 1"])
     mode, received, events = _result(results)

@@ -3,9 +3,10 @@
 import os
 import subprocess
 import sys
-import time
+import threading
 import pytest
 from fastdeploy_sync import TaskQueue
+from conftest import SPAWN
 from workers import collect, hold_group_rank, take_n_rank, wait_until
 
 
@@ -30,13 +31,17 @@ def test_status_of_a_live_group(name, procs, results):
     """Two ranks that can take 3 batches from the ring and take none: status shows the
     ring holding 3 and the ranks having consumed none."""
     with TaskQueue(name, 2) as queue:
+        # the ranks stay until the status was read: with 3 s, they had left (and their
+        # group segment was gone) before a loaded machine's status commands had run
+        leave = SPAWN.Event()
         for rank in range(2):
-            procs(hold_group_rank, results, rank, name, 2, 3.0)
+            procs(hold_group_rank, results, rank, name, 2, 120.0, leave)
         pids = collect(results, "ready", 2)
         for i in range(3):
             queue.put_tasks(i, timeout=5)
-        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout)
+        assert wait_until(lambda: "ring, published up to seq 3" in _status(name).stdout, 60)
         out = _status(name)
+        leave.set()
     assert out.returncode == 0, out.stderr
     assert "tp_size=2" in out.stdout and f"owner pid {pids[0]} (alive)" in out.stdout
     rows = _rows(out.stdout)
@@ -114,7 +119,7 @@ def test_status_says_plainly_that_no_engine_answered(name):
     assert f"nothing of {name!r} dp 0 runs on this node" in out.stdout
 
 
-def test_status_watch_refreshes_until_interrupted(name, procs, results):
+def test_status_watch_refreshes_until_interrupted(name, procs, results, tmp_path):
     import signal
 
     with TaskQueue(name, 2):
@@ -123,18 +128,41 @@ def test_status_watch_refreshes_until_interrupted(name, procs, results):
         collect(results, "ready", 2)
         # SIGINT as in a terminal (a shell running the suite in the background would hand
         # the child SIGINT ignored)
-        watch = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
-                                  "--watch", "0.2"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # its stderr to a file: a pipe nobody reads until the end could fill and block it
+        with (tmp_path / "stderr").open("w") as err:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "fastdeploy_sync.cli", "status", name, "--watch", "0.2"],
+                stdout=subprocess.PIPE, stderr=err, text=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # Ctrl-C once it has shown three whole snapshots (each ends with an empty line),
+        # between two asks: a fixed sleep interrupted its imports on a loaded machine
+        # (KeyboardInterrupt, exit status 1)
+        header = f"fastdeploy-sync status {name} --dp-id 0"
+        lines = []
+
+        def read():
+            for line in watch.stdout:
+                lines.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            time.sleep(2.0)
+            wait_until(lambda: lines.count("\n") >= 3, 120)
         finally:
             watch.send_signal(signal.SIGINT)
-            stdout, stderr = watch.communicate(timeout=20)
+            try:
+                watch.wait(timeout=30)
+            finally:
+                if watch.poll() is None:
+                    watch.kill()
+                    watch.wait(timeout=10)
+                reader.join(timeout=10)
+                watch.stdout.close()
+    stderr = (tmp_path / "stderr").read_text()
+    stdout = "".join(lines)
     assert watch.returncode == 0, stderr
     assert "Traceback" not in stderr
-    snapshots = stdout.count(f"fastdeploy-sync status {name} --dp-id 0")
+    snapshots = stdout.count(header)
     assert snapshots >= 3, stdout
     # every snapshot but perhaps the one Ctrl-C cut short shows the engine's view
     assert stdout.count(f"engine {name!r} dp_id=0 tp_size=2") >= snapshots - 1

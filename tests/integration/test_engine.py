@@ -11,6 +11,7 @@ import zmq
 from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
 from fastdeploy_sync.wire.codec import ACK, pack_header
 from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
+from conftest import SPAWN
 from workers import (collect, hold_engine, hold_group_rank, make_batch, step_until_error_rank,
                      take_n_rank, wait_until)
 
@@ -35,13 +36,15 @@ def test_timeout_message_says_which_ranks_connected(name, procs, results):
     """Rank 0 is up, rank 1 never started: nothing can be taken (a step needs every rank
     to hold the batch), and the error says who is there and who is not."""
     with TaskQueue(name, 2, max_inflight=2) as queue:
-        procs(hold_group_rank, results, 0, name, 2, 3.0)
+        leave = SPAWN.Event()  # rank 0 stays connected until the error was read
+        procs(hold_group_rank, results, 0, name, 2, 120.0, leave)
         collect(results, "ready", 1)
         assert wait_until(lambda: queue.stats().get("hellos", 0) == 1)
         queue.put_tasks("a", timeout=5)
         queue.put_tasks("b", timeout=5)
         with pytest.raises(TimeoutError) as info:
             queue.put_tasks("c", timeout=0.3)
+        leave.set()
     assert "rank 0 consumed up to seq 0 of 2 (connected)" in str(info.value)
     assert "rank 1 consumed up to seq 0 of 2 (never connected)" in str(info.value)
 
@@ -161,13 +164,18 @@ def test_node_local_acks_go_through_shared_memory(name, procs, results):
     """ipc endpoint: ranks acknowledge on the ack board (no ACK message); tcp: by message."""
     n = 40
     with TaskQueue(name, 2, max_inflight=2) as queue:  # a tight bound: puts need the acks
+        # the ranks stay until the engine has read their acks: a rank's BYE retires the
+        # group, and a retirement sets "consumed" to the last seq without any ack
+        leave = SPAWN.Event()
         for rank in range(2):
-            procs(take_n_rank, results, rank, name, 2, n)
+            procs(take_n_rank, results, rank, name, 2, n, leave=leave)
         for i in range(n):
             queue.put_tasks(make_batch(i), timeout=10)
         collect(results, "taken", 2)
-        assert wait_until(lambda: queue.stats()["consumed"] == [n, n])
-        assert queue.stats().get("acks", 0) == 0
+        assert wait_until(lambda: queue.stats()["consumed"] == [n, n], 60)
+        stats = queue.stats()
+        assert stats.get("acks", 0) == 0 and stats.get("groups_retired", 0) == 0, stats
+        leave.set()
     with TaskQueue(name, 1, max_inflight=2, endpoint="tcp://127.0.0.1:0") as queue:
         procs(take_n_rank, results, 0, name, 1, n, None, queue.endpoint)
         for i in range(n):

@@ -160,11 +160,14 @@ def test_rank_calling_get_tasks_more_often_raises(name, procs, results):
         barrier, signal = SPAWN.Barrier(2), SPAWN.Value("i", 0)
         for r in range(2):
             procs(fd_worker_loop, address, 2, r, 0, barrier, signal, results, name=name,
-                  extra_call=(1, 3), barrier_timeout=2.0, deadline_s=10.0)
+                  extra_call=(1, 3), deadline_s=60.0)
         engine = EngineWorkerQueue(address=address, client_id=0, num_client=2, name=name)
         try:  # the workers stop taking once rank 1 raised: the engine's puts time out, or
-            # the engine learns first that the group is lost (a rank's client said BYE)
-            fd_engine_loop(engine, 0, 10, put_timeout=2.0)
+            # the engine learns first that the group is lost (a rank's client said BYE).
+            # Bounds a loaded machine's start-up meets: with 2 s, the engine gave up before
+            # the workers had connected, and their 2 s barrier broke before step 3 (now
+            # the default, 20 s: the rank left behind by the one that raised waits that long).
+            fd_engine_loop(engine, 0, 10, put_timeout=30.0)
         except (TimeoutError, GroupLostError):
             pass
         got = {}

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from fastdeploy_sync import Heartbeat, TaskQueue  # noqa: E402
 from fastdeploy_sync.metrics import register  # noqa: E402
 
+from conftest import SPAWN  # noqa: E402
 from workers import (FAST_HEARTBEAT, collect, construct_and_exit, step_until_error_rank,  # noqa: E402
                      take_n_rank, wait_until)
 
@@ -49,15 +50,22 @@ def test_values_move_as_batches_are_put_and_consumed(name, procs, results):
         assert value(s, "fdsync_delivery_seconds_count", **q) == 0
 
         started = time.monotonic()
+        # The ranks stay until the scrape: one that closed first (BYE) would retire the
+        # group, perhaps before the engine learned what the other took, and a retirement
+        # also resets "consumed" to the last seq (it passed the wait below without a single
+        # delivery on a loaded machine).
+        leave = SPAWN.Event()
         for rank in range(2):
-            procs(take_n_rank, results, rank, name, 2, 5)
+            procs(take_n_rank, results, rank, name, 2, 5, leave=leave)
         collect(results, "ready", 2)
         for i in range(3, 5):
             queue.put_tasks(i, timeout=5)
         assert [sorted(t) for t in collect(results, "taken", 2).values()] == [list(range(5))] * 2
-        assert wait_until(lambda: queue.stats()["consumed"] == [5, 5])
+        assert wait_until(lambda: queue.stats()["consumed"] == [5, 5], 60)
         elapsed = time.monotonic() - started
         s = scrape(registry)
+        assert queue.stats().get("groups_retired", 0) == 0, "retired before the scrape"
+        leave.set()
     assert value(s, "fdsync_batches_put_total", **q) == 5
     assert value(s, "fdsync_batches_delivered_total", **q) == 5
     assert value(s, "fdsync_batches_in_flight", **q) == 0

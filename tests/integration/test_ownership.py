@@ -17,7 +17,7 @@ from fastdeploy_sync.shm.segment import OWNER_PID, Segment, owner_alive
 from fastdeploy_sync.tp.layout import R_PID, RANK_BASE, RANK_STRIDE
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
-from conftest import needs_pid_namespace
+from conftest import SPAWN, needs_pid_namespace
 from workers import collect, hold_engine, hold_group_rank
 
 
@@ -85,7 +85,10 @@ def test_a_live_owner_in_another_pid_namespace_is_never_stolen_from(name, procs,
     """The group's rank 0 lives in this pid namespace; a rank 0 of the same name starts in
     another one that shares /dev/shm (as containers with --ipc=host do). The owner's pid
     means nothing there (or another process): it must still refuse, not take the name."""
-    owner = procs(hold_group_rank, results, 0, name, 2, 5)
+    # the owner stays until the other namespace's rank 0 has tried (with 5 s, it could
+    # leave first on a loaded machine, and the name was then free to take)
+    leave = SPAWN.Event()
+    owner = procs(hold_group_rank, results, 0, name, 2, 120.0, leave)
     collect(results, "ready", 1)
     code = textwrap.dedent(f"""
         import os, sys
@@ -108,4 +111,5 @@ def test_a_live_owner_in_another_pid_namespace_is_never_stolen_from(name, procs,
     assert run.returncode == 0, run.stdout + run.stderr
     assert "refused:" in run.stdout and "owned by live process" in run.stdout
     assert owner_alive(group_shm_name(name, 0)) is True  # and the owner still has it
+    leave.set()
     owner.join(timeout=20)  # it leaves, removing its names

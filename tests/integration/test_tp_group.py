@@ -12,6 +12,7 @@ from fastdeploy_sync.shm.segment import Segment
 from fastdeploy_sync.names import group_segment as group_shm_name
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
 
+from conftest import SPAWN
 from workers import barrier_once_rank, collect, hold_group_rank
 
 
@@ -98,10 +99,12 @@ def test_rank1_of_a_restarted_group_waits_while_rank0_reclaims_the_old_segment(
 
 
 def test_a_live_group_of_another_process_is_not_stolen(name, procs, results):
-    procs(hold_group_rank, results, 0, name, 2, 5)
+    leave = SPAWN.Event()  # the owner stays until the attempt was made
+    procs(hold_group_rank, results, 0, name, 2, 120.0, leave)
     collect(results, "ready", 1)
     with pytest.raises(GroupInUseError, match="owned by live process"):
         ShmTPGroup(name, 0, 2, 0)
+    leave.set()
 
 
 def test_rank1_without_rank0_times_out_clearly(name):

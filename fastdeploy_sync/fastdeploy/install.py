@@ -60,38 +60,13 @@ def _patch_aliases() -> None:
                 setattr(module, attr, EngineWorkerQueue)
 
 
-class _Loader(importlib.abc.Loader):
-    """FastDeploy's loader for PACKAGE or MODULE, then the swap."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _replace(module)
-
-    def __getattr__(self, attr):  # anything else FastDeploy's loader offers
-        return getattr(self._loader, attr)
-
-
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds PACKAGE and MODULE through the other finders and wraps their loader."""
+    """Finds PACKAGE and MODULE through the other finders; the swap runs once each has."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in (PACKAGE, MODULE):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and not isinstance(spec.loader, _Loader):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
+        return fdsync_spawn_check.find_spec_then(fullname, path, target, self, _replace)
 
 
 def installed() -> bool:

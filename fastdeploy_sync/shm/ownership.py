@@ -108,6 +108,16 @@ def _after_fork_in_child():
             pass
 
 
+def close_quietly(fd: int) -> None:
+    """Close ``fd`` if it is one (>= 0), ignoring the error of one already closed: for an
+    inherited copy closed in a forked child, or a descriptor closed by a finalizer."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def is_own_file(path: str) -> bool:
     """True if ``path`` is a regular file (not a symlink) owned by this process's uid."""
     try:

@@ -40,7 +40,7 @@ import os
 
 from ..errors import ProtocolError
 from . import memfd_server
-from .ownership import on_fork
+from .ownership import close_quietly, on_fork
 from .segment import OWNER_PID, Segment, populate, reserve
 
 __all__ = ["SealedSegment", "SealedUnreachable", "SEALS", "open_sealed", "read_sealed"]
@@ -159,11 +159,7 @@ class SealedSegment:
         """In a forked child: close the inherited memfd descriptor (the parent's). The
         parent's server is the server module's to forget (``memfd_server``)."""
         fd, self._fd = self._fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_quietly(fd)
 
     def __del__(self):
         fd = getattr(self, "_fd", -1)

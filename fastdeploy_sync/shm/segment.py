@@ -26,8 +26,8 @@ import weakref
 import posix_ipc
 
 from ..names import shm_path
-from .ownership import (MODE, OWNER_LOCK, check_owner, is_own_file, lock_held, on_fork,
-                        remove_name, same_file, try_lock, unlock)
+from .ownership import (MODE, OWNER_LOCK, check_owner, close_quietly, is_own_file, lock_held,
+                        on_fork, remove_name, same_file, try_lock, unlock)
 from .semaphores import unlink_semaphore
 
 __all__ = ["Segment", "SegmentInUse", "SegmentNotReady", "OWNER_PID", "create_exclusive",
@@ -239,20 +239,11 @@ class Segment:
     def after_fork_in_child(self):
         """In a forked child: close the inherited descriptor (the parent keeps its locks)."""
         fd, self._fd = self._fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_quietly(fd)
 
     def __del__(self):
         # garbage without close(): the descriptor (and its locks) must not outlive us
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_quietly(getattr(self, "_fd", -1))
 
     def close(self) -> None:
         """Drop the locks and unmap. Idempotent. Every view derived from ``view`` must be

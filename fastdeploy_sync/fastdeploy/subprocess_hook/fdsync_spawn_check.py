@@ -26,7 +26,7 @@ first check that needs them), so that a process that starts no child pays nearly
 import os
 import sys
 
-__all__ = ["HOOK_DIR", "lost_hook", "arm", "STRICT_ENV"]
+__all__ = ["HOOK_DIR", "lost_hook", "arm", "STRICT_ENV", "find_spec_then"]
 
 HOOK_DIR = os.path.dirname(os.path.abspath(__file__))
 STRICT_ENV = "FD_SYNC_RUN_STRICT"
@@ -352,3 +352,37 @@ def arm() -> None:
         module = sys.modules.get(name)
         if module is not None:
             arm_module(module)
+
+
+class _ThenLoader:
+    """A module's own loader, then ``then(module)`` once the module's code has run."""
+
+    def __init__(self, loader, then):
+        self._loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self.then(module)
+
+    def __getattr__(self, attr):  # anything else the module's own loader offers
+        return getattr(self._loader, attr)
+
+
+def find_spec_then(fullname, path, target, skip, then):
+    """The spec that the finders of ``sys.meta_path`` other than ``skip`` (the caller)
+    give for ``fullname``, its loader wrapped so that ``then(module)`` runs right after
+    the module's own code (once: a loader wrapped for ``then`` already is kept); None when
+    none finds it. How the hook arms ``subprocess`` when it is imported, and how
+    ``install()`` swaps FastDeploy's class the moment its module has run."""
+    for finder in sys.meta_path:
+        if finder is skip or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(fullname, path, target)
+        if spec is not None:
+            if spec.loader is not None and getattr(spec.loader, "then", None) is not then:
+                spec.loader = _ThenLoader(spec.loader, then)
+            return spec
+    return None

@@ -15,23 +15,6 @@ import fdsync_spawn_check
 _TARGETS = ("fastdeploy.inter_communicator", "fastdeploy.inter_communicator.engine_worker_queue")
 
 
-class _ArmingLoader:
-    """The module's own loader, then the spawn check armed on the module."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        fdsync_spawn_check.arm_module(module)
-
-    def __getattr__(self, attr):
-        return getattr(self._loader, attr)
-
-
 class _Deferred:
     """Until FastDeploy's queue is imported: then ``install()``, whose finder takes over.
     Until ``subprocess``/``multiprocessing.util`` are imported: then they are armed."""
@@ -67,15 +50,8 @@ class _Deferred:
         return None
 
     def _armed(self, fullname, path, target):
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _ArmingLoader(spec.loader)
-                return spec
-        return None
+        return fdsync_spawn_check.find_spec_then(fullname, path, target, self,
+                                                 fdsync_spawn_check.arm_module)
 
 
 def _chain():

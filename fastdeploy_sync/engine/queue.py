@@ -44,11 +44,26 @@ from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
 from ..wire import codec
 from ..wire.auth import ServerAuth
-from ..wire.endpoints import (claim_ipc_path, close_listeners, default_endpoint, ipc_path,
-                              listener_address, secure_socket_file, unlink_quietly, validate_name)
+from ..wire.endpoints import (
+    claim_ipc_path,
+    close_listeners,
+    default_endpoint,
+    ipc_path,
+    listener_address,
+    secure_socket_file,
+    unlink_quietly,
+    validate_name,
+)
 from ..wire.liveness import NEVER, Heartbeat, id_tag
-from ..wire.sockets import (ENGINE_FDS, FdLimitHold, anon_rss_bytes, close_monitor,
-                            ensure_free_fds, new_socket, open_monitor)
+from ..wire.sockets import (
+    ENGINE_FDS,
+    FdLimitHold,
+    anon_rss_bytes,
+    close_monitor,
+    ensure_free_fds,
+    new_socket,
+    open_monitor,
+)
 from .encoder import BatchEncoder
 from .flood_guard import InputGuard
 from .io_loop import IOLoop

@@ -15,7 +15,8 @@ measured steps, never during them.
 
 import os
 import time
-from typing import Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
 
 __all__ = ["Snapshot", "snapshot", "foreign_cores", "summarize", "withhold_verdicts",
            "LIMIT_PCT"]

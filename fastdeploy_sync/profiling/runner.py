@@ -24,7 +24,7 @@ from . import contention
 from .fd_baseline import remove_stale_flags
 from .intervals import placement_blocks
 from .loops import COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, engine_main, worker_main
-from .options import ProfileOptions, REFERENCE
+from .options import REFERENCE, ProfileOptions
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile", "collective_spin_us"]
 

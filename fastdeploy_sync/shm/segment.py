@@ -26,8 +26,18 @@ import weakref
 import posix_ipc
 
 from ..names import shm_path
-from .ownership import (MODE, OWNER_LOCK, check_owner, is_own_file, lock_held, on_fork,
-                        remove_name, same_file, try_lock, unlock)
+from .ownership import (
+    MODE,
+    OWNER_LOCK,
+    check_owner,
+    is_own_file,
+    lock_held,
+    on_fork,
+    remove_name,
+    same_file,
+    try_lock,
+    unlock,
+)
 from .semaphores import unlink_semaphore
 
 __all__ = ["Segment", "SegmentInUse", "SegmentNotReady", "OWNER_PID", "create_exclusive",

@@ -33,12 +33,31 @@ import posix_ipc
 from .. import names
 from ..errors import ClosedError, GroupInUseError, GroupLostError
 from ..shm.order import load_acquire, store_release
-from ..shm.segment import SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming
-from ..shm.segment import reclaim_stale
+from ..shm.segment import (
+    SegmentInUse,
+    SegmentNotReady,
+    attach_when_ready,
+    create_reclaiming,
+    reclaim_stale,
+)
 from ..shm.semaphores import create_fresh_semaphore, open_semaphore, unlink_semaphore
-from .layout import (H_INCARNATION, H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, H_VERSION, MAGIC,
-                     MAX_TP, R_PID, RANK_BASE, RANK_STRIDE, VERSION, new_incarnation, rank_lock,
-                     segment_bytes)
+from .layout import (
+    H_INCARNATION,
+    H_MAGIC,
+    H_OWNER_PID,
+    H_READY,
+    H_TP_SIZE,
+    H_VERSION,
+    MAGIC,
+    MAX_TP,
+    R_PID,
+    RANK_BASE,
+    RANK_STRIDE,
+    VERSION,
+    new_incarnation,
+    rank_lock,
+    segment_bytes,
+)
 
 __all__ = ["GroupSegment"]
 

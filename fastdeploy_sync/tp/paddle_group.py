@@ -51,14 +51,14 @@ fleet's init) before building a TaskClient with ``coordinator="paddle"``.
 
 import hashlib
 import os
-
-import numpy as np
 import queue
 import re
 import secrets
 import socket
 import threading
 import time
+
+import numpy as np
 
 from ..errors import BarrierTimeoutError, TaskSyncError
 from .protocol import NO_HOOKS

@@ -62,9 +62,23 @@ from ..errors import BarrierTimeoutError, ClosedError
 from ..shm.order import fence, store_release
 from ..shm.semaphores import sem_wait
 from .group_segment import GroupSegment
-from .layout import (D_FROM, D_GEN, D_STRIDE, D_TO, DECISION_RING, FAULT_LEFT, R_ARRIVED,
-                     R_ARRIVED_AT, R_CONSUMED, R_FAULT, R_RECEIVED, R_SLEEPING, R_WAITING,
-                     RANK_BASE, RANK_STRIDE)
+from .layout import (
+    D_FROM,
+    D_GEN,
+    D_STRIDE,
+    D_TO,
+    DECISION_RING,
+    FAULT_LEFT,
+    R_ARRIVED,
+    R_ARRIVED_AT,
+    R_CONSUMED,
+    R_FAULT,
+    R_RECEIVED,
+    R_SLEEPING,
+    R_WAITING,
+    RANK_BASE,
+    RANK_STRIDE,
+)
 from .peers import PeerWatch
 from .protocol import NO_HOOKS
 from .spin import FIRST_SPIN_S, SpinPolicy

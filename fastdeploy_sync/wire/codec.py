@@ -389,7 +389,7 @@ def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
     pickler.dispatch_table = _dispatch_table()
     try:
         pickler.dump(obj)
-    except _BodyTooLarge as exc:
+    except _BodyTooLarge:
         raise ValueError(
             f"task batch pickles to more than {cap} bytes (pickling stopped there), the "
             f"limit for its body (codec.MAX_BODY_BYTES, FD_SYNC_MAX_MESSAGE_MB); send token "

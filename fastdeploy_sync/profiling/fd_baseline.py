@@ -74,15 +74,15 @@ import re
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.managers import (
-    AcquirerProxy,
+from multiprocessing.managers import (  # type: ignore[attr-defined]
+    AcquirerProxy,  # this, BarrierProxy and Value: defined there, missing from typeshed
     BarrierProxy,
     BaseManager,
     ListProxy,
     Value,
     ValueProxy,
 )
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -268,8 +268,9 @@ class FDManagerQueue:
         self._authkey = authkey
         self._closed = False
         self._segment: Segment | None = None
-        self._signals: np.ndarray | None = None
-        self._manager = _FDQueueManager(address=tuple(address), authkey=authkey)
+        self._signals: Any = None  # an int64 array over the segment, on a single node
+        host, port = address
+        self._manager = _FDQueueManager(address=(host, port), authkey=authkey)
 
         if is_server:
             self._manager.start(initializer=_init_server_state, initargs=(tp_size,))
@@ -358,7 +359,7 @@ class FDManagerQueue:
     def _attach_proxies(self) -> None:
         # One proxy per shared object, created once: creating a proxy costs round trips
         # of its own, so (as in FastDeploy) it is done at construction, not per call.
-        m = self._manager
+        m: Any = self._manager  # the get_* methods are registered at run time
         self._tasks = m.get_tasks()
         self._client_read_flag = m.get_client_read_flag()
         self._lock = m.get_lock()
@@ -380,7 +381,8 @@ class FDManagerQueue:
     @property
     def address(self) -> tuple[str, int]:
         """The manager's ``(host, port)``; on a server started with port 0, the port actually bound."""
-        return tuple(self._manager.address)
+        host, port = cast(tuple, self._manager.address)
+        return host, port
 
     def close(self) -> None:
         """Release this instance; idempotent, never blocks for long.

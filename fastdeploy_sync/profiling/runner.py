@@ -182,6 +182,8 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
         progress_bar.total = sum(steps for *_, steps in schedule)
         progress_bar.refresh()
     started = time.time()
+    # filled in by RunOptions.__post_init__
+    assert options.placements is not None and options.step_kinds is not None
     block_of = {r: b for b, rounds in enumerate(placement_blocks(options.rounds,
                                                                   options.placements))
                 for r in rounds}

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 # (segment name, incarnation, rank) of every group this process has served: a new object
 # never joins one of them again (see the module docstring). Guarded by _JOINED_LOCK.
-_JOINED = set()
+_JOINED: set = set()
 _JOINED_LOCK = threading.Lock()
 
 
@@ -92,7 +92,7 @@ class GroupSegment:
         self.shm_name = names.group_segment(name, dp_id)
         self._sem_names = [names.group_semaphore(name, dp_id, r) for r in range(tp_size)]
         self._size = segment_bytes(tp_size)
-        self.sems = None
+        self.sems: list = []  # rank 0: created below; the others: when they attach
         if tp_rank == 0:
             self._seg = self._create()
             self.sems = [open_semaphore(n) for n in self._sem_names]

@@ -39,7 +39,10 @@ import os
 import signal
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, Optional
 
 from . import envs, names
 from .shm.segment import owner_alive as lock_owner_alive
@@ -120,7 +123,7 @@ def _queue_engine_alive(path: str) -> bool:
         return True
 
 
-def scan(name: str = None, dp_id: int = None) -> list:
+def scan(name: Optional[str] = None, dp_id: Optional[int] = None) -> list:
     """Every fastdeploy_sync name in ``/dev/shm`` and in the ipc directory
     (``envs.ipc_dir()``), optionally only queue ``name`` (and DP group ``dp_id``), each with
     its state. Reads only: opens segments of our uid read-only to find their owner, probes
@@ -146,7 +149,7 @@ def scan(name: str = None, dp_id: int = None) -> list:
     return found
 
 
-def _judged(judge, entry, m, *args) -> Leftover:
+def _judged(judge: Callable[..., Leftover], entry: str, m: names.Parsed, *args: Any) -> Leftover:
     """``judge(entry, m, *args)``, or, when a check this process may not make fails (a
     file it may not open, a socket it may not probe...), the name kept ("in use") with
     why: never removed on a guess, and one name never stops the scan."""
@@ -158,7 +161,7 @@ def _judged(judge, entry, m, *args) -> Leftover:
                         f"could not check it ({exc.strerror or exc}): left alone")
 
 
-def remove(items) -> list:
+def remove(items: Iterable[Leftover]) -> list:
     """Remove the stale ones among ``items`` (from ``scan()``), each checked again first;
     returns the ``Leftover``s removed. Never blocks beyond a 1 s socket probe each; a name
     that vanished meanwhile is skipped."""
@@ -193,15 +196,15 @@ def describe(item: Leftover) -> str:
     return f"{item.path}  ({what} of {item.name!r} dp {item.dp_id}: {item.why})"
 
 
-def _wanted(m, name, dp_id) -> bool:
+def _wanted(m: names.Parsed, name: Optional[str], dp_id: Optional[int]) -> bool:
     return (name is None or m.name == name) and (dp_id is None or m.dp_id == dp_id)
 
 
-def _not_ours(st) -> str:
+def _not_ours(st: os.stat_result) -> str:
     return f"owned by uid {st.st_uid}, not {os.geteuid()}: left alone"
 
 
-def _ours(item: Leftover, is_type) -> bool:
+def _ours(item: Leftover, is_type: Callable[[int], bool]) -> bool:
     """True if ``item.path`` is a file of our uid and of the type ``is_type`` accepts
     (``stat.S_ISREG``, ``stat.S_ISSOCK``); else sets ``item.state`` ("gone" or "not ours",
     with why) and returns False. Never follows a symlink."""
@@ -223,7 +226,7 @@ def _ours(item: Leftover, is_type) -> bool:
     return True
 
 
-def _segment(entry, m) -> Leftover:
+def _segment(entry: str, m: names.Parsed) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
     item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISREG):
@@ -255,7 +258,7 @@ def _segment(entry, m) -> Leftover:
     return item
 
 
-def _semaphore(entry, m, segments) -> Leftover:
+def _semaphore(entry: str, m: names.Parsed, segments: dict) -> Leftover:
     path = f"{_SHM_DIR}/{entry}"
     item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISREG):  # lstat: a symlink planted here is never followed
@@ -272,7 +275,7 @@ def _semaphore(entry, m, segments) -> Leftover:
     return item
 
 
-def _sockets(name, dp_id) -> list:
+def _sockets(name: Optional[str], dp_id: Optional[int]) -> list:
     directory = envs.ipc_dir()
     try:
         check_private_dir(directory)
@@ -290,7 +293,7 @@ def _sockets(name, dp_id) -> list:
     return found
 
 
-def _socket(path, m) -> Leftover:
+def _socket(path: str, m: names.Parsed) -> Leftover:
     item = Leftover(path, m.kind, m.name, m.dp_id, "in use", "")
     if not _ours(item, stat.S_ISSOCK):
         return item
@@ -301,7 +304,7 @@ def _socket(path, m) -> Leftover:
     return item
 
 
-def _recheck(item):
+def _recheck(item: Leftover) -> Optional[Leftover]:
     """``item`` scanned again (None if it is gone)."""
     base = os.path.basename(item.path)
     if item.kind in names.SEMAPHORE_KINDS:
@@ -322,7 +325,7 @@ def _recheck(item):
 
 # -- SIGTERM: leave through normal interpreter shutdown -------------------------------------
 
-def install_signal_cleanup(signals=(signal.SIGTERM,)):
+def install_signal_cleanup(signals: Iterable[int] = (signal.SIGTERM,)) -> Callable[[], None]:
     """Make the given signals (default SIGTERM; add ``signal.SIGINT`` if wanted) end this
     process through normal interpreter shutdown, so that every ``TaskQueue``,
     ``TaskClient`` and drop-in object removes its shared memory and socket files (their
@@ -337,9 +340,9 @@ def install_signal_cleanup(signals=(signal.SIGTERM,)):
 
     Returns a function that restores the previous handlers. Nothing in fastdeploy_sync
     installs this by itself."""
-    previous = {}
+    previous: dict = {}
 
-    def handler(signum, frame):
+    def handler(signum: int, frame: Optional[FrameType]) -> None:
         before = previous.get(signum)
         if callable(before):
             before(signum, frame)
@@ -348,7 +351,7 @@ def install_signal_cleanup(signals=(signal.SIGTERM,)):
     for signum in signals:
         previous[signum] = signal.signal(signum, handler)
 
-    def restore():
+    def restore() -> None:
         for signum, before in previous.items():
             signal.signal(signum, before if before is not None else signal.SIG_DFL)
 

@@ -7,6 +7,7 @@ test or a launcher can set them per process before building the objects.
 import os
 import stat
 import tempfile
+from typing import Optional
 
 __all__ = [
     "async_task_comm_enabled",
@@ -190,13 +191,13 @@ def profile_enabled() -> bool:
     return _flag("FD_SYNC_PROFILE")
 
 
-def profile_dir() -> str:
+def profile_dir() -> Optional[str]:
     """``FD_SYNC_PROFILE_DIR`` (default unset): with profiling on, ``TaskClient.close()``
     writes the profiler's JSON summary into this directory, one file per rank and process."""
     return os.environ.get("FD_SYNC_PROFILE_DIR") or None
 
 
-def keys_dir() -> str:
+def keys_dir() -> Optional[str]:
     """``FD_SYNC_KEYS_DIR`` (default unset): the directory of CURVE keys made by
     ``fastdeploy-sync keys DIR``, needed by ``tcp://`` endpoints (see ``wire.auth``)."""
     return os.environ.get("FD_SYNC_KEYS_DIR") or None

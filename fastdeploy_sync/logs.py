@@ -23,7 +23,7 @@ class RateLimitedLog:
         self._logger = logger
         self._interval = interval
         self._max_keys = max_keys
-        self._last = {}  # key -> [monotonic time of the last line, suppressed since]
+        self._last: dict = {}  # key -> [monotonic time of the last line, suppressed since]
 
     def log(self, key, level: int, msg: str, *args) -> bool:
         """Log unless ``key`` logged within the interval; True if a line was written."""

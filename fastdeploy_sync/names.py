@@ -37,6 +37,7 @@ known suffix follows.
 
 import os
 import re
+from typing import Optional
 
 __all__ = ["SHM_DIR", "KINDS", "Parsed", "group_segment", "group_semaphore", "ack_board",
            "dropin_board", "dropin_board_lock", "payload_prefix", "batch_segment", "pool",
@@ -89,18 +90,18 @@ def _pid(pid):
     return os.getpid() if pid is None else pid
 
 
-def batch_segment(name: str, dp_id: int, number: int, pid: int = None) -> str:
+def batch_segment(name: str, dp_id: int, number: int, pid: Optional[int] = None) -> str:
     """A large batch's own segment, the ``number``-th of engine ``pid`` (default: this
     process)."""
     return f"{payload_prefix(name, dp_id)}{number}.{_pid(pid)}"
 
 
-def pool(name: str, dp_id: int, number: int, pid: int = None) -> str:
+def pool(name: str, dp_id: int, number: int, pid: Optional[int] = None) -> str:
     """The ``number``-th large-batch pool of engine ``pid`` (default: this process)."""
     return f"{payload_prefix(name, dp_id)}p{number}.{_pid(pid)}"
 
 
-def ring(name: str, dp_id: int, epoch: int, pid: int = None) -> str:
+def ring(name: str, dp_id: int, epoch: int, pid: Optional[int] = None) -> str:
     """The batch ring of worker group ``epoch`` of engine ``pid`` (default: this process)."""
     return f"{payload_prefix(name, dp_id)}r{epoch}.{_pid(pid)}"
 

@@ -10,7 +10,8 @@ segment; each segment's owner lock held, as a live owner holds it) and names tha
 paths as one JSON line once they all exist, then waits until its stdin closes (or
 SIGTERM) and removes them. Meanwhile it keeps making new live names of those kinds and
 removing them again (``CHURN_S``), as another program's runs come and go: a test that
-compares /dev/shm before and after meets names that were not there before. ``tests/conftest.py``'s ``foreign_names`` fixture and
+compares /dev/shm before and after meets names that were not there before.
+``tests/conftest.py``'s ``foreign_names`` fixture and
 ``scripts/tools/busy_suite.py`` start it.
 """
 

@@ -7,7 +7,6 @@ import random
 import time
 
 from fastdeploy_sync import TaskClient
-
 from workers import _report_errors, take_checked
 
 

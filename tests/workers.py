@@ -192,8 +192,8 @@ def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_w
     the barrier. Rank 0 checks as soon as it holds the batch itself. Both report what the
     check said, how long it took, and what the step took. ``peer_wait_s``: the bound of
     rank 0's wait for a receiving peer, raised so that the test does not race it."""
-    from engine_peers import hold_gil
     import fastdeploy_sync.worker.client as worker_module
+    from engine_peers import hold_gil
 
     worker_module._PEER_WAIT_S = peer_wait_s
     with TaskClient(name, 2, rank, async_prefetch=async_prefetch) as client:
@@ -249,7 +249,8 @@ def collect(queue, tag, count, timeout=60.0):
         try:
             kind, rank, payload = queue.get(timeout=max(remaining, 0.01))
         except queue_mod.Empty:
-            raise AssertionError(f"waited {timeout}s for {count} {tag!r} messages, got {sorted(got)}")
+            raise AssertionError(
+                f"waited {timeout}s for {count} {tag!r} messages, got {sorted(got)}") from None
         if kind == "error":
             raise AssertionError(f"rank {rank} failed: {payload}")
         if kind == tag and rank not in got:

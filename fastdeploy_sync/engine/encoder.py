@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import weakref
+from typing import Optional
 
 import numpy as np
 
@@ -113,19 +114,19 @@ class BatchEncoder:
         if slot_bytes:
             slots = max(4, min(2 * window + 2, _RING_MAX_BYTES // slot_bytes))
             self._ring_geometry = (slots, slot_bytes, window + 2)
-        self._ring = None  # the current group's ring (batch_ring.RingWriter)
-        self._kept_ring = {}  # seq -> RingPlace of a batch the engine retains
+        self._ring: Optional[batch_ring.RingWriter] = None  # the current group's ring
+        self._kept_ring: dict = {}  # seq -> RingPlace of a batch the engine retains
         # None: never through shared memory
         self._shm_min_bytes = envs.shm_payload_min_bytes() if node_local else None
         self._hash_shared = envs.shm_checksum()
         self._lock = threading.Lock()
         self._closed = False
         self._log = RateLimitedLog(log, interval=60.0)
-        self.counters = collections.Counter()
+        self.counters: collections.Counter = collections.Counter()
         # every shared name (and ring semaphore) not yet unlinked; the finalizer must not
         # reference self
-        self.names = set()
-        self._sem_names = set()
+        self.names: set = set()
+        self._sem_names: set = set()
         self._large = LargeBatches(name, dp_id, tp_size,
                                    envs.shm_pool_bytes() if node_local else 0,
                                    self._shm_min_bytes, self.names, self.counters,
@@ -346,11 +347,11 @@ class BatchEncoder:
                 batch.ring = place = None
             if batch.shared is not None:
                 self._large.kept(seq, batch.shared)
-            if place is not None:
-                ring.kept(place.slot)
+            if place is not None:  # place.ring is ring: the current one
+                place.ring.kept(place.slot)
                 self._kept_ring[seq] = place
-                ring.publish(rel_seq, place.kind, place.slot, place.check, place.data_hash,
-                             place.lengths)
+                place.ring.publish(rel_seq, place.kind, place.slot, place.check,
+                                   place.data_hash, place.lengths)
                 return None, batch.checksum
             if ring is not None:
                 ring.publish(rel_seq, batch_ring.SOCKET)

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import struct
+from typing import Optional
 
 import zmq
 
@@ -47,7 +48,8 @@ class FloodGuard:
                  memory: int = 4096):
         self._sock = sock
         self.limit, self.window, self._memory = limit, window, memory
-        self._seen = collections.OrderedDict()  # routing id -> [window start, count, cut]
+        # routing id -> [window start, count, cut]
+        self._seen: collections.OrderedDict = collections.OrderedDict()
         self._log = RateLimitedLog(log)
         self.cut = 0  # connections cut so far
 
@@ -132,9 +134,9 @@ class InputGuard:
         # per socket (the first is held to ``small``, the others to ``large``):
         # descriptor -> [when accepted, when it last finished a message or None, its peer
         # (peer_key)]
-        self._conns = {which: {} for which in sockets}
-        self._trusted = set()  # peers (peer_key) never cut
-        self._trim_at = None
+        self._conns: dict = {which: {} for which in sockets}
+        self._trusted: set = set()  # peers (peer_key) never cut
+        self._trim_at: Optional[float] = None
         self.next_check = 0.0
         self.cut = 0  # connections cut so far
         self._log = RateLimitedLog(log)

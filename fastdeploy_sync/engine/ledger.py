@@ -311,7 +311,7 @@ class Ledger:
         group = self.group
         return group is not None and any(link.state == CONNECTED for link in group.links)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> tuple:
         """The figures ``stats()`` shows, read together (board folded in first): the
         counters, last seq, consumed, retained count, retirements, delivery histogram and
         the current group (or None)."""

@@ -38,10 +38,11 @@ peers through the peer log. Everything here runs on the queue's I/O thread.
 import collections
 import logging
 import time
+from typing import Any, Optional
 
 from ..errors import ProtocolError
 from ..wire import codec
-from ..wire.liveness import RankLink, id_tag
+from ..wire.liveness import Heartbeat, RankLink, id_tag
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 
@@ -68,10 +69,10 @@ class LostBatch:
 
     __slots__ = ("seq", "tasks", "taken_by")
 
-    def __init__(self, seq, tasks, taken_by):
+    def __init__(self, seq: int, tasks: Any, taken_by: list) -> None:
         self.seq, self.tasks, self.taken_by = seq, tasks, taken_by
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"LostBatch(seq={self.seq}, taken_by={self.taken_by})"
 
 
@@ -86,11 +87,12 @@ class GroupLost:
 
     __slots__ = ("incarnation", "reason", "at", "ranks", "unfinished")
 
-    def __init__(self, incarnation, reason, at, ranks, unfinished):
+    def __init__(self, incarnation: int, reason: str, at: float, ranks: list,
+                 unfinished: list) -> None:
         self.incarnation, self.reason, self.at = incarnation, reason, at
         self.ranks, self.unfinished = ranks, unfinished
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"GroupLost(group={id_tag(self.incarnation)}, reason={self.reason!r}, "
                 f"unfinished={[b.seq for b in self.unfinished]})")
 
@@ -100,7 +102,7 @@ class Group:
 
     __slots__ = ("incarnation", "epoch", "links")
 
-    def __init__(self, incarnation, epoch, tp_size):
+    def __init__(self, incarnation: int, epoch: int, tp_size: int) -> None:
         self.incarnation, self.epoch = incarnation, epoch
         self.links = [RankLink(r) for r in range(tp_size)]
 
@@ -111,8 +113,9 @@ class Membership:
     and ``peers`` (its ``PeerLog``) as above; ``events``: where ``GroupLost`` events go (the
     queue's ``group_events``); ``counters``: its ``stats()`` counters."""
 
-    def __init__(self, name, tp_size, instance, heartbeat, ledger, outbox, peers, events,
-                 counters):
+    def __init__(self, name: str, tp_size: int, instance: int, heartbeat: Heartbeat,
+                 ledger: Any, outbox: Any, peers: Any, events: Any,
+                 counters: collections.Counter) -> None:
         self.name, self.tp_size = name, tp_size
         self.instance, self.heartbeat = instance, heartbeat
         self._ledger, self._outbox, self._peers, self._events = ledger, outbox, peers, events
@@ -120,18 +123,19 @@ class Membership:
         self._epochs = 0  # groups served so far; tags the ack board (see ack_board)
         # HELLOs of a new group waiting for the old one to go, the latest per (group, rank):
         # (group, rank) -> (since, identity, header, name)
-        self._parked = collections.OrderedDict()
+        self._parked: collections.OrderedDict = collections.OrderedDict()
         self._max_parked = 2 * self.tp_size
-        self._retired = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
-        self._answered = collections.OrderedDict()  # identity -> when a refusal was sent
+        self._retired: collections.deque = collections.deque(maxlen=_RETIRED_MEMORY)  # incarnations
+        # identity -> when a refusal was sent
+        self._answered: collections.OrderedDict = collections.OrderedDict()
         self._probed_all_at = 0.0
 
     @property
-    def group(self):
+    def group(self) -> Any:
         """The group being served (None before the first and after a retirement)."""
         return self._ledger.group
 
-    def handle(self, identity, header, frames) -> bool:
+    def handle(self, identity: bytes, header: codec.Header, frames: list) -> bool:
         """A rank's HELLO, ACK, PING or BYE (``frames``: what followed the header). True if
         it came from a rank of the group or admitted one; False if it was stale, held back
         or refused. Raises ``ProtocolError`` for a message that is not one of them."""
@@ -151,7 +155,7 @@ class Membership:
 
     # -- liveness ----------------------------------------------------------------------------
 
-    def tick(self, now) -> None:
+    def tick(self, now: float) -> None:
         """Every heartbeat interval: probe every connected rank (an unasked PONG: proof of
         life for the rank, and a send that fails for a connection that went away), retire
         the group if a rank is gone or hung, admit held-back HELLOs."""
@@ -175,14 +179,14 @@ class Membership:
             return float("inf")
         return min(link.retire_at(self.heartbeat) for link in group.links)
 
-    def connections_changed(self, now) -> None:
+    def connections_changed(self, now: float) -> None:
         """A connection of the workers' socket went away (socket monitor): probe now
         rather than at the next tick (at most every ``_PROBE_MIN_S``)."""
         group = self.group
         if group is not None and now - self._probed_all_at >= _PROBE_MIN_S:
             self._probe(group, now)
 
-    def _why_gone(self, link, now) -> str:
+    def _why_gone(self, link: RankLink, now: float) -> str:
         silent = link.silent_for(now)
         if link.identity is None:
             how = link.reason or "its connection closed"
@@ -192,7 +196,7 @@ class Membership:
                 f"{silent:.1f} s (stall timeout {self.heartbeat.stall_timeout:g} s, "
                 f"FD_SYNC_STALL_TIMEOUT)")
 
-    def _probe(self, group, now):
+    def _probe(self, group: Group, now: float) -> None:
         """Send a PONG to every rank thought reachable: proof of life for the rank, and
         a socket that went away fails the send at once (ROUTER_MANDATORY)."""
         self._probed_all_at = now
@@ -200,14 +204,14 @@ class Membership:
             if link.identity is not None:
                 self._send_pong(link, now)
 
-    def _reachable(self, link, now) -> bool:
+    def _reachable(self, link: RankLink, now: float) -> bool:
         """Whether ``link``'s connection is up, probed if that was not done in the last
         ``_PROBE_MIN_S`` (so a flood of HELLOs cannot make the engine flood the rank)."""
         if link.identity is not None and now - link.probed_at >= _PROBE_MIN_S:
             self._send_pong(link, now)
         return link.identity is not None
 
-    def _send_pong(self, link, now):
+    def _send_pong(self, link: RankLink, now: float) -> None:
         link.probed_at = now
         self._counters["probes"] += 1
         self._outbox.send(link, [codec.pack_header(
@@ -216,10 +220,12 @@ class Membership:
 
     # -- what ranks say ----------------------------------------------------------------------
 
-    def _reject(self, identity, header, code, reason, detail=None):
+    def _reject(self, identity: bytes, header: codec.Header, code: int, reason: str,
+                detail: Optional[str] = None) -> Optional[bool]:
         """Refuse a peer: it learns ``reason`` (nothing about the queue: no name, tp_size
         or watermark), at most once a second per connection; the log gets ``detail``
-        too, at most once per peer address and interval."""
+        too, at most once per peer address and interval. Returns None (refused), which
+        ``_hello`` passes on."""
         self._counters["rejected"] += 1
         peer = self._peers.peer()
         self._peers.log(("reject", peer, code), logging.WARNING,
@@ -230,7 +236,7 @@ class Membership:
         last = self._answered.get(identity)
         if last is not None and now - last < _ANSWER_MIN_S:
             self._counters["refusals_unanswered"] += 1  # a peer that keeps asking
-            return
+            return None
         self._answered[identity] = now
         self._answered.move_to_end(identity)
         while len(self._answered) > _ANSWERED_MEMORY:
@@ -238,8 +244,10 @@ class Membership:
         self._outbox.send(identity, [codec.pack_header(codec.ERROR, header.rank, aux=code,
                                                        engine=self.instance, group=header.group,
                                                        worker=header.worker), reason.encode()])
+        return None
 
-    def _hello(self, identity, h, name, now, parked_since=None):
+    def _hello(self, identity: bytes, h: codec.Header, name: bytes, now: float,
+               parked_since: Optional[float] = None) -> Optional[bool]:
         rank = h.rank
         if name != self.name.encode():
             return self._reject(identity, h, codec.E_REJECTED,
@@ -274,7 +282,7 @@ class Membership:
                                         "another live worker group serves this queue: stop it "
                                         "first, or use another name or dp_id")
                 self._parked[key] = (since, identity, h, name)
-                return
+                return None
             self.retire(group, f"replaced by a new worker group ({id_tag(h.group)}) while "
                                f"none of its ranks was connected")
             group = None
@@ -293,8 +301,8 @@ class Membership:
             self._reject(identity, h, codec.E_GROUP_LOST,
                          f"rank {rank} restarted inside a live worker group: its peers' "
                          f"model state is gone too, restart the whole group")
-            return self.retire(group, f"rank {rank} restarted (a new worker process took its "
-                                      f"place)")
+            self.retire(group, f"rank {rank} restarted (a new worker process took its place)")
+            return None
         problem = self._ledger.admit(rank, h.seq, h.aux)
         if problem:
             return self._reject(identity, h, codec.E_REJECTED,
@@ -309,14 +317,14 @@ class Membership:
                  self.name, rank, id_tag(h.worker), id_tag(group.incarnation), h.seq)
         return True
 
-    def _new_group(self, incarnation):
+    def _new_group(self, incarnation: int) -> Group:
         self._epochs += 1
         group = Group(incarnation, self._epochs, self.tp_size)
         self._ledger.start_group(group)
         self._counters["groups"] += 1
         return group
 
-    def _link_of(self, h, unbound_ok=False):
+    def _link_of(self, h: codec.Header, unbound_ok: bool = False) -> Optional[RankLink]:
         """The link ``h`` speaks for, or None (counted as stale) if it belongs to another
         engine, another group or another worker of that rank. ``unbound_ok``: a worker
         that has not read its WELCOME yet (engine id 0) counts too (a sync-mode heartbeat
@@ -329,7 +337,7 @@ class Membership:
             return None
         return group.links[h.rank]
 
-    def _ack(self, h, now) -> bool:
+    def _ack(self, h: codec.Header, now: float) -> bool:
         link = self._link_of(h)
         if link is None:
             return False
@@ -337,7 +345,7 @@ class Membership:
         self._ledger.acknowledge(h.rank, h.seq)
         return True
 
-    def _ping(self, identity, h, now):
+    def _ping(self, identity: bytes, h: codec.Header, now: float) -> bool:
         self._counters["pings"] += 1
         link = self._link_of(h, unbound_ok=True)
         if link is None:
@@ -355,7 +363,7 @@ class Membership:
                                                        group=h.group, worker=h.worker)])
         return True
 
-    def _bye(self, h, now):
+    def _bye(self, h: codec.Header, now: float) -> bool:
         """The rank closed its client on purpose: apply what it says it took, then retire
         the group at once (its peers cannot go on without it)."""
         link = self._link_of(h, unbound_ok=True)
@@ -374,7 +382,7 @@ class Membership:
 
     # -- retirement --------------------------------------------------------------------------
 
-    def retire(self, group, reason, left=False):
+    def retire(self, group: Group, reason: str, left: bool = False) -> None:
         """Stop serving ``group``: hand back what it did not finish as a ``GroupLost``
         event, tell its reachable ranks, and reset the queue for the next group. ``left``:
         a rank closed on purpose (logged at INFO when nothing was left unfinished)."""

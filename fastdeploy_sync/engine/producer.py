@@ -12,6 +12,7 @@ producer's own wait runs out.
 import json
 import threading
 import time
+from typing import Any, Optional
 
 import zmq
 
@@ -71,7 +72,7 @@ class TaskProducer:
                                   f"at {self.endpoint} within {timeout:g} s; is its engine "
                                   f"running on this node, as this user?") from exc
 
-    def put_tasks(self, tasks, timeout: float = None) -> int:
+    def put_tasks(self, tasks: Any, timeout: Optional[float] = None) -> int:
         """As ``TaskQueue.put_tasks``: serialize, then wait for room, up to ``timeout``
         seconds (None = forever); return the queue's sequence number for the batch.
 
@@ -157,10 +158,10 @@ class TaskProducer:
             self._closed = True
             self._ctx.destroy(linger=0)
 
-    def __enter__(self):
+    def __enter__(self) -> "TaskProducer":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _next_request(self) -> int:
@@ -169,15 +170,15 @@ class TaskProducer:
         self._request += 1
         return self._request
 
-    def _recv(self, deadline):
+    def _recv(self, deadline: Optional[float]) -> list:
         remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and (remaining <= 0 or not self._sock.poll(remaining * 1000)):
+        if remaining is not None and (remaining <= 0 or not self._sock.poll(int(remaining * 1000))):
             raise TaskSyncError(f"TaskProducer {self.name!r}: no TaskQueue answered at "
                                 f"{self.endpoint} (none running, or it died); a batch being "
                                 f"put may or may not have been enqueued")
         return self._sock.recv_multipart()
 
-    def _header(self, frames):
+    def _header(self, frames: list) -> codec.Header:
         """The header of a reply; ``ConnectionRefusedError`` (saying why) if the queue
         refused this producer (``E_TOO_MANY``: it serves as many as it may)."""
         h = codec.unpack_header(frames[0])
@@ -189,7 +190,7 @@ class TaskProducer:
                                          f"{self.endpoint} refused this producer: {reason}")
         return h
 
-    def _reply(self, request, kind, timeout):
+    def _reply(self, request: int, kind: int, timeout: Optional[float]) -> codec.Header:
         """The reply of ``kind`` to ``request``, skipping stale replies of earlier requests
         whose caller gave up. ``timeout=None`` (a put with no bound) still notices a queue
         that is gone: while nothing comes, it asks the queue (QUERY, request id 0) every
@@ -203,7 +204,7 @@ class TaskProducer:
         heard = time.monotonic()
         asked = False
         while True:
-            if self._sock.poll(self._timeout * 1000):
+            if self._sock.poll(int(self._timeout * 1000)):  # ms (pyzmq truncates floats too)
                 h = self._header(self._sock.recv_multipart())
                 heard, asked = time.monotonic(), False
                 if h.kind == kind and h.seq == request:

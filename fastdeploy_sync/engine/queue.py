@@ -33,6 +33,8 @@ import queue
 import secrets
 import time
 import weakref
+from types import TracebackType
+from typing import Any, Optional
 
 import zmq
 
@@ -44,11 +46,26 @@ from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
 from ..wire import codec
 from ..wire.auth import ServerAuth
-from ..wire.endpoints import (claim_ipc_path, close_listeners, default_endpoint, ipc_path,
-                              listener_address, secure_socket_file, unlink_quietly, validate_name)
+from ..wire.endpoints import (
+    claim_ipc_path,
+    close_listeners,
+    default_endpoint,
+    ipc_path,
+    listener_address,
+    secure_socket_file,
+    unlink_quietly,
+    validate_name,
+)
 from ..wire.liveness import NEVER, Heartbeat, id_tag
-from ..wire.sockets import (ENGINE_FDS, FdLimitHold, anon_rss_bytes, close_monitor,
-                            ensure_free_fds, new_socket, open_monitor)
+from ..wire.sockets import (
+    ENGINE_FDS,
+    FdLimitHold,
+    anon_rss_bytes,
+    close_monitor,
+    ensure_free_fds,
+    new_socket,
+    open_monitor,
+)
 from .encoder import BatchEncoder
 from .flood_guard import InputGuard
 from .io_loop import IOLoop
@@ -122,9 +139,10 @@ class TaskQueue:
     ``ForkedProcessError`` and ``close()`` does nothing (``after_fork_in_child``).
     """
 
-    def __init__(self, name: str, tp_size: int, *, dp_id: int = 0, endpoint: str = None,
-                 max_inflight: int = 8, heartbeat: Heartbeat = None, keys_dir: str = None,
-                 insecure_tcp: bool = None):
+    def __init__(self, name: str, tp_size: int, *, dp_id: int = 0,
+                 endpoint: Optional[str] = None, max_inflight: int = 8,
+                 heartbeat: Optional[Heartbeat] = None, keys_dir: Optional[str] = None,
+                 insecure_tcp: Optional[bool] = None) -> None:
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -137,8 +155,8 @@ class TaskQueue:
         # Stamped on every message to workers and echoed by them: traffic meant for another
         # engine of the same endpoint (a restart) is recognised on both sides.
         self.instance = secrets.randbits(63) | 1
-        self.group_events = queue.SimpleQueue()
-        self._counters = collections.Counter()
+        self.group_events: queue.SimpleQueue = queue.SimpleQueue()
+        self._counters: collections.Counter = collections.Counter()
         endpoint = endpoint or default_endpoint(name, dp_id)
         self._ipc_path = ipc_path(endpoint)
         self.producer_endpoint = default_endpoint(name, dp_id, "put")
@@ -164,7 +182,8 @@ class TaskQueue:
                                        listener_address(self.producer_endpoint)) if a]
         on_fork(self)
 
-    def _bind(self, endpoint, keys_dir, insecure_tcp, max_batch, undo) -> None:
+    def _bind(self, endpoint: str, keys_dir: Optional[str], insecure_tcp: Optional[bool],
+              max_batch: int, undo: contextlib.ExitStack) -> None:
         """Make what the queue is made of and bind both endpoints; every resource made is
         pushed on ``undo`` (an ``ExitStack``), which frees them in reverse if a later step
         fails."""
@@ -245,7 +264,7 @@ class TaskQueue:
 
     # -- engine API ------------------------------------------------------------------------
 
-    def put_tasks(self, tasks, timeout: float = None) -> int:
+    def put_tasks(self, tasks: Any, timeout: Optional[float] = None) -> int:
         """Enqueue one batch for every rank of the group; return its sequence number.
 
         ``tasks`` is any picklable object, typically ``(list_of_requests, real_bsz)``;
@@ -284,7 +303,7 @@ class TaskQueue:
             self._io.send_now()
         return seq
 
-    def _offer(self, frames, check, expired):
+    def _offer(self, frames: list, check: int, expired: bool) -> tuple:
         """A producer's batch (I/O thread, ``ProducerEndpoint``): ``Ledger.offer``'s answer,
         the batch first copied into the ring (outside the ledger's lock) when there is
         room, as ``put_tasks`` does."""
@@ -405,7 +424,7 @@ class TaskQueue:
         self._fd_hold.release()  # the queue's descriptors are closed
         return unconsumed
 
-    def _encrypted_limit(self):
+    def _encrypted_limit(self) -> Optional[tuple[int, str]]:
         """``(bytes, why)``: the largest batch a CURVE-encrypted endpoint sends, or None
         (ipc, plain tcp). libzmq encrypts a message in one piece in its I/O thread, and
         the connections to every rank may be encrypted in one pass of it: while it does,
@@ -421,7 +440,7 @@ class TaskQueue:
                f"timeout ({self.heartbeat.timeout:g} s) healthy ranks would look gone")
         return limit, why
 
-    def after_fork_in_child(self):
+    def after_fork_in_child(self) -> None:
         """In a process forked from this engine's: close the inherited descriptors of the
         endpoints' listening sockets (a child that outlives a killed engine would keep them
         accepting, so the next engine of the name would find it in use); the queue is
@@ -434,15 +453,17 @@ class TaskQueue:
                                                                   os.getpid()))
         refuse_calls(self, what, self._owner_pid, idle={"close": []})
 
-    def __enter__(self):
+    def __enter__(self) -> "TaskQueue":
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         # leaving on an exception: close without waiting for the workers to drain
         self.close(timeout=0 if exc_type is not None else 5.0)
 
 
-def _workers_socket(ctx, heartbeat, auth, max_inflight):
+def _workers_socket(ctx: zmq.Context, heartbeat: Heartbeat, auth: Optional[ServerAuth],
+                    max_inflight: int) -> zmq.Socket:
     """The workers' ROUTER socket (not bound yet), with its bounds and authentication."""
     sock = new_socket(ctx, zmq.ROUTER)
     # Mandatory: a send to a rank that went away raises (EHOSTUNREACH) instead of
@@ -456,11 +477,12 @@ def _workers_socket(ctx, heartbeat, auth, max_inflight):
     return sock
 
 
-def _closed_or_full(closed, expired):
+def _closed_or_full(closed: bool, expired: bool) -> Optional[int]:
     return codec.P_CLOSED if closed else codec.P_TIMEOUT if expired else None
 
 
-def _remove_names(owner_pid, ipc_file, board_name, put_file=None):
+def _remove_names(owner_pid: int, ipc_file: Optional[str], board_name: Optional[str],
+                  put_file: Optional[str] = None) -> None:
     if os.getpid() != owner_pid:
         return  # a forked child exiting: the names are its parent's, still in use
     unlink_quietly(ipc_file)

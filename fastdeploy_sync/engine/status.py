@@ -14,6 +14,7 @@ import resource
 import select
 import signal
 import time
+from typing import Any, Optional
 
 import zmq
 
@@ -58,8 +59,8 @@ _STATUS_ABANDONED_BOUND = 32 << 20
 _STATUS_MAX_RANKS = 1 << 16
 
 
-def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
-                 timeout: float = 2.0) -> dict:
+def query_status(endpoint: str, *, keys_dir: Optional[str] = None,
+                 insecure_tcp: Optional[bool] = None, timeout: float = 2.0) -> dict:
     """Ask the live ``TaskQueue`` at ``endpoint`` for its ``status()``; the engine knows
     every rank's state and watermark whatever the TP coordinator (shared memory or
     paddle.distributed). tcp endpoints need the worker keys (``keys_dir`` or
@@ -136,8 +137,8 @@ def query_status(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = No
 _CHILD_DATA_HEADROOM = 192 << 20
 
 
-def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: bool = None,
-                          timeout: float = 2.0) -> dict:
+def query_status_isolated(endpoint: str, *, keys_dir: Optional[str] = None,
+                          insecure_tcp: Optional[bool] = None, timeout: float = 2.0) -> dict:
     """``query_status`` in a forked child whose data segment is capped (``RLIMIT_DATA``, what
     it holds plus ~192 MiB): the same result and the same exceptions, but a peer that streams
     a reply it never finishes cannot make this process or the child hold more, however the
@@ -164,6 +165,7 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
             if held:
                 limit = held + _CHILD_DATA_HEADROOM
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+            answer: Any  # the status, or the error's kind and message
             try:
                 answer = {"status": query_status(endpoint, keys_dir=keys_dir,
                                                  insecure_tcp=insecure_tcp, timeout=timeout)}
@@ -172,8 +174,7 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
             except Exception as exc:  # noqa: BLE001 - passed on to the parent by kind
                 kind = next((k for k in _FORWARDED if isinstance(exc, _FORWARDED[k])), "")
                 answer = {"error": kind or type(exc).__name__, "message": str(exc)}
-            data = json.dumps(answer).encode()
-            view = memoryview(data)
+            view = memoryview(json.dumps(answer).encode())
             while view:
                 view = view[os.write(writer, view):]
         except BaseException:  # noqa: BLE001 - the child reports by its exit status only
@@ -203,7 +204,7 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
                             f"process ended without an answer, status {code})")
     if "status" in answer:
         return answer["status"]
-    kind, message = answer.get("error"), str(answer.get("message"))
+    kind, message = str(answer.get("error")), str(answer.get("message"))
     if kind in _FORWARDED:
         raise _FORWARDED[kind](message)
     raise TaskSyncError(f"asking {endpoint} failed: {kind}: {message}")
@@ -211,6 +212,7 @@ def query_status_isolated(endpoint: str, *, keys_dir: str = None, insecure_tcp: 
 
 # What query_status_isolated passes on from its child as the same kind (most specific
 # first); anything else becomes a TaskSyncError that names it.
+_FORWARDED: dict[str, type]
 _FORWARDED = {"TimeoutError": TimeoutError, "ProtocolError": ProtocolError,
               "TaskSyncError": TaskSyncError, "PermissionError": PermissionError,
               "FileNotFoundError": FileNotFoundError, "OSError": OSError,
@@ -236,7 +238,7 @@ def _data_bytes() -> int:
 
 def _read_all(fd: int, deadline: float):
     """Everything written to ``fd`` until its writer closes it, or None past ``deadline``."""
-    chunks = []
+    chunks: list = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -250,9 +252,11 @@ def _read_all(fd: int, deadline: float):
 
 
 # The fields of a status the CLI reads, and their types (JSON: int, float, str, None).
+_STATUS_FIELDS: dict  # field -> the type (or tuple of types) isinstance() accepts
 _STATUS_FIELDS = {"name": str, "dp_id": int, "tp_size": int, "endpoint": str, "engine": str,
                   "pid": int, "last_seq": int, "retained": int, "max_inflight": int,
                   "group": (str, type(None)), "ranks": list}
+_RANK_FIELDS: dict
 _RANK_FIELDS = {"rank": int, "state": str, "consumed": int,
                 "silent_s": (int, float, type(None)), "worker": (str, type(None)),
                 "reason": (str, type(None))}

@@ -21,8 +21,13 @@ import weakref
 from .. import names
 from ..errors import ProtocolError, TaskSyncError
 from ..shm.order import load_acquire, store_release
-from ..shm.segment import (SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming,
-                           unlink_segment)
+from ..shm.segment import (
+    SegmentInUse,
+    SegmentNotReady,
+    attach_when_ready,
+    create_reclaiming,
+    unlink_segment,
+)
 from ..shm.semaphores import create_fresh_semaphore, open_semaphore, sem_wait, unlink_semaphore
 
 __all__ = ["GroupBoard", "PaddleBoard", "SoloBoard", "EARLY"]

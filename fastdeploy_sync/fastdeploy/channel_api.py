@@ -19,6 +19,7 @@ import queue
 import secrets
 import threading
 import time
+from typing import Optional
 
 from .. import envs
 from .channels import BARRIERS, BarrierBroken, NotReady
@@ -49,7 +50,7 @@ class ChannelMethods:
         link, dp, cid = self._side()
         return link.call("num_cache_infos", dp, cid)
 
-    def put_cache_info(self, cache_info, *, timeout: float = None) -> None:
+    def put_cache_info(self, cache_info, *, timeout: Optional[float] = None) -> None:
         """Replace the DP group's cache infos with ``cache_info`` (an iterable), once every
         client has read the previous ones (until then it waits; at the start every client
         must have asked once, as in FastDeploy)."""
@@ -63,7 +64,7 @@ class ChannelMethods:
         link, dp, cid = self._side()
         return link.call("get_cache_info", dp, cid)
 
-    def put_finished_req(self, send_cache_result, *, timeout: float = None) -> bool:
+    def put_finished_req(self, send_cache_result, *, timeout: Optional[float] = None) -> bool:
         """Report ``send_cache_result[0]`` for this client; waits while the engine has not
         collected the previous round. True when every client of the group has reported."""
         link, dp, cid = self._side()
@@ -71,21 +72,21 @@ class ChannelMethods:
                           _deadline(timeout), "put_finished_req (the engine has not taken "
                           "the previous round)")
 
-    def get_finished_req(self, *, timeout: float = None) -> list:
+    def get_finished_req(self, *, timeout: Optional[float] = None) -> list:
         """Engine: ``[]`` if nothing was reported; else, once every client reported, the
         round as ``[first report]`` (with any client's error status) and a new round."""
         link, dp, cid = self._side()
         return call_until(link, "get_finished_req", dp, cid, None, _deadline(timeout),
                           "get_finished_req (waiting for every client's report)")
 
-    def put_finished_add_cache_task_req(self, req_ids, *, timeout: float = None) -> bool:
+    def put_finished_add_cache_task_req(self, req_ids, *, timeout: Optional[float] = None) -> bool:
         """As ``put_finished_req``, for finished add-cache tasks (``req_ids`` as is)."""
         link, dp, cid = self._side()
         return call_until(link, "put_finished_add_cache_task_req", dp, cid, req_ids,
                           _deadline(timeout), "put_finished_add_cache_task_req (the engine "
                           "has not taken the previous round)")
 
-    def get_finished_add_cache_task_req(self, *, timeout: float = None):
+    def get_finished_add_cache_task_req(self, *, timeout: Optional[float] = None):
         """Engine: ``[]`` if nothing was reported; else, once every client reported, the
         reported ids (every client reports the same)."""
         link, dp, cid = self._side()
@@ -106,7 +107,7 @@ class ChannelMethods:
         link, dp, cid = self._side()
         return link.call("disaggregate_queue_empty", dp, cid)
 
-    def put_connect_rdma_task(self, connect_rdma_task, *, timeout: float = None) -> None:
+    def put_connect_rdma_task(self, connect_rdma_task, *, timeout: Optional[float] = None) -> None:
         """Offer one RDMA connect task to every client, once every client read the
         previous one."""
         link, dp, cid = self._side()
@@ -120,7 +121,7 @@ class ChannelMethods:
         return tuple(link.call("get_connect_rdma_task", dp, cid))
 
     def put_connect_rdma_task_response(self, connect_rdma_task_response, *,
-                                       timeout: float = None) -> bool:
+                                       timeout: Optional[float] = None) -> bool:
         """This client's response; waits while the engine has not collected the previous
         round. True when every client responded."""
         link, dp, cid = self._side()
@@ -129,7 +130,7 @@ class ChannelMethods:
                           "put_connect_rdma_task_response (the engine has not taken the "
                           "previous round)")
 
-    def get_connect_rdma_task_response(self, *, timeout: float = None):
+    def get_connect_rdma_task_response(self, *, timeout: Optional[float] = None):
         """Engine: None if no client responded; else, once every client did, the first
         response with ``success`` True only if every client's was."""
         link, dp, cid = self._side()
@@ -162,7 +163,7 @@ class SideBarrier(_SideObject):
         self.name = name
         self._party = threading.local()  # this thread's token (an ident may be reused)
 
-    def wait(self, timeout: float = None) -> int:
+    def wait(self, timeout: Optional[float] = None) -> int:
         """Block until ``parties`` parties arrived in this party's round; return this one's
         arrival index (0 .. parties - 1). ``threading.BrokenBarrierError`` if the round is or
         becomes broken (a waiter of it timed out, ``abort()``, ``reset()``), or, breaking
@@ -277,7 +278,7 @@ class PrefillInstances(_SideObject):
         link, dp, cid = self._owner._side()
         link.call("prefill_put", dp, cid, item)
 
-    def get(self, block: bool = True, timeout: float = None):
+    def get(self, block: bool = True, timeout: Optional[float] = None):
         """The oldest entry; ``queue.Empty`` when there is none (``block``: after waiting
         ``timeout`` s, None: ``FD_SYNC_SIDE_WAIT_S``)."""
         link, dp, cid = self._owner._side()

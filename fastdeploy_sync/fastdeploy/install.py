@@ -30,7 +30,7 @@ MODULE = "fastdeploy.inter_communicator.engine_worker_queue"
 _NAME = "EngineWorkerQueue"
 HOOK_DIR = fdsync_spawn_check.HOOK_DIR
 _lock = threading.Lock()
-_originals = []  # FastDeploy's classes replaced so far (to find their aliases)
+_originals: list = []  # FastDeploy's classes replaced so far (to find their aliases)
 
 
 def _replace(module) -> None:

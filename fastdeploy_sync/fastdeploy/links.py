@@ -36,11 +36,26 @@ from ..errors import ProtocolError
 from ..logs import RateLimitedLog
 from ..wire import codec
 from ..wire.auth import ClientAuth, ServerAuth
-from ..wire.endpoints import (check_ipc_endpoint, claim_ipc_path, ipc_path, secure_socket_file,
-                              unlink_quietly)
-from ..wire.sockets import (CLIENT_FDS, ENGINE_FDS, WakePipe, anon_rss_bytes, close_monitor,
-                            ensure_free_fds, monitor_events, new_socket, open_monitor)
-from .channels import BarrierBroken, NotReady, OPERATIONS as OPS
+from ..wire.endpoints import (
+    check_ipc_endpoint,
+    claim_ipc_path,
+    ipc_path,
+    secure_socket_file,
+    unlink_quietly,
+)
+from ..wire.sockets import (
+    CLIENT_FDS,
+    ENGINE_FDS,
+    WakePipe,
+    anon_rss_bytes,
+    close_monitor,
+    ensure_free_fds,
+    monitor_events,
+    new_socket,
+    open_monitor,
+)
+from .channels import OPERATIONS as OPS
+from .channels import BarrierBroken, NotReady
 
 __all__ = ["LocalLink", "RemoteLink", "SideService", "call_until", "REPLY_TIMEOUT_S"]
 

@@ -30,6 +30,7 @@ import secrets
 import sys
 import threading
 import weakref
+from typing import Optional
 
 from .. import envs, names
 from ..wire.endpoints import private_dir
@@ -230,14 +231,14 @@ def _prune(directory, dry_run: bool = False) -> int:
     return count
 
 
-def prune(directory: str = None, dry_run: bool = False) -> int:
+def prune(directory: Optional[str] = None, dry_run: bool = False) -> int:
     """Remove the records of processes that exited without removing theirs (killed); how
     many (``dry_run``: how many would be). ``fastdeploy-sync clean``; a process writing its
     first record does the same. Never blocks."""
     return _prune(directory or records_dir(), dry_run)
 
 
-def scan(directory: str = None) -> list:
+def scan(directory: Optional[str] = None) -> list:
     """The records of the live processes (dicts: ``pid``, ``argv``, ``run``, ``swapped``,
     ``queues``), by pid; this process's own record is read as the others. Reads only;
     never blocks; a record being replaced or unreadable is skipped."""

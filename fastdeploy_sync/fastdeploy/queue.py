@@ -64,6 +64,7 @@ nothing here):
 import logging
 import os
 import threading
+from typing import Any, Optional, Union
 
 from .. import envs
 from ..engine.producer import TaskProducer
@@ -114,22 +115,24 @@ class EngineWorkerQueue(ChannelMethods):
     role = Role()
 
     @classmethod
-    def to_tensor(cls, tasks) -> None:
+    def to_tensor(cls, tasks: Any) -> None:
         """FastDeploy's class method: multimodal numpy inputs of ``tasks`` to paddle tensors,
         in place, when FastDeploy's switches say so (``tensors.to_tensor``)."""
         tensors.to_tensor(tasks)
 
     @classmethod
-    def to_numpy(cls, tasks) -> None:
+    def to_numpy(cls, tasks: Any) -> None:
         """FastDeploy's class method: the reverse, for a list of batches
         (``tensors.to_numpy``)."""
         tensors.to_numpy(tasks)
 
-    def __init__(self, address=("0.0.0.0", 5000), authkey: bytes = b"secret_key",
+    def __init__(self, address: Union[tuple[str, int], str] = ("0.0.0.0", 5000),
+                 authkey: bytes = b"secret_key",
                  is_server: bool = False, num_client: int = 1, client_id: int = -1,
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
-                 max_inflight: int = 1, connect_timeout: float = None, name: str = None,
-                 role: str = None, keys_dir: str = None):
+                 max_inflight: int = 1, connect_timeout: Optional[float] = None,
+                 name: Optional[str] = None, role: Optional[str] = None,
+                 keys_dir: Optional[str] = None) -> None:
         addr = parse_address(address)
         self.address = addr.key
         self.authkey = authkey  # not used: see the module docstring
@@ -149,13 +152,13 @@ class EngineWorkerQueue(ChannelMethods):
         self._connect_timeout = (envs.connect_timeout_s() if connect_timeout is None
                                  else float(connect_timeout))
         self._closed = False
-        self._server = None  # this process's Server (ours, or the one we put into)
-        self._engine = None  # EngineSide once this is the engine's
-        self._worker = None  # WorkerSide once this is a TP rank
-        self._producer = None  # TaskProducer of an engine client in another process
+        self._server: Optional[Server] = None  # this process's (ours, or the one we put into)
+        self._engine: Optional[EngineSide] = None  # once this is the engine's
+        self._worker: Optional[WorkerSide] = None  # once this is a TP rank
+        self._producer: Optional[TaskProducer] = None  # an engine client's, in another process
         self._link = None  # to the side channels
         self._role_lock = threading.Lock()
-        self._undecided = None  # UndecidedRole, once a client polls undecided
+        self._undecided: Optional[UndecidedRole] = None  # once a client polls undecided
         self.read_finish_flag = _ReadFinishFlag(self)
         self.connected_client_counter = _ConnectedCounter(self)
         self.worker_process_tp_barrier = _TPBarrier(self)
@@ -202,7 +205,7 @@ class EngineWorkerQueue(ChannelMethods):
                 raise ValueError(f"num_client={num_client}: the server at {self.address} "
                                  f"serves {hello['num_client']} TP rank(s) per DP group")
             self.max_inflight = hello["max_inflight"]
-            if role == "engine":
+            if self._producer is not None:  # role "engine", made above
                 self._engine = self._engine_over(self._producer)
                 self.role = "engine"
             elif role == "worker":
@@ -214,7 +217,7 @@ class EngineWorkerQueue(ChannelMethods):
 
     # -- roles -------------------------------------------------------------------------------
 
-    def _engine_over(self, producer) -> EngineSide:
+    def _engine_over(self, producer: TaskProducer) -> EngineSide:
         watch = GroupWatch(producer, self._where, envs.heartbeat_timeout_s())
         return EngineSide(producer, self.max_inflight, watch, self._where)
 
@@ -223,7 +226,7 @@ class EngineWorkerQueue(ChannelMethods):
                           self.local_data_parallel_id, keys_dir=self._keys_dir,
                           connect_timeout=self._connect_timeout)
 
-    def _as_engine(self, what) -> EngineSide:
+    def _as_engine(self, what: str) -> EngineSide:
         """This instance's engine side; an undecided client becomes the engine's here."""
         engine = self._engine
         if engine is not None:
@@ -243,7 +246,7 @@ class EngineWorkerQueue(ChannelMethods):
                 log.info("%s: engine side (first call: %s)", self._where(), what)
             return self._engine
 
-    def _as_worker(self, what) -> WorkerSide:
+    def _as_worker(self, what: str) -> WorkerSide:
         """This instance's worker side; an undecided client joins its TP group here.
 
         Raises ``ProtocolError`` when TP rank 0 joins in ``get_tasks()`` after its
@@ -276,7 +279,7 @@ class EngineWorkerQueue(ChannelMethods):
                     raise late_rank0_error(self._where())
             return self._worker
 
-    def _undecided_poll(self, what):
+    def _undecided_poll(self, what: str) -> Optional[WorkerSide]:
         """``exist_tasks()``/``num_tasks()`` on a client whose role is not decided: the
         ``WorkerSide`` it joined as when a role hint says it is a TP rank (``roles``), or
         None (still undecided: the caller reads False/0)."""
@@ -289,14 +292,14 @@ class EngineWorkerQueue(ChannelMethods):
             return self._as_worker(what)
         return None
 
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"EngineWorkerQueue{self.address} is cleaned up")
 
     def _where(self) -> str:
         return f"EngineWorkerQueue{self.address} DP group {self.local_data_parallel_id}"
 
-    def _side(self):
+    def _side(self) -> tuple:
         """(link, dp_id, client_id) for ``channel_api``."""
         self._check_open()
         if self._server is not None:
@@ -308,11 +311,12 @@ class EngineWorkerQueue(ChannelMethods):
     def get_server_port(self) -> int:
         """The port the server serves (the real one when built with port 0). Server only:
         ``RuntimeError`` elsewhere, as FastDeploy."""
-        if not self.is_server:
+        server = self._server
+        if not self.is_server or server is None:
             raise RuntimeError("Only the server instance can provide the port.")
-        return self._server.address.port
+        return server.address.port
 
-    def put_tasks(self, tasks, timeout: float = None) -> None:
+    def put_tasks(self, tasks: Any, timeout: Optional[float] = None) -> None:
         """Engine side: enqueue one batch (typically ``(requests, real_bsz)``) for every TP
         rank of this DP group. Blocks, as FastDeploy, while ``max_inflight`` batches are
         not yet taken by every rank (polling ever less often, up to FastDeploy's own 1 ms
@@ -324,7 +328,7 @@ class EngineWorkerQueue(ChannelMethods):
         ``TaskQueue.put_tasks`` for the other errors. A worker raises ``RuntimeError``."""
         self._as_engine("put_tasks").put_tasks(tasks, timeout)
 
-    def get_tasks(self):
+    def get_tasks(self) -> tuple[list, bool]:
         """Worker side: ``(tasks, all_client_read)``. Never blocks on the engine.
 
         ``tasks``: the batches rank 0's check latched for this call, in put order,
@@ -398,7 +402,7 @@ class EngineWorkerQueue(ChannelMethods):
         worker = self._undecided_poll("num_tasks")
         return worker.num_tasks() if worker is not None else 0
 
-    def set_exist_tasks(self, flag) -> None:
+    def set_exist_tasks(self, flag: bool) -> None:
         """Engine side: ``False`` makes ``exist_tasks()`` read False until the next put
         (the workers still take the batch: ``clear_data()`` drops it); ``True`` lets the
         flag follow the queue again (it creates no batch). Elsewhere: nothing."""
@@ -442,7 +446,7 @@ class EngineWorkerQueue(ChannelMethods):
         return self._worker.cleared if self._worker is not None else 0
 
     @property
-    def coordinator(self):
+    def coordinator(self) -> Optional[str]:
         """Worker: ``"shm"`` (one node) or ``"paddle"`` (across nodes); None elsewhere."""
         return self._worker.coordinator if self._worker is not None else None
 
@@ -467,11 +471,11 @@ class EngineWorkerQueue(ChannelMethods):
             return
         with self._role_lock:
             self._closed = True
-        if self.is_server:
+        if self.is_server and self._server is not None:  # a server always has one
             self._server.close(timeout)
         self._release()
 
-    def _release(self):
+    def _release(self) -> None:
         if self._worker is not None:
             self._worker.close()
         if self._producer is not None:
@@ -479,7 +483,7 @@ class EngineWorkerQueue(ChannelMethods):
         if self._link is not None and not self.is_server and self._server is None:
             self._link.close()
 
-    def after_fork_in_child(self):
+    def after_fork_in_child(self) -> None:
         """In a child forked from this instance's process: the instance is the parent's
         (its server, engine side, TP rank, producer and links): every call raises
         ``ForkedProcessError``, also through the attribute objects (``read_finish_flag``,
@@ -494,10 +498,10 @@ class EngineWorkerQueue(ChannelMethods):
                      idle={"cleanup": None},
                      private=("_side", "_as_engine", "_as_worker", "_check_open"))
 
-    def __enter__(self):
+    def __enter__(self) -> "EngineWorkerQueue":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
     @property
@@ -506,7 +510,7 @@ class EngineWorkerQueue(ChannelMethods):
         ``name=`` was given): ``fastdeploy-sync status NAME``."""
         return self._name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"EngineWorkerQueue(address={self.address}, role={self.role}, "
                 f"num_client={self.num_client}, client_id={self.client_id}, "
                 f"dp={self.local_data_parallel_id})")
@@ -526,17 +530,17 @@ class _ReadFinishFlag:
     more or less often than its peers hangs in the collective until gloo's 30 s timeout,
     then raises ``BarrierTimeoutError`` naming the ranks and nodes."""
 
-    def __init__(self, owner):
+    def __init__(self, owner: "EngineWorkerQueue") -> None:
         self._owner = owner
 
-    def _worker(self):
+    def _worker(self) -> WorkerSide:
         owner = self._owner
         return owner._worker or owner._as_worker("read_finish_flag")
 
-    def get(self):
+    def get(self) -> int:
         return self._worker().flag_get()
 
-    def set(self, value):
+    def set(self, value: int) -> None:
         self._worker().flag_set(value)
 
     value = property(get, set)
@@ -546,10 +550,10 @@ class _ConnectedCounter:
     """FastDeploy's ``connected_client_counter``: ``get()`` = TP ranks of this DP group
     connected to the engine now."""
 
-    def __init__(self, owner):
+    def __init__(self, owner: "EngineWorkerQueue") -> None:
         self._owner = owner
 
-    def get(self):
+    def get(self) -> int:
         return self._owner.num_connected_clients()
 
 
@@ -558,10 +562,10 @@ class _TPBarrier:
     node-local shared-memory barrier (``TaskClient.barrier``), which also raises
     engine-side errors while waiting. Its first use joins the TP group."""
 
-    def __init__(self, owner):
+    def __init__(self, owner: "EngineWorkerQueue") -> None:
         self._owner = owner
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> None:
         owner = self._owner
         (owner._worker or owner._as_worker("worker_process_tp_barrier")).barrier(timeout)
 
@@ -570,16 +574,16 @@ class _ExistSignal:
     """FastDeploy's ``exist_tasks_intra_signal`` (an ``IPCSignal`` on one node):
     ``value[0]`` reads ``exist_tasks()``, ``value[0] = v`` is ``set_exist_tasks(v)``."""
 
-    def __init__(self, owner):
+    def __init__(self, owner: "EngineWorkerQueue") -> None:
         self._owner = owner
         self.value = self
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> int:
         if index != 0:
             raise IndexError(index)
         return int(self._owner.exist_tasks())
 
-    def __setitem__(self, index, value):
+    def __setitem__(self, index: int, value: object) -> None:
         if index != 0:
             raise IndexError(index)
         self._owner.set_exist_tasks(bool(value))

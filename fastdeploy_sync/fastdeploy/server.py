@@ -29,10 +29,10 @@ __all__ = ["Server", "lookup"]
 log = logging.getLogger(__name__)
 
 # This process's servers, by address key.
-_SERVERS = {}
+_SERVERS: dict = {}
 _SERVERS_LOCK = threading.Lock()
 # Servers inherited across fork: never used, never finalized here (see the module docstring).
-_INHERITED = []
+_INHERITED: list = []
 
 
 def lookup(key):

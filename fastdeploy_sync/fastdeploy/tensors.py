@@ -3,6 +3,7 @@ arrays and paddle tensors, in place. paddle is imported only when a conversion n
 
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def to_tensor(tasks) -> None:
     ``ImportError`` if a conversion is due and paddle is not installed."""
     if not _enabled():
         return
-    paddle = None
+    paddle: Any = None  # imported at the first array
     for request in _requests(tasks):
         inputs = getattr(request, "multimodal_inputs", None)
         if not inputs:

@@ -16,8 +16,14 @@ import argparse
 import json
 import sys
 
-from .options import (DEFAULT_PLACEMENTS, MODES, ProfileOptions, STEP_KINDS, TOKEN_KINDS,
-                      default_step_kinds)
+from .options import (
+    DEFAULT_PLACEMENTS,
+    MODES,
+    STEP_KINDS,
+    TOKEN_KINDS,
+    ProfileOptions,
+    default_step_kinds,
+)
 
 __all__ = ["add_parser", "run", "EXTRA"]
 

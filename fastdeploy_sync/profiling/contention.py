@@ -15,7 +15,8 @@ measured steps, never during them.
 
 import os
 import time
-from typing import Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
 
 __all__ = ["Snapshot", "snapshot", "foreign_cores", "summarize", "withhold_verdicts",
            "LIMIT_PCT"]
@@ -66,7 +67,7 @@ def _tree_jiffies(root: int) -> int:
         pid = int(entry)
         parent[pid] = int(fields[1])
         cpu[pid] = int(fields[11]) + int(fields[12])
-    children = {}
+    children: dict = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
     total, todo = 0, [root]

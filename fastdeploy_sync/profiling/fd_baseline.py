@@ -74,15 +74,15 @@ import re
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.managers import (
-    AcquirerProxy,
+from multiprocessing.managers import (  # type: ignore[attr-defined]
+    AcquirerProxy,  # this, BarrierProxy and Value: defined there, missing from typeshed
     BarrierProxy,
     BaseManager,
     ListProxy,
     Value,
     ValueProxy,
 )
-from typing import Any, List, Optional, Tuple
+from typing import Any, cast
 
 import numpy as np
 
@@ -140,7 +140,7 @@ def remove_stale_flags() -> None:
 # top-level functions pickle by reference.
 # --------------------------------------------------------------------------------------
 
-_server_state: Optional[dict] = None
+_server_state: dict | None = None
 
 
 def _init_server_state(tp_size: int) -> None:
@@ -249,7 +249,7 @@ class FDManagerQueue:
 
     def __init__(
         self,
-        address: Tuple[str, int] = ("127.0.0.1", 0),
+        address: tuple[str, int] = ("127.0.0.1", 0),
         authkey: bytes = b"fdsync",
         is_server: bool = False,
         tp_size: int = 1,
@@ -267,9 +267,10 @@ class FDManagerQueue:
         self.single_node = single_node
         self._authkey = authkey
         self._closed = False
-        self._segment: Optional[Segment] = None
-        self._signals: Optional[np.ndarray] = None
-        self._manager = _FDQueueManager(address=tuple(address), authkey=authkey)
+        self._segment: Segment | None = None
+        self._signals: Any = None  # an int64 array over the segment, on a single node
+        host, port = address
+        self._manager = _FDQueueManager(address=(host, port), authkey=authkey)
 
         if is_server:
             self._manager.start(initializer=_init_server_state, initargs=(tp_size,))
@@ -303,7 +304,7 @@ class FDManagerQueue:
     def _connect(self, deadline: float, connect_timeout: float) -> None:
         """Connect to the manager, retrying refused/unreachable connections until the deadline."""
         pause = _CONNECT_RETRY_FIRST_S
-        last_error: Optional[BaseException] = None
+        last_error: BaseException | None = None
         while True:
             try:
                 self._manager.connect()
@@ -358,7 +359,7 @@ class FDManagerQueue:
     def _attach_proxies(self) -> None:
         # One proxy per shared object, created once: creating a proxy costs round trips
         # of its own, so (as in FastDeploy) it is done at construction, not per call.
-        m = self._manager
+        m: Any = self._manager  # the get_* methods are registered at run time
         self._tasks = m.get_tasks()
         self._client_read_flag = m.get_client_read_flag()
         self._lock = m.get_lock()
@@ -378,9 +379,10 @@ class FDManagerQueue:
     )
 
     @property
-    def address(self) -> Tuple[str, int]:
+    def address(self) -> tuple[str, int]:
         """The manager's ``(host, port)``; on a server started with port 0, the port actually bound."""
-        return tuple(self._manager.address)
+        host, port = cast(tuple, self._manager.address)
+        return host, port
 
     def close(self) -> None:
         """Release this instance; idempotent, never blocks for long.
@@ -408,7 +410,7 @@ class FDManagerQueue:
         if self.is_server and getattr(self._manager, "_process", None) is not None:
             self._manager.shutdown()
 
-    def __enter__(self) -> "FDManagerQueue":
+    def __enter__(self) -> FDManagerQueue:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -472,7 +474,7 @@ class FDManagerQueue:
 
     # ------------------------------------------------------------------ engine side
 
-    def put_tasks(self, tasks: Any, timeout: Optional[float] = None) -> None:
+    def put_tasks(self, tasks: Any, timeout: float | None = None) -> None:
         """Publish one batch ``tasks`` to every rank (engine side); ``tp + 6`` RT (single node).
 
         Blocks while the previous batch has not been read by all ``tp_size`` ranks, polling
@@ -511,7 +513,7 @@ class FDManagerQueue:
             if held:
                 self._lock.release()
 
-    def _acquire(self, deadline: Optional[float], timeout: Optional[float]) -> None:
+    def _acquire(self, deadline: float | None, timeout: float | None) -> None:
         """Take the manager lock (1 RT), raising TimeoutError if it is not free before ``deadline``."""
         if deadline is None:
             self._lock.acquire()
@@ -524,7 +526,7 @@ class FDManagerQueue:
 
     # ------------------------------------------------------------------ worker side
 
-    def get_tasks(self) -> Tuple[List[Any], bool]:
+    def get_tasks(self) -> tuple[list[Any], bool]:
         """Take this rank's copy of the pending batch (worker side); ``tp + 9`` RT, ``tp + 10``
         for the last reader (single node).
 
@@ -541,7 +543,7 @@ class FDManagerQueue:
         :meth:`set_exist_task_signal` (or the read-finish flag) when it was the last reader.
         """
         self._check_open()
-        tasks: List[Any] = []
+        tasks: list[Any] = []
         self._lock.acquire()
         try:
             # extend() over a proxy: len hint, then one __getitem__ per item until IndexError.
@@ -565,7 +567,7 @@ class FDManagerQueue:
         finally:
             self._lock.release()
 
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: float | None = None) -> None:
         """Wait until all ``tp_size`` ranks have called ``barrier()`` (1 RT held open on the
         manager; FastDeploy's ``worker_process_tp_barrier``).
 

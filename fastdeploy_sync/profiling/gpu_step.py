@@ -39,7 +39,7 @@ when it is asked whether it can run.
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Tuple
+from typing import Callable, Optional, Protocol
 
 __all__ = ["DecodeShape", "GpuBackend", "GpuUnavailable", "resolve", "BACKENDS", "STAND_INS"]
 
@@ -86,8 +86,8 @@ class GpuBackend(Protocol):
 
     def describe(self, index: int) -> str: ...
 
-    def build(self, index: int, shape: DecodeShape) -> Tuple[Callable[[], None],
-                                                             Callable[[], object]]: ...
+    def build(self, index: int, shape: DecodeShape) -> tuple[Callable[[], None],
+                                                            Callable[[], object]]: ...
 
 
 def _installed(module: str) -> bool:

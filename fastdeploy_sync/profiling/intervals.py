@@ -25,6 +25,8 @@ than ``MIN_ROUNDS`` rounds there is no interval and every verdict is inconclusiv
 resampling is seeded: the same run gives the same intervals.
 """
 
+from typing import Optional
+
 import numpy as np
 
 __all__ = ["Bootstrap", "placement_blocks", "verdict", "pooled_median", "pooled_mean",
@@ -83,7 +85,7 @@ class Bootstrap:
     def has_intervals(self) -> bool:
         return self.rounds >= MIN_ROUNDS
 
-    def estimate(self, stat) -> float:
+    def estimate(self, stat) -> Optional[float]:
         value = float(np.asarray(stat(self.all_rounds), dtype=float)[0])
         return None if not np.isfinite(value) else value
 

@@ -396,7 +396,7 @@ def _run_segment(conn, spec, tp_size, tp_rank, tp_model, progress, kept) -> dict
     try:
         conn.send(("ready", None))
         _recv(conn, "go")
-        taken = []
+        taken: list = []
         warmup = 0 if load else IDLE_WARMUP_STEPS
         if warmup:  # every rank runs as many: their barriers pair up
             _run_steps(steps, tp_size, tp_rank, tp_model.idle, warmup, taken, progress)

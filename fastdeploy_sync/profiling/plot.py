@@ -103,7 +103,9 @@ def _ratio_text(fig):
     if fig is None or fig["value"] is None:
         return "-"
     i = fig["interval"]
-    end = (lambda v: "unbounded" if v is None else f"{v:.1f}")
+
+    def end(v):
+        return "unbounded" if v is None else f"{v:.1f}"
     return f"{fig['value']:.1f} x" + ("" if i is None else f" [{end(i[0])}, {end(i[1])}]")
 
 

@@ -87,7 +87,7 @@ def _line(r, modes) -> str:
     if on_cpu:
         where.append(f"{', '.join(on_cpu)} on the CPU")
     for kind, devices in on_gpu.items():
-        by_device = {}
+        by_device: dict = {}
         for rank, device in enumerate(devices):
             by_device.setdefault(device, []).append(str(rank))
         where.append(f"{kind} on a GPU: " + "; ".join(

@@ -14,16 +14,38 @@ import numpy as np
 
 from ..worker.step_profiler import SECTIONS, distribution_us
 from . import formatting as fmt
-from .contention import summarize as summarize_others, withhold_verdicts
+from .contention import summarize as summarize_others
+from .contention import withhold_verdicts
 from .headline import kind_headline
-from .intervals import (Bootstrap, LEVEL, MIN_ROUNDS, RESAMPLES, pooled_mean, pooled_median,
-                        ragged_median)
+from .intervals import (
+    LEVEL,
+    MIN_ROUNDS,
+    RESAMPLES,
+    Bootstrap,
+    pooled_mean,
+    pooled_median,
+    ragged_median,
+)
 from .options import REFERENCE
 from .regime import attach_notes, describe
-from .targets import (THRESHOLDS, count_verdicts, idle_targets, kind_targets, ratio_stat,
-                      reference_config, targets_for)
-from .vocabulary import (DEFINITIONS, DELIVERY_PARTS, DELIVERY_PART_WORDS, HOLDS_GIL, SCHEMA,
-                         SCHEMA_CHANGES, STEP_KIND_GIL)
+from .targets import (
+    THRESHOLDS,
+    count_verdicts,
+    idle_targets,
+    kind_targets,
+    ratio_stat,
+    reference_config,
+    targets_for,
+)
+from .vocabulary import (
+    DEFINITIONS,
+    DELIVERY_PART_WORDS,
+    DELIVERY_PARTS,
+    HOLDS_GIL,
+    SCHEMA,
+    SCHEMA_CHANGES,
+    STEP_KIND_GIL,
+)
 
 __all__ = ["summarize"]
 

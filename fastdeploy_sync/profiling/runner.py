@@ -24,7 +24,7 @@ from . import contention
 from .fd_baseline import remove_stale_flags
 from .intervals import placement_blocks
 from .loops import COLLECTIVE_SPIN_SHARED_US, COLLECTIVE_SPIN_US, engine_main, worker_main
-from .options import ProfileOptions, REFERENCE
+from .options import REFERENCE, ProfileOptions
 
 __all__ = ["ProfileOptions", "ProfileError", "run_profile", "collective_spin_us"]
 
@@ -182,6 +182,8 @@ def run_profile(options: ProfileOptions, progress_bar=None) -> dict:
         progress_bar.total = sum(steps for *_, steps in schedule)
         progress_bar.refresh()
     started = time.time()
+    # filled in by RunOptions.__post_init__
+    assert options.placements is not None and options.step_kinds is not None
     block_of = {r: b for b, rounds in enumerate(placement_blocks(options.rounds,
                                                                   options.placements))
                 for r in rounds}

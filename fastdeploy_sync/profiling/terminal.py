@@ -166,9 +166,10 @@ def _kind_tables(k, modes):
         th = cpu["prefetch_thread"]
         th = "-" if None in th else f"{max(th):.1f} %"
         eng = "-" if cpu["engine_process"] is None else f"{cpu['engine_process']:.1f} %"
+        bounds = x["delivery_boundaries"]
         out.append(f"  {mode:<11}{fmt.fig(x['delivery_p50_ms'], 'ms', 2):>32}"
                    f"{fmt.val(d['p99_ms'], 'ms', 2):>12}"
-                   f"{fmt.pct(x['delivery_boundaries']['share_first']) + ' / ' + fmt.num(x['delivery_boundaries']['mean'], 2):>21}"
+                   f"{fmt.pct(bounds['share_first']) + ' / ' + fmt.num(bounds['mean'], 2):>21}"
                    f"{eng + ' / ' + th:>38}{str(b['put']) + ' / ' + str(min(b['taken_per_rank'])):>21}"
                    f"{'yes' if x['ranks_agree'] else 'NO':>13}")
     return out

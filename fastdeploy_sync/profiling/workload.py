@@ -23,6 +23,7 @@ lists with ``tokens="list"``.
 """
 
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class ModelStep:
         self.kind, self.step_ms = kind, float(step_ms)
         self.rank, self.gpu_backend = rank, gpu_backend
         self.units = 1
-        self.unit_us = None
+        self.unit_us: Optional[float] = None  # calibrate() measures it
         self.fixed_us = 0.0  # the end of step's time (gpu: head and wait), from calibrate()
         self.device = None  # where the step runs, for the report (gpu: the device)
         self._finish = None

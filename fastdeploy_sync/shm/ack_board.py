@@ -21,6 +21,8 @@ would count them (and the ring it names would be the other engine's).
 """
 
 
+from typing import Any
+
 from .. import names
 from .order import load_acquire, store_release
 from .segment import OWNER_PID, Segment, create_reclaiming, unlink_segment
@@ -40,8 +42,9 @@ class AckBoard:
     """One handle on the board: the engine's (``create``) or a worker rank's (``attach``)."""
 
     def __init__(self, segment: Segment, tp_size: int, owner: bool):
-        self._seg = segment
-        self._view = segment.view
+        # both None once closed (a closed board is not used again: its owner dropped it)
+        self._seg: Any = segment
+        self._view: Any = segment.view
         self.tp_size = tp_size
         self._owner = owner
         self._slots = [BASE + r * STRIDE for r in range(tp_size)]

@@ -598,7 +598,7 @@ def published_rings(name: str, dp_id: int) -> list:
     another pid namespace that it cannot reach over the engine's socket either:
     ``shm.sealed``). Never blocks, but up to ``shm.memfd_server.FETCH_TIMEOUT_S`` per ring
     of an engine in another pid namespace."""
-    found = []
+    found: list = []
     try:
         entries = sorted(os.listdir(names.SHM_DIR))
     except OSError:

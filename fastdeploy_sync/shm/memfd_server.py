@@ -15,7 +15,8 @@ itself mode 0600; ``token`` is a random 63-bit number the creator writes into th
 so two creators in different pid namespaces (which may share a pid) never share a path.
 A killed process leaves its file behind, and no later process has its random name: a
 starting server removes such files (``_sweep_stale``: nobody listens, older than
-``STALE_AFTER_S``), as ``fastdeploy-sync clean`` does. One daemon thread polls the listening socket (and a pipe that stops it), accepts one
+``STALE_AFTER_S``), as ``fastdeploy-sync clean`` does. One daemon thread polls the
+listening socket (and a pipe that stops it), accepts one
 connection at a time and answers it within ``PEER_TIMEOUT_S``: it reads the peer's
 credentials (``SO_PEERCRED``) and closes a peer of another uid before sending anything;
 then it reads one request of exactly ``REQUEST_BYTES`` (a magic word and an anchor name,
@@ -48,8 +49,13 @@ import weakref
 
 from .. import envs, names
 from ..logs import RateLimitedLog
-from ..wire.endpoints import (check_ipc_endpoint, ipc_listener_alive, private_dir,
-                              secure_socket_file, unlink_quietly)
+from ..wire.endpoints import (
+    check_ipc_endpoint,
+    ipc_listener_alive,
+    private_dir,
+    secure_socket_file,
+    unlink_quietly,
+)
 
 __all__ = ["serve", "withdraw", "fetch", "socket_path", "served", "request", "REQUEST_BYTES",
            "PEER_TIMEOUT_S", "FETCH_TIMEOUT_S"]

@@ -87,7 +87,7 @@ def same_file(path: str, fd: int) -> bool:
 
 
 # Objects whose ownership a forked child must not inherit (see ``on_fork``).
-_OWNERS = weakref.WeakSet()
+_OWNERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def on_fork(owner) -> None:

@@ -63,6 +63,7 @@ import mmap
 import os
 import struct
 import threading
+from typing import Optional
 
 import numpy as np
 import xxhash
@@ -155,7 +156,7 @@ class SharedPayload:
 
     def __init__(self, name: str, size: int, fd: int):
         self.name, self.size = name, size
-        self._fd = fd
+        self._fd: Optional[int] = fd
         self._released = False
 
     @classmethod
@@ -183,9 +184,13 @@ class SharedPayload:
         if offset < 0 or offset + view.nbytes > self.size:
             raise ValueError(f"shared batch {self.name}: write of {view.nbytes} bytes at "
                              f"{offset} outside its {self.size} bytes")
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"shared batch {self.name}: write after seal() (its file is "
+                             f"closed); write every part before sealing")
         done = 0
         while done < view.nbytes:  # one write() moves at most ~2 GiB
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            done += os.pwrite(fd, view[done:], offset + done)
 
     def write_payload(self, parts) -> None:
         """Copy ``parts``' buffers (``codec.EncodedPayload``) to their offsets, then close
@@ -358,7 +363,7 @@ class PayloadReader:
     def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int):
         self.prefix = names.payload_prefix(name, dp_id)
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self._pools = collections.OrderedDict()  # name -> _PoolView
+        self._pools: collections.OrderedDict = collections.OrderedDict()  # name -> _PoolView
         self._pools_lock = threading.Lock()
 
     def decode(self, body, ref, check: int):
@@ -426,7 +431,7 @@ def reclaim_stale(name: str, dp_id: int) -> list:
     engine's, whatever pid it carries (pids are reused, and differ between pid
     namespaces). A pool or ring whose owner lock is held anyway is left alone, as are
     names of other uids (``shm.segment.reclaim_stale``). Returns the names removed."""
-    removed = []
+    removed: list = []
     try:
         entries = os.listdir(names.SHM_DIR)
     except OSError:

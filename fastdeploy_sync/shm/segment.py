@@ -22,12 +22,24 @@ import os
 import struct
 import time
 import weakref
+from typing import Optional
 
 import posix_ipc
 
 from ..names import shm_path
-from .ownership import (MODE, OWNER_LOCK, check_owner, close_quietly, is_own_file, lock_held,
-                        on_fork, remove_name, same_file, try_lock, unlock)
+from .ownership import (
+    MODE,
+    OWNER_LOCK,
+    check_owner,
+    close_quietly,
+    is_own_file,
+    lock_held,
+    on_fork,
+    remove_name,
+    same_file,
+    try_lock,
+    unlock,
+)
 from .semaphores import unlink_semaphore
 
 __all__ = ["Segment", "SegmentInUse", "SegmentNotReady", "OWNER_PID", "create_exclusive",
@@ -46,7 +58,7 @@ _CREATE_LOCK_WAIT_S = 1.0
 log = logging.getLogger(__name__)
 
 # Every Segment holding a descriptor, so that a forked child can close its copies.
-_WITH_FDS = weakref.WeakSet()
+_WITH_FDS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _open_lock_fd(name: str, shm_fd: int) -> int:
@@ -74,7 +86,7 @@ class Segment:
 
     def __init__(self, name: str, mapping: mmap.mmap, fd: int = -1, created: bool = False):
         self.name = name
-        self._mmap = mapping
+        self._mmap: Optional[mmap.mmap] = mapping
         self.view = memoryview(mapping).cast("q")
         self._fd = fd
         self._created = created  # made by Segment.create: this process is its owner
@@ -209,8 +221,10 @@ class Segment:
         """Map every page in now (``MADV_POPULATE_WRITE`` or ``_READ``, Linux 5.14+), so
         that no later write (or read) of the segment takes a page fault: for segments
         whose pages are touched on a latency-sensitive path. Best effort: a kernel without
-        it leaves the pages to fault in on first use."""
-        populate(self._mmap, write)
+        it leaves the pages to fault in on first use; nothing once closed (as ``populate``
+        on a closed mapping)."""
+        if self._mmap is not None:
+            populate(self._mmap, write)
 
     def read_words(self, first: int, count: int) -> tuple:
         """Words ``[first, first + count)`` of the segment's file, read with ``pread``

@@ -17,6 +17,7 @@ import signal
 import stat
 import threading
 import time
+from typing import Any
 
 import posix_ipc
 
@@ -174,7 +175,7 @@ def sem_wait(sem: "posix_ipc.Semaphore", timeout) -> bool:
         except posix_ipc.BusyError:
             return False
     deadline = None if timeout is None else time.monotonic() + timeout
-    mask = _MASK if threading.current_thread() is threading.main_thread() else None
+    mask: Any = _MASK if threading.current_thread() is threading.main_thread() else None
     blocked = saved = None
     while True:
         wait = None

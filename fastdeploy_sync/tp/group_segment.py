@@ -33,12 +33,31 @@ import posix_ipc
 from .. import names
 from ..errors import ClosedError, GroupInUseError, GroupLostError
 from ..shm.order import load_acquire, store_release
-from ..shm.segment import SegmentInUse, SegmentNotReady, attach_when_ready, create_reclaiming
-from ..shm.segment import reclaim_stale
+from ..shm.segment import (
+    SegmentInUse,
+    SegmentNotReady,
+    attach_when_ready,
+    create_reclaiming,
+    reclaim_stale,
+)
 from ..shm.semaphores import create_fresh_semaphore, open_semaphore, unlink_semaphore
-from .layout import (H_INCARNATION, H_MAGIC, H_OWNER_PID, H_READY, H_TP_SIZE, H_VERSION, MAGIC,
-                     MAX_TP, R_PID, RANK_BASE, RANK_STRIDE, VERSION, new_incarnation, rank_lock,
-                     segment_bytes)
+from .layout import (
+    H_INCARNATION,
+    H_MAGIC,
+    H_OWNER_PID,
+    H_READY,
+    H_TP_SIZE,
+    H_VERSION,
+    MAGIC,
+    MAX_TP,
+    R_PID,
+    RANK_BASE,
+    RANK_STRIDE,
+    VERSION,
+    new_incarnation,
+    rank_lock,
+    segment_bytes,
+)
 
 __all__ = ["GroupSegment"]
 
@@ -46,7 +65,7 @@ log = logging.getLogger(__name__)
 
 # (segment name, incarnation, rank) of every group this process has served: a new object
 # never joins one of them again (see the module docstring). Guarded by _JOINED_LOCK.
-_JOINED = set()
+_JOINED: set = set()
 _JOINED_LOCK = threading.Lock()
 
 
@@ -73,7 +92,7 @@ class GroupSegment:
         self.shm_name = names.group_segment(name, dp_id)
         self._sem_names = [names.group_semaphore(name, dp_id, r) for r in range(tp_size)]
         self._size = segment_bytes(tp_size)
-        self.sems = None
+        self.sems: list = []  # rank 0: created below; the others: when they attach
         if tp_rank == 0:
             self._seg = self._create()
             self.sems = [open_semaphore(n) for n in self._sem_names]

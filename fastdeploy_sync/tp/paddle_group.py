@@ -51,14 +51,15 @@ fleet's init) before building a TaskClient with ``coordinator="paddle"``.
 
 import hashlib
 import os
-
-import numpy as np
 import queue
 import re
 import secrets
 import socket
 import threading
 import time
+from typing import Optional
+
+import numpy as np
 
 from ..errors import BarrierTimeoutError, TaskSyncError
 from .protocol import NO_HOOKS
@@ -130,10 +131,10 @@ def locate_tp_group(key: int, tp_size: int, tp_rank: int, force: bool = False):
 
     world = dist.get_world_size()
     me = paddle.to_tensor([key, tp_rank, node_identity(), int(force)], dtype="int64")
-    gathered = []
+    gathered: list = []
     dist.all_gather(gathered, me)
     rows = [tuple(int(x) for x in t.numpy()) for t in gathered]
-    groups = {}
+    groups: dict = {}
     for world_rank, (k, r, node, forced) in enumerate(rows):
         groups.setdefault(k, []).append((r, world_rank, node, forced))
     mine = sorted(groups[key])
@@ -228,7 +229,7 @@ class PaddleTPGroup:
         self._track_consumed = bool(track_consumed)
         self._step_tensor = paddle.to_tensor([0, 0] if track_consumed else [0], dtype="int64")
         try:
-            self._step_view = np.from_dlpack(self._step_tensor)
+            self._step_view: Optional[np.ndarray] = np.from_dlpack(self._step_tensor)
         except Exception:  # a paddle or numpy without DLPack: a fresh tensor per step
             self._step_view = None
 

@@ -36,7 +36,7 @@ class WaitHooks(NamedTuple):
 
     service: Optional[Callable[[], None]] = None
     check: Optional[Callable[[], None]] = None
-    on_wait: Optional[Callable[[], None]] = None
+    on_wait: Optional[Callable[[], object]] = None  # its result is ignored
 
 
 NO_HOOKS = WaitHooks()
@@ -80,7 +80,7 @@ class TPGroup(Protocol):
     def all_consumed(self, seq: int) -> bool:
         """True once every rank has taken ``seq``."""
 
-    def barrier(self, timeout: float = None, hooks: WaitHooks = NO_HOOKS) -> None:
+    def barrier(self, timeout: Optional[float] = None, hooks: WaitHooks = NO_HOOKS) -> None:
         """Block until every rank has arrived at generation ``gen + 1``."""
 
     def publish_engine(self, engine: int) -> None:
@@ -105,5 +105,5 @@ class TPGroup(Protocol):
     def wake(self) -> None:
         """Wake this rank's waits early (thread-safe)."""
 
-    def close(self, timeout: float = None) -> bool:
+    def close(self, timeout: Optional[float] = None) -> bool:
         """Leave the group (any thread); True when everything was freed."""

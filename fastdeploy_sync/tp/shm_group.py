@@ -56,15 +56,30 @@ signal slice late.
 """
 
 import time
+from typing import Optional
 
 from .. import envs
 from ..errors import BarrierTimeoutError, ClosedError
 from ..shm.order import fence, store_release
 from ..shm.semaphores import sem_wait
 from .group_segment import GroupSegment
-from .layout import (D_FROM, D_GEN, D_STRIDE, D_TO, DECISION_RING, FAULT_LEFT, R_ARRIVED,
-                     R_ARRIVED_AT, R_CONSUMED, R_FAULT, R_RECEIVED, R_SLEEPING, R_WAITING,
-                     RANK_BASE, RANK_STRIDE)
+from .layout import (
+    D_FROM,
+    D_GEN,
+    D_STRIDE,
+    D_TO,
+    DECISION_RING,
+    FAULT_LEFT,
+    R_ARRIVED,
+    R_ARRIVED_AT,
+    R_CONSUMED,
+    R_FAULT,
+    R_RECEIVED,
+    R_SLEEPING,
+    R_WAITING,
+    RANK_BASE,
+    RANK_STRIDE,
+)
 from .peers import PeerWatch
 from .protocol import NO_HOOKS
 from .spin import FIRST_SPIN_S, SpinPolicy
@@ -109,7 +124,7 @@ class ShmTPGroup:
     spans_nodes = False
 
     def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int,
-                 attach_timeout: float = None, spin_us: float = None):
+                 attach_timeout: Optional[float] = None, spin_us: Optional[float] = None):
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.gen = 0  # barrier generations this rank has passed
@@ -352,7 +367,7 @@ class ShmTPGroup:
         thread just failed). Thread-safe; does nothing once the group is closed."""
         self._seg.post(self.tp_rank)
 
-    def barrier(self, timeout: float = None, hooks=NO_HOOKS) -> None:
+    def barrier(self, timeout: Optional[float] = None, hooks=NO_HOOKS) -> None:
         """Block until every rank of the group has called ``barrier()`` for this generation.
 
         Waits by spinning on shared memory (release at once when ranks arrive together),

@@ -29,6 +29,7 @@ asking: there the skew meets the loop's own sleep, not a waiting partner.
 import os
 import threading
 import time
+from typing import Optional
 
 __all__ = ["SpinPolicy", "FIRST_SPIN_S", "CHEAP_SPIN_US"]
 
@@ -98,7 +99,7 @@ class SpinPolicy:
         self.busy = False
         self._runq = _RunQueueWait()
         self._cpu_at = time.thread_time_ns()
-        self._runq_at = self._runq.read()
+        self._runq_at: Optional[int] = self._runq.read()
         self._wall_at = time.monotonic_ns()
 
     def may_spin(self, arrived_at: int, late: int) -> bool:

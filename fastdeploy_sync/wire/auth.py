@@ -39,6 +39,7 @@ import shutil
 import stat
 import tempfile
 import time
+from typing import Optional
 
 import zmq
 import zmq.auth
@@ -161,7 +162,7 @@ def _load(path: str, secret: bool):
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise AuthenticationError(missing_key_message(path, exc.strerror)) from None
+        raise AuthenticationError(missing_key_message(path, exc.strerror or str(exc))) from None
     if secret:
         if st.st_uid != os.geteuid():
             raise AuthenticationError(
@@ -378,7 +379,7 @@ def _public_key(path: str):
         return None
 
 
-def handshake_failure_message(event: int, endpoint: str, value: int = None,
+def handshake_failure_message(event: int, endpoint: str, value: Optional[int] = None,
                               keys=None) -> str:
     """A worker-facing explanation of a socket-monitor handshake failure on ``endpoint``:
     what this worker has, what the engine expects, and the file to copy. Never raises; reads

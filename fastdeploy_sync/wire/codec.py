@@ -40,6 +40,7 @@ import io
 import itertools
 import pickle
 import struct
+from typing import Optional
 
 import numpy as np
 import xxhash
@@ -352,7 +353,7 @@ class _CappedBody(io.BytesIO):
         return super().write(data)
 
 
-def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
+def encode_parts(obj, max_body_bytes: Optional[int] = None) -> EncodedPayload:
     """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
 
     The first half of ``encode_payload()``: the same checks and errors (``TypeError`` if
@@ -389,7 +390,7 @@ def encode_parts(obj, max_body_bytes: int = None) -> EncodedPayload:
     pickler.dispatch_table = _dispatch_table()
     try:
         pickler.dump(obj)
-    except _BodyTooLarge as exc:
+    except _BodyTooLarge:
         raise ValueError(
             f"task batch pickles to more than {cap} bytes (pickling stopped there), the "
             f"limit for its body (codec.MAX_BODY_BYTES, FD_SYNC_MAX_MESSAGE_MB); send token "

@@ -66,6 +66,7 @@ Nothing here runs on the step's critical path: the threads that ping are blocked
 
 import hashlib
 import time
+from typing import Optional
 
 import zmq
 
@@ -97,8 +98,8 @@ class Heartbeat:
 
     __slots__ = ("interval", "timeout", "stall_timeout")
 
-    def __init__(self, interval: float = None, timeout: float = None,
-                 stall_timeout: float = None):
+    def __init__(self, interval: Optional[float] = None, timeout: Optional[float] = None,
+                 stall_timeout: Optional[float] = None):
         self.interval = envs.heartbeat_interval_s() if interval is None else float(interval)
         self.timeout = envs.heartbeat_timeout_s() if timeout is None else float(timeout)
         self.stall_timeout = (envs.stall_timeout_s() if stall_timeout is None
@@ -147,7 +148,7 @@ class Heartbeat:
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(self.interval)))
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Heartbeat(interval={self.interval}, timeout={self.timeout}, "
                 f"stall_timeout={self.stall_timeout})")
 
@@ -174,12 +175,13 @@ class RankLink:
         self.rank = rank
         self.state = NEVER
         self.worker = 0  # the worker instance id that holds this rank (a secret: id_tag)
-        self.identity = None  # its data socket's ZeroMQ routing id, None when unreachable
-        self.since = None  # wall-clock time of the last state change
+        # its data socket's ZeroMQ routing id, None when unreachable
+        self.identity: Optional[bytes] = None
+        self.since: Optional[float] = None  # wall-clock time of the last state change
         self.last_heard = 0.0  # monotonic time of the last message from this worker
         self.sent = 0  # highest (global) seq sent to this rank's data socket
         self.reason = ""
-        self.gone_at = None  # monotonic time the engine saw the connection go
+        self.gone_at: Optional[float] = None  # monotonic time the engine saw the connection go
         self.probed_at = 0.0  # monotonic time of the last probe (a send that fails if gone)
 
     def connect(self, identity: bytes, worker: int, now: float) -> None:
@@ -191,7 +193,7 @@ class RankLink:
     def heard(self, now: float) -> None:
         self.last_heard = now
 
-    def disconnect(self, reason: str, now: float = None) -> None:
+    def disconnect(self, reason: str, now: Optional[float] = None) -> None:
         """The connection went away (or the rank is no longer served)."""
         if self.state == CONNECTED:
             self.state, self.since, self.reason = DISCONNECTED, time.time(), reason

@@ -40,6 +40,7 @@ import logging
 import os
 import secrets
 import threading
+from typing import Any, Optional
 
 from .. import envs
 from ..errors import ClosedError, EngineGoneError, EngineRejectedError, EngineUnreachableError
@@ -141,10 +142,11 @@ class TaskClient:
     """
 
     def __init__(self, name: str, tp_size: int, tp_rank: int, *, dp_id: int = 0,
-                 endpoint: str = None, async_prefetch: bool = None, coordinator=None,
-                 profile: bool = None, heartbeat: Heartbeat = None, keys_dir: str = None,
-                 insecure_tcp: bool = None, external_barrier: bool = False,
-                 connect_timeout: float = None):
+                 endpoint: Optional[str] = None, async_prefetch: Optional[bool] = None,
+                 coordinator: Any = None, profile: Optional[bool] = None,
+                 heartbeat: Optional[Heartbeat] = None, keys_dir: Optional[str] = None,
+                 insecure_tcp: Optional[bool] = None, external_barrier: bool = False,
+                 connect_timeout: Optional[float] = None) -> None:
         validate_name(name, dp_id)
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r}: expected an int >= 1")
@@ -172,7 +174,7 @@ class TaskClient:
         self._peers_welcomed = False  # event loop: every rank attached the ring (all_welcomed)
         self._closed = False
         self._closing = threading.Event()  # set at the start of close(): threads stop
-        self._counters = collections.Counter()
+        self._counters: collections.Counter = collections.Counter()
         path = ipc_path(self.endpoint)
         if path is not None:
             check_ipc_endpoint(path)  # never connect to a socket another user could own
@@ -201,7 +203,7 @@ class TaskClient:
         if not self.async_prefetch:
             self._receiver.send_hello()  # the event loop owns the data socket
         self._background.start(self.async_prefetch)
-        if profile:
+        if self.profiler is not None:
             self.profiler.attach(self)
         # after attach: wait_for_tasks' checks are the (timed) step calls
         self._idle = IdleWait(self.exist_tasks, self.async_prefetch, self._rings, self._slot,
@@ -306,7 +308,7 @@ class TaskClient:
                                f"is rank 0's; the other ranks wait in barrier()")
         return self._idle.wait(timeout)
 
-    def barrier(self, timeout: float = None) -> None:
+    def barrier(self, timeout: Optional[float] = None) -> None:
         """Block until every rank of the group has reached this step's barrier.
 
         Node-local shared memory: spins (up to ``FD_SYNC_BARRIER_SPIN_US``) only while the
@@ -336,7 +338,7 @@ class TaskClient:
             self._group.publish_received(ring.ready_upto(self._slot.taken, self._own_received))
         self._group_barrier(timeout, self._hooks)
 
-    def get_tasks(self):
+    def get_tasks(self) -> tuple[list, bool]:
         """Take this step's batches: ``(tasks, read_finished)``. Never blocks.
 
         ``tasks`` is the list of objects passed to ``put_tasks``, in put order: exactly the
@@ -406,7 +408,7 @@ class TaskClient:
             return 0
         return decision[1] - taken
 
-    def sync_step(self, timeout: float = None) -> list:
+    def sync_step(self, timeout: Optional[float] = None) -> list:
         """``exist_tasks()`` on rank 0, ``barrier(timeout)``, ``get_tasks()``: the batches this
         step takes, identical on every rank (``[]`` if none). Blocks only in the barrier."""
         if self.tp_rank == 0:
@@ -433,7 +435,7 @@ class TaskClient:
                    engine_silent_s=round(self._watch.silent_s(), 3))
         return out
 
-    def prefetch_cpu_seconds(self) -> float:
+    def prefetch_cpu_seconds(self) -> Optional[float]:
         """CPU time the background threads of async mode (the socket's receiver and the
         ring's prefetch thread) have used so far (user + system), from their own thread
         clocks; None in sync mode or where the platform has no per-thread clock. A thread
@@ -466,9 +468,8 @@ class TaskClient:
         self._closed = True
         self._closing.set()
         prior = self._faults.close()  # before waking anyone: a woken step call raises this
-        profile_dir = envs.profile_dir() if self.profiler is not None else None
-        if profile_dir:
-            self._dump_profile(profile_dir)
+        if self.profiler is not None and (profile_dir := envs.profile_dir()):
+            self._dump_profile(self.profiler, profile_dir)
         self._background.stop()
         self._rings.stop()
         stopped = stop_threads((self._background.thread, self._rings.thread), _JOIN_S)
@@ -492,23 +493,23 @@ class TaskClient:
             self._rings.close()
         _unwire(self)
 
-    def __enter__(self):
+    def __enter__(self) -> "TaskClient":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _dump_profile(self, directory):
+    def _dump_profile(self, profiler: StepProfiler, directory: str) -> None:
         path = os.path.join(directory, f"fdsync-profile-{self.name}-dp{self.dp_id}-"
                                        f"r{self.tp_rank}-{os.getpid()}.json")
         try:
-            self.profiler.dump(path)
+            profiler.dump(path)
         except OSError as exc:  # a profile must never break the worker's shutdown
             log.error("TaskClient %s rank %d: could not write the step profile to %s: %s",
                       self.name, self.tp_rank, path, exc)
 
 
-def _unwire(client) -> None:
+def _unwire(client: TaskClient) -> None:
     """At the end of ``close()``: remove what refers back to ``client``, the profiler's
     wrappers (attributes of the instance) and the idle wait's check (its bound
     ``exist_tasks``); both raise ``ClosedError`` as before. Nothing of the client then refers

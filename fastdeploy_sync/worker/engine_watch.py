@@ -17,6 +17,7 @@ only ``engine`` and ``close_seq``.
 """
 
 import time
+from typing import Optional
 
 from ..errors import EngineGoneError, EngineUnreachableError
 from ..wire.endpoints import ipc_path
@@ -41,7 +42,7 @@ class EngineWatch:
         self.started = self.last_heard = time.monotonic()
         # When the watched connection went down, None while up or before the first
         # connection; whether any connection was ever made.
-        self.down_since = None
+        self.down_since: Optional[float] = None
         self.ever_connected = False
 
     def heard(self) -> None:

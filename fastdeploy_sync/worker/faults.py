@@ -18,8 +18,16 @@ will never arrive.
 
 import logging
 
-from ..errors import (BarrierTimeoutError, ClosedError, EngineClosedError, EngineGoneError,
-                      EngineRejectedError, EngineUnreachableError, GroupLostError, PrefetchError)
+from ..errors import (
+    BarrierTimeoutError,
+    ClosedError,
+    EngineClosedError,
+    EngineGoneError,
+    EngineRejectedError,
+    EngineUnreachableError,
+    GroupLostError,
+    PrefetchError,
+)
 from ..tp.layout import FAULT_LEFT
 
 __all__ = ["Faults"]

@@ -12,6 +12,7 @@ the wait, by where the batch comes from:
 
 import select
 import time
+from typing import Optional
 
 import zmq
 
@@ -80,7 +81,7 @@ class IdleWait:
             if exist_tasks():
                 return True
 
-    def _own_batch(self, need, deadline) -> bool:
+    def _own_batch(self, need, deadline) -> Optional[bool]:
         """Sync mode: this rank's own copy of batch ``need`` first, polling the data socket's
         descriptors (an OS-level poll touches no socket, so ``close()`` from another thread
         may close them meanwhile: the next check raises ``ClosedError``). True when a check

@@ -4,6 +4,7 @@ import contextlib
 
 from ..shm.payload import PayloadReader
 from ..tp.factory import make_group
+from ..tp.protocol import TPGroup
 from .acks import Acknowledger
 from .background import BackgroundThread
 from .connection import EngineConnection
@@ -22,6 +23,16 @@ class Parts:
 
     __slots__ = ("slot", "group", "watch", "faults", "rings", "connection", "acks", "receiver",
                  "taker", "background")
+    slot: LocalSlot
+    group: TPGroup
+    watch: EngineWatch
+    faults: Faults
+    rings: RingPrefetch
+    connection: EngineConnection
+    acks: Acknowledger
+    receiver: Receiver
+    taker: Taker
+    background: BackgroundThread
 
 
 def assemble(client, coordinator, auth, node_local: bool, closing, counters) -> Parts:

@@ -20,8 +20,15 @@ import time
 
 import zmq
 
-from ..errors import (AuthenticationError, ClosedError, EngineClosedError, EngineGoneError,
-                      EngineRejectedError, GroupLostError, ProtocolError)
+from ..errors import (
+    AuthenticationError,
+    ClosedError,
+    EngineClosedError,
+    EngineGoneError,
+    EngineRejectedError,
+    GroupLostError,
+    ProtocolError,
+)
 from ..logs import RateLimitedLog
 from ..wire import codec
 from ..wire.auth import HANDSHAKE_FAILED_EVENTS, handshake_failure_message

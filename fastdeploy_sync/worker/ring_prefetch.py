@@ -11,6 +11,7 @@ decodes after the event loop claimed a batch is dropped (``LocalSlot.hold``).
 
 import threading
 import time
+from typing import Optional
 
 from ..errors import ProtocolError
 from ..shm import batch_ring
@@ -45,9 +46,9 @@ class RingPrefetch:
         self._async = async_prefetch
         self._counters = counters
         self._fail = fail  # called with what stopped the thread
-        self.reader = None
+        self.reader: Optional[batch_ring.RingReader] = None
         self.words = None
-        self.thread = None
+        self.thread: Optional[threading.Thread] = None
         self.woke = threading.Event()
 
     def attach(self, epoch: int, engine_pid: int) -> None:

@@ -11,7 +11,8 @@ class LocalSlot:
 
     Lock invariant: ``held`` maps seq -> (decoded tasks, whether they were read through the
     large-batch pool) for seqs above ``taking`` that a background thread decoded ahead of
-    the event loop (socket batches; ring batches the prefetch thread pre-decoded); ``taking`` (written by the event loop, under the lock)
+    the event loop (socket batches; ring batches the prefetch thread pre-decoded); ``taking``
+    (written by the event loop, under the lock)
     only grows, and nothing at or below it is added. ``received`` (the highest seq received
     over the socket, every earlier one that travelled over the socket received too) only
     grows and is written, with ``held``, under the lock by the socket's receiver.

@@ -23,6 +23,7 @@ import array
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -135,6 +136,7 @@ class StepProfiler:
             profiler._check_ns = profiler._barrier_ns = 0
             return result
 
+        wrapper: Any  # a function: its __wrapped__ is set below
         for wrapper, original in ((timed_exist_tasks, exist_tasks), (timed_barrier, barrier),
                                   (timed_get_tasks, get_tasks)):
             wrapper.__name__ = original.__name__
@@ -165,6 +167,7 @@ class StepProfiler:
         ``{"count", "window", "mean_us", "max_us", "step": {p50_us, p99_us, mean_us, max_us},
         "check": {...}, "barrier": {...}, "take": {...}}``: ``count``/``mean_us``/``max_us``
         over every step, the per-section figures over the last ``window`` steps."""
+        out: dict  # counts, figures, and a dict per section
         out = {"count": self.count, "window": min(self.count, self.capacity),
                "mean_us": self.total_ns / self.count / 1e3 if self.count else None,
                "max_us": self.max_ns / 1e3 if self.count else None}

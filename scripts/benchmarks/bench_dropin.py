@@ -23,7 +23,8 @@ node: shared-memory exist flag; its calls and round trips are FastDeploy's).
 Prints per mode p50/p99 over all steps and over steps that took a batch, the mean over all
 steps and the sum per step that took a batch (the whole cost, wherever a batch's receive
 and decode fell: a mode that decodes at the take and one that decodes a step earlier differ
-in "p50 batch", not here), and the ratios fd-manager / dropin measured in this run. These machines are noisy: compare ratios, and
+in "p50 batch", not here), and the ratios fd-manager / dropin measured in this run. These
+machines are noisy: compare ratios, and
 run it twice.
 """
 

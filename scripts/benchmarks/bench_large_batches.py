@@ -55,10 +55,10 @@ import uuid
 import numpy as np
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from fastdeploy_sync.wire import codec
-from fastdeploy_sync.shm.segment import Segment
 from fastdeploy_sync.names import group_segment as group_shm_name
+from fastdeploy_sync.shm.segment import Segment
 from fastdeploy_sync.tp.layout import R_RECEIVED, RANK_BASE, RANK_STRIDE
+from fastdeploy_sync.wire import codec
 
 MiB = 1 << 20
 SPAWN = multiprocessing.get_context("spawn")
@@ -396,7 +396,9 @@ def main():
         small_section(args)
     if args.huge:
         gib = 1024
-        huge = lambda: ([{"request_id": "huge", "features": np.ones(gib * MiB // 4, np.float32)}], 1)
+
+        def huge():
+            return [{"request_id": "huge", "features": np.ones(gib * MiB // 4, np.float32)}], 1
         os.environ["FD_SYNC_MAX_MESSAGE_MB"] = "2048"  # the socket path needs the room
         os.environ["FD_SYNC_HEARTBEAT_TIMEOUT"] = "60"  # see the module docstring
         modes = {"socket": MODES["socket"], "shm, segment": {},

@@ -82,7 +82,8 @@ def main():
     name = "scrape" + uuid.uuid4().hex[:6]
     out, stop = SPAWN.Queue(), SPAWN.Event()
     ids = np.arange(64 * 512, dtype=np.int64).reshape(64, 512)
-    print(f"status scrapes against a TP=2 group ({'tcp, CURVE' if args.tcp else 'ipc'}); engine puts 64 x 512 int64 batches at "
+    print(f"status scrapes against a TP=2 group ({'tcp, CURVE' if args.tcp else 'ipc'}); "
+          f"engine puts 64 x 512 int64 batches at "
           f"{args.rate:g}/s; {args.seconds:g} s per phase; {os.cpu_count()} cpus, load average "
           f"{os.getloadavg()[0]:.1f} at start")
     with TaskQueue(name, 2, endpoint=endpoint) as queue:

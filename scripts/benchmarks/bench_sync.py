@@ -25,18 +25,18 @@ compare the ratios printed in the same run. Nothing here asserts a timing.
 import argparse
 import contextlib
 import multiprocessing as mp
-import threading
 import os
 import random
 import sys
+import threading
 import time
 import uuid
 
 import numpy as np
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from fastdeploy_sync.wire import codec
 from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
+from fastdeploy_sync.wire import codec
 
 SPAWN = mp.get_context("spawn")
 ns = time.perf_counter_ns
@@ -307,7 +307,7 @@ def bench_take(iters):
     with FDManagerQueue(is_server=True, tp_size=1) as server, \
             FDManagerQueue(address=server.address, tp_size=1, tp_rank=0) as q:
         samples = []
-        for i in range(max(iters // 10, 100)):
+        for _ in range(max(iters // 10, 100)):
             server.put_tasks(batch, timeout=10)
             t0 = ns()
             if q.exist_tasks():
@@ -392,7 +392,8 @@ def bench_decode(iters=300):
     for label, as_list in (("numpy token ids (zero-copy frames)", False),
                            ("Python list token ids (pickled)", True)):
         frames = codec.encode_payload(make_requests(as_list=as_list))
-        rows[label] = (timed_calls(lambda: codec.decode_payload(frames), iters, 20), len(frames))
+        rows[label] = (timed_calls(lambda frames=frames: codec.decode_payload(frames), iters, 20),
+                       len(frames))
     return rows
 
 
@@ -630,7 +631,7 @@ def bench_delivery(n, tp=2, modes=DELIVERY_MODES):
         rng = random.Random(1)
         started = {label: {} for label in queues}
         returned = {label: {} for label in queues}
-        for i in range(n):
+        for _ in range(n):
             for label, queue in queues.items():
                 time.sleep(0.002 + rng.random() * 0.003)
                 t0 = ns()

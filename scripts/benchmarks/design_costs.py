@@ -67,6 +67,7 @@ def main():
 
     print("\nmemory order on a shared word (shm.order): the fence is two lock round trips")
     import threading
+
     from fastdeploy_sync.shm import order
     lock = threading.Lock()
 

@@ -131,7 +131,9 @@ def _fig(d):
     if not d:
         return "-"
     lo, hi = (d.get("interval") or [None, None])
-    fmt = (lambda v: "unbounded" if v is None else f"{v:,.3g}")
+
+    def fmt(v):
+        return "unbounded" if v is None else f"{v:,.3g}"
     return f"{fmt(d.get('value'))} [{fmt(lo)}, {fmt(hi)}]"
 
 

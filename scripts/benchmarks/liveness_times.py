@@ -37,9 +37,7 @@ import uuid
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 from engine_peers import hold_gil  # noqa: E402
-
-from fastdeploy_sync import (Heartbeat, PrefetchError, TaskClient, TaskQueue,  # noqa: E402
-                             TaskSyncError)
+from fastdeploy_sync import Heartbeat, PrefetchError, TaskClient, TaskQueue, TaskSyncError  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 

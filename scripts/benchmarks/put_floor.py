@@ -39,6 +39,7 @@ import posix_ipc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sync  # noqa: E402  (section 7's batch and delivery benchmark)
+
 from fastdeploy_sync.wire import codec  # noqa: E402
 
 SPAWN = mp.get_context("spawn")

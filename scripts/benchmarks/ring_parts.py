@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sync  # noqa: E402  (section 7's batch and its rank loop)
+
 from fastdeploy_sync import TaskClient, TaskQueue  # noqa: E402
 from fastdeploy_sync.engine import encoder as encoder_module  # noqa: E402
 from fastdeploy_sync.worker.background import threads_cpu_seconds  # noqa: E402

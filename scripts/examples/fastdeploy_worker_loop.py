@@ -56,7 +56,7 @@ def worker_main(port, tp, rank, dp_id, tp_barrier, exist_task_signal, step_ms, o
                     steps.append((step, STOP))
                     break
                 req_dicts = []
-                for req_dict, bsz in tasks:
+                for req_dict, _bsz in tasks:
                     req_dicts.extend(req_dict)
                 steps.append((step, tuple(r["request_id"] for r in req_dicts)))
             time.sleep(rng.uniform(0.5, 1.5) * step_ms / 1000)  # execute_model

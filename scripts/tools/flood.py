@@ -37,9 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
-from engine_peers import (PeakRSS, producer_endpoint_flooder, put_and_die,  # noqa: E402
-                          worker_key_flooder)
-
+from engine_peers import PeakRSS, producer_endpoint_flooder, put_and_die, worker_key_flooder  # noqa: E402
 from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError  # noqa: E402
 from fastdeploy_sync.wire.auth import create_keys  # noqa: E402
 

@@ -43,8 +43,8 @@ import time
 
 import numpy as np
 
-from fastdeploy_sync.wire import codec
 from fastdeploy_sync.errors import ProtocolError
+from fastdeploy_sync.wire import codec
 
 # Counter slots, int64 each, in a file the child updates and the supervisor reads (also
 # after the child died: the counts up to its last input survive it).

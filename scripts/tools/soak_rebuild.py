@@ -68,7 +68,6 @@ def worker(out, stop, rank, name, tp, seed, rebuild_every, async_prefetch):
     ("opened", rank, serial) when built, ("closed", rank, (serial, incarnation, steps,
     error)) when closed, steps being [(barrier count, [(id, life, index), ...]), ...]."""
     from fastdeploy_sync import Heartbeat, TaskClient, TaskSyncError
-
     from workers import _engine_cause
 
     os.environ["FD_SYNC_ATTACH_TIMEOUT"] = "3"

@@ -16,9 +16,8 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from fastdeploy_sync import TaskQueue
-from fastdeploy_sync.wire.auth import (ClientAuth, create_keys, handshake_failure_message,
-                                       ServerAuth)
 from fastdeploy_sync.errors import AuthenticationError
+from fastdeploy_sync.wire.auth import ClientAuth, ServerAuth, create_keys, handshake_failure_message
 
 RECV_MS = 3000
 # Bounds on a hang, not performance claims: a peer process started on a loaded machine may

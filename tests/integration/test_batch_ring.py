@@ -12,12 +12,10 @@ import time
 import numpy as np
 import pytest
 
+from conftest import TESTS
 from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue
 from fastdeploy_sync.shm.sealed import SealedSegment
-
 from workers import wait_until
-
-from conftest import TESTS
 
 
 def _take(client, timeout=10):

@@ -12,11 +12,9 @@ import time
 import posix_ipc
 import pytest
 
-from fastdeploy_sync import envs
-
-from workers import wait_until
-
 from conftest import TESTS, needs_pid_namespace
+from fastdeploy_sync import envs
+from workers import wait_until
 
 PROCS = os.path.join(TESTS, "cleanup_procs.py")
 

@@ -4,9 +4,11 @@ import os
 import subprocess
 import sys
 import threading
+
 import pytest
-from fastdeploy_sync import TaskQueue
+
 from conftest import SPAWN
+from fastdeploy_sync import TaskQueue
 from workers import collect, hold_group_rank, take_n_rank, wait_until
 
 

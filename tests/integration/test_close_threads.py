@@ -6,7 +6,6 @@ were closed under a waiter)."""
 import pytest
 
 from fastdeploy_sync import TaskQueue
-
 from workers import close_from_thread_rank, collect, idle_peer_rank
 
 CALLS = ["barrier", "wait_for_tasks", "sync_step", "exist_tasks", "get_tasks"]

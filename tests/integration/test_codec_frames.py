@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+
 import numpy as np
 import zmq
-from fastdeploy_sync.wire import codec
 
 from conftest import ROOT
-
+from fastdeploy_sync.wire import codec
 
 FUZZ = os.path.join(ROOT, "scripts", "tools", "fuzz_codec.py")
 

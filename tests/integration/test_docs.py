@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-
 from conftest import ROOT  # noqa: E402
 
 

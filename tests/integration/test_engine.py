@@ -5,16 +5,24 @@ import signal
 import socket
 import struct
 import time
+
 import numpy as np
 import pytest
 import zmq
+
+from conftest import SPAWN
+from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
 from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
 from fastdeploy_sync.wire.codec import ACK, pack_header
-from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
-from conftest import SPAWN
-from workers import (collect, hold_engine, hold_group_rank, make_batch, step_until_error_rank,
-                     take_n_rank, wait_until)
-
+from workers import (
+    collect,
+    hold_engine,
+    hold_group_rank,
+    make_batch,
+    step_until_error_rank,
+    take_n_rank,
+    wait_until,
+)
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
@@ -98,8 +106,8 @@ def test_second_engine_on_the_same_name_is_refused(name):
 
 
 def test_stale_ipc_file_of_a_crashed_engine_is_reclaimed(name):
-    from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path, private_dir
     from fastdeploy_sync import envs
+    from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path, private_dir
 
     private_dir(envs.ipc_dir())
     path = ipc_path(default_endpoint(name, 0))
@@ -199,7 +207,7 @@ def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, resul
 
 def test_a_bogus_value_on_the_ack_board_is_ignored(name):
     from fastdeploy_sync import TaskClient
-    from fastdeploy_sync.shm.ack_board import AckBoard, EPOCH_SHIFT
+    from fastdeploy_sync.shm.ack_board import EPOCH_SHIFT, AckBoard
 
     with TaskQueue(name, 1, max_inflight=1) as queue, TaskClient(name, 1, 0) as client:
         queue.put_tasks("a", timeout=1)
@@ -382,10 +390,9 @@ def test_a_batch_that_exits_when_decoded_cannot_kill_the_io_thread(name, socket_
     """The engine decodes a retired group's unfinished batches for GroupLost on its I/O
     thread; one that raises SystemExit there ended the thread silently (and every later
     batch was never sent)."""
+    from engine_peers import RawRank
     from fastdeploy_sync import Heartbeat, ProtocolError
     from fastdeploy_sync.wire.codec import DATA, decode_payload
-
-    from engine_peers import RawRank
 
     with TaskQueue(name, 1, heartbeat=Heartbeat(0.2, 1.0)) as queue:
         first = RawRank(queue.endpoint, name, 1, 0).join()
@@ -447,8 +454,15 @@ def test_a_producer_put_that_workers_would_refuse_is_refused(name, payload):
     """A PUT whose checksum matches its own bytes but which the workers' checks before
     unpickling would refuse (so that every rank would fail and the group be retired) is
     refused with P_INVALID before it is enqueued; the queue goes on."""
-    from fastdeploy_sync.wire.codec import (encode_payload, P_ACCEPTED, P_INVALID,
-                                            payload_checksum, PUT, PUT_REPLY, unpack_header)
+    from fastdeploy_sync.wire.codec import (
+        P_ACCEPTED,
+        P_INVALID,
+        PUT,
+        PUT_REPLY,
+        encode_payload,
+        payload_checksum,
+        unpack_header,
+    )
 
     with TaskQueue(name, 1) as queue:
         ctx = zmq.Context()
@@ -503,10 +517,9 @@ def test_close_before_any_worker_connected_waits_for_a_group_to_come_and_drain(
 def test_close_returns_at_once_when_the_served_group_has_gone(name, socket_delivery):
     """The group being served has no rank connected any more (its workers closed their
     sockets): close() does not wait for them, it returns what they did not take."""
+    from engine_peers import RawRank
     from fastdeploy_sync import Heartbeat
     from fastdeploy_sync.wire.codec import DATA
-
-    from engine_peers import RawRank
 
     queue = TaskQueue(name, 1, heartbeat=Heartbeat(1.0, 30.0))
     try:
@@ -531,7 +544,7 @@ def test_a_producer_told_busy_sends_again_within_its_timeout(name, procs, result
     import numpy as np
 
     from fastdeploy_sync import TaskProducer
-    from fastdeploy_sync.wire.codec import encode_payload, payload_checksum, PUT
+    from fastdeploy_sync.wire.codec import PUT, encode_payload, payload_checksum
 
     with TaskQueue(name, 1, max_inflight=1) as queue:
         queue.put_tasks("first", timeout=5)  # full

@@ -7,14 +7,15 @@ does in splitwise mode, never takes a rank and does not disturb the group."""
 import struct
 import threading
 import time
+
 import numpy as np
 import pytest
 import zmq
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
 from conftest import SPAWN
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 from fd_workers import cache_messager, side_channel_probe
-
 
 RESULT_TIMEOUT_S = 60
 

@@ -12,19 +12,23 @@ FastDeploy's queue tests (tests/inter_communicator/test_engine_worker_queue.py) 
     barriers, lock: tests/integration/test_fastdeploy_channels.py.
 """
 
-import threading
 import os
+import threading
 import time
 
 import pytest
 
-from fastdeploy_sync.errors import GroupLostError
-
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
 from conftest import SPAWN
-from fd_workers import (STOP, batch, ep_dp_engine_process, fd_engine_loop, fd_engine_process,
-                        fd_worker_loop)
+from fastdeploy_sync.errors import GroupLostError
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+from fd_workers import (
+    STOP,
+    batch,
+    ep_dp_engine_process,
+    fd_engine_loop,
+    fd_engine_process,
+    fd_worker_loop,
+)
 
 RESULT_TIMEOUT_S = 60
 

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
+from conftest import SPAWN
 from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
-from conftest import SPAWN
 from fd_loops import STOP, batches, idle_worker, wait_room
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -132,7 +131,7 @@ def test_threads_putting_together_keep_the_bound(name):
             start = threading.Barrier(8)
             accepted = []
 
-            def put(k):
+            def put(k, start=start, round_=round_, accepted=accepted):  # this round's, bound
                 start.wait(10)
                 try:
                     server.put_tasks([round_, k], timeout=0.3)

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from conftest import ROOT  # noqa: E402
+
 FAKE = {
     "fastdeploy/__init__.py": "",
     "fastdeploy/inter_communicator/__init__.py":

@@ -8,11 +8,17 @@ import threading
 
 import pytest
 
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
 from conftest import SPAWN
-from fd_loops import (ControlRequest, batches, check_group, engine_loop, ids_of, loop_worker,
-                      v0_engine_process)
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+from fd_loops import (
+    ControlRequest,
+    batches,
+    check_group,
+    engine_loop,
+    ids_of,
+    loop_worker,
+    v0_engine_process,
+)
 
 RESULT_TIMEOUT_S = 90
 

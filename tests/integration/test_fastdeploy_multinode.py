@@ -18,12 +18,10 @@ import threading
 
 import pytest
 
+from conftest import ROOT, TESTS
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
 from fd_loops import STOP, batches, engine_loop, ids_of
 from workers import free_ports
-
-from conftest import ROOT, TESTS
 
 HERE = TESTS  # fd_node_worker.py
 

@@ -13,9 +13,8 @@ import threading
 
 import pytest
 
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
 from conftest import SPAWN
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 
 RESULT_TIMEOUT_S = 90

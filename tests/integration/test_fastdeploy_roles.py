@@ -4,13 +4,11 @@ call, or say within a second that its role is undecided and how to decide it; no
 stall silently, and the server's ``cleanup()`` must reach every worker."""
 
 import threading
-import time
 
 import pytest
 
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
 from conftest import SPAWN
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 
 RESULT_TIMEOUT_S = 90

@@ -16,12 +16,11 @@ import time
 
 import pytest
 
+from engine_peers import endless_peer
 from fastdeploy_sync import envs
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fastdeploy_sync.fastdeploy.links import RemoteLink
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
-
-from engine_peers import endless_peer
 from fd_workers import barrier_messager
 
 RESULT_TIMEOUT_S = 60

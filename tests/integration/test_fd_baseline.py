@@ -116,8 +116,8 @@ def test_every_rank_gets_every_batch_once_in_order(start_method):
         # all_client_read is True for exactly one rank per batch, the last reader (STOP's
         # read included: it is recorded before the loop returns).
         lasts = [results[r][0][1] for r in range(TP_SIZE)]
-        assert all(len(l) == NUM_BATCHES + 1 for l in lasts), [len(l) for l in lasts]
-        per_batch = [sum(l[i] for l in lasts) for i in range(NUM_BATCHES + 1)]
+        assert all(len(flags) == NUM_BATCHES + 1 for flags in lasts), [len(f) for f in lasts]
+        per_batch = [sum(flags[i] for flags in lasts) for i in range(NUM_BATCHES + 1)]
         assert per_batch == [1] * (NUM_BATCHES + 1), per_batch
         # STOP was read by every rank: nothing is pending and the next put would not block.
         assert server.num_tasks() == 0

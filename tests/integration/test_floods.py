@@ -9,12 +9,9 @@ import os
 import signal
 import time
 
-
+from engine_peers import PeakRSS, producer_endpoint_flooder, put_and_die, worker_key_flooder
 from fastdeploy_sync import TaskQueue
 from fastdeploy_sync.wire.auth import create_keys
-
-from engine_peers import (PeakRSS, producer_endpoint_flooder, put_and_die,
-                          worker_key_flooder)
 from workers import collect, make_batch, step_until_error_rank, take_n_rank, wait_until
 
 # The engine's peak memory above where it stood before a flood (the batches in flight

@@ -16,7 +16,6 @@ import time
 import pytest
 
 from fastdeploy_sync import TaskQueue, envs
-
 from workers import free_ports
 
 # An engine that makes a pool (a 2 MiB batch), forks a child that sleeps (as a helper

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-
 from workers import _report_errors, collect
 
 STEP_MS = 3.0

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-
 from idle_workers import alternating_rank, wait_phases_rank
 from workers import check_consistency, collect, put_with_pauses
 

@@ -14,9 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from fastdeploy_sync.profiling.interruption import ThreadInterruption
-
 from conftest import TESTS
+from fastdeploy_sync.profiling.interruption import ThreadInterruption
 
 pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
                                 reason="needs Linux /proc/<pid>/task/<tid>/schedstat")

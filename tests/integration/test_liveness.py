@@ -14,9 +14,15 @@ import time
 import pytest
 
 from fastdeploy_sync import Heartbeat, TaskQueue
-
-from workers import (FAST_HEARTBEAT, collect, construct_rank, late_stepper_rank, serve_engine,
-                     step_until_error_rank, wait_until)
+from workers import (
+    FAST_HEARTBEAT,
+    collect,
+    construct_rank,
+    late_stepper_rank,
+    serve_engine,
+    step_until_error_rank,
+    wait_until,
+)
 
 HB = Heartbeat(*FAST_HEARTBEAT)
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
@@ -217,6 +223,7 @@ def test_a_new_group_waits_for_the_old_one_to_go(name, procs, results, doomed):
             # an operator's rm would (the library itself never takes a live owner's name,
             # and a stopped process is alive)
             import posix_ipc
+
             from fastdeploy_sync import names
             posix_ipc.unlink_shared_memory(names.group_segment(name, 0))
             for rank in range(2):
@@ -379,9 +386,8 @@ def test_bye_retires_the_group_at_once_and_close_returns_at_once(name, socket_de
     """Both ranks close cleanly (BYE, then their sockets) with a batch in flight: the
     engine retires the group at once (handing the batch back) and close(timeout=5)
     returns at once (it waited out the timeout, the group looking connected)."""
-    from fastdeploy_sync.wire.codec import DATA
-
     from engine_peers import RawRank
+    from fastdeploy_sync.wire.codec import DATA
 
     queue = TaskQueue(name, 2, heartbeat=Heartbeat(1.0, 3.0))
     try:
@@ -436,8 +442,8 @@ def test_a_batch_slower_to_cross_than_the_timeout_reaches_its_rank(name, loopbac
     liveness rules leave the rank its place, and the batch arrives whole."""
     import numpy as np
 
-    from fastdeploy_sync.wire.codec import DATA, decode_payload
     from engine_peers import RawRank, SlowRelay
+    from fastdeploy_sync.wire.codec import DATA, decode_payload
 
     slow = Heartbeat(0.5, 2.0)
     with TaskQueue(name, 1, endpoint="tcp://127.0.0.1:0", heartbeat=slow) as queue:

@@ -11,12 +11,17 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from conftest import SPAWN  # noqa: E402
 from fastdeploy_sync import Heartbeat, TaskQueue  # noqa: E402
 from fastdeploy_sync.metrics import register  # noqa: E402
-
-from conftest import SPAWN  # noqa: E402
-from workers import (FAST_HEARTBEAT, collect, construct_and_exit, step_until_error_rank,  # noqa: E402
-                     take_n_rank, wait_until)
+from workers import (  # noqa: E402
+    FAST_HEARTBEAT,
+    collect,
+    construct_and_exit,
+    step_until_error_rank,
+    take_n_rank,
+    wait_until,
+)
 
 
 def scrape(registry):

@@ -65,7 +65,6 @@ import numpy as np  # noqa: E402
 
 from fastdeploy_sync import TaskQueue  # noqa: E402
 from fastdeploy_sync.wire.auth import create_keys  # noqa: E402
-
 from workers import collect, free_ports, take_n_rank  # noqa: E402
 
 

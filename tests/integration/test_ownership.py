@@ -10,14 +10,13 @@ import textwrap
 
 import pytest
 
+from conftest import SPAWN, needs_pid_namespace
 from fastdeploy_sync import BarrierTimeoutError, TaskQueue
 from fastdeploy_sync.names import ack_board as ack_board_name
 from fastdeploy_sync.names import group_segment as group_shm_name
 from fastdeploy_sync.shm.segment import OWNER_PID, Segment, owner_alive
 from fastdeploy_sync.tp.layout import R_PID, RANK_BASE, RANK_STRIDE
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
-
-from conftest import SPAWN, needs_pid_namespace
 from workers import collect, hold_engine, hold_group_rank
 
 

@@ -14,9 +14,7 @@ import time
 import pytest
 
 from fastdeploy_sync import TaskQueue
-
-from workers import (check_consistency, collect, free_ports, paddle_consistency_rank,
-                     put_with_pauses)
+from workers import check_consistency, collect, free_ports, paddle_consistency_rank, put_with_pauses
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("paddle") is None,
                                 reason="paddlepaddle is not installed")

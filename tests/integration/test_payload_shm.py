@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue
+from conftest import SPAWN
+from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue, names
 from fastdeploy_sync.engine import encoder as batch_encoder
-from fastdeploy_sync import names
 from fastdeploy_sync.shm import payload as payload_shm
 from fastdeploy_sync.shm.pool import PayloadPool
 from fastdeploy_sync.wire import codec
-
-from conftest import SPAWN
 from workers import _report_errors, collect, wait_until
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
@@ -648,7 +646,7 @@ def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_thr
             queue.put_tasks(make_batch(i), timeout=30)
         taken = collect(results, "taken", 2)
     assert len(seen) == 2 and all((h != 0) == hashed for h in seen), seen
-    for rank, (batches, shared) in taken.items():
+    for batches, shared in taken.values():
         assert batches == [expected(i) for i in range(4)] and shared == 2
 
 

@@ -4,9 +4,8 @@ import time
 
 import pytest
 
-from fastdeploy_sync import TaskQueue
-
 from conftest import SPAWN
+from fastdeploy_sync import TaskQueue
 from workers import collect, peer_receiving_rank
 
 
@@ -16,7 +15,8 @@ def test_the_step_takes_a_batch_a_peer_is_receiving_when_rank_0_checks(name, pro
                                                                         async_prefetch,
                                                                         monkeypatch,
                                                                         socket_delivery):
-    """Batches over the socket (a tcp engine, or a batch that fit no ring slot). Before: rank 0's check saw its peer lacking the batch, latched nothing and went to
+    """Batches over the socket (a tcp engine, or a batch that fit no ring slot). Before: rank
+    0's check saw its peer lacking the batch, latched nothing and went to
     the barrier, where it waited for that peer anyway (the peer was receiving the batch
     before arriving); the batch waited for the next step. In the profile's loop with a
     GIL-holding step, whose peer receives only when its step blocks or ends, that made

@@ -2,25 +2,36 @@
 socket file is refused, never used or unlinked. CI runs as root, so "another user" is made
 with os.chown(path, 12345, 12345)."""
 
+import errno  # noqa: E402
 import os
 import socket
 import stat
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile
+import textwrap  # noqa: E402
+
 import posix_ipc
 import pytest
+
 from fastdeploy_sync import envs
 from fastdeploy_sync.engine.queue import TaskQueue
 from fastdeploy_sync.errors import EndpointInUseError
-from fastdeploy_sync.wire.endpoints import check_ipc_endpoint, claim_ipc_path, ipc_path, private_dir, secure_socket_file
 from fastdeploy_sync.shm.segment import Segment, reclaim_stale, segment_owner, unlink_segment
-from fastdeploy_sync.shm.semaphores import (check_semaphore_owner, create_semaphore,
-                                            open_semaphore, unlink_semaphore)
-import errno  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+from fastdeploy_sync.shm.semaphores import (
+    check_semaphore_owner,
+    create_semaphore,
+    open_semaphore,
+    unlink_semaphore,
+)
+from fastdeploy_sync.wire.endpoints import (
+    check_ipc_endpoint,
+    claim_ipc_path,
+    ipc_path,
+    private_dir,
+    secure_socket_file,
+)
 from fastdeploy_sync.wire.sockets import CLIENT_FDS
-
 
 OTHER = 12345
 

@@ -14,9 +14,10 @@ import os
 import re
 import subprocess
 import sys
-import pytest
-from fastdeploy_sync.envs import ipc_dir
 
+import pytest
+
+from fastdeploy_sync.envs import ipc_dir
 
 PROFILE = [sys.executable, "-m", "fastdeploy_sync.cli", "profile", "--no-progress"]
 

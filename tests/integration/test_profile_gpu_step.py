@@ -7,12 +7,11 @@ import importlib.util
 import os
 import subprocess
 import sys
+
 import numpy as np
 import pytest
 
-
 from conftest import ROOT  # noqa: E402
-
 
 HAS_PADDLE = importlib.util.find_spec("paddle") is not None
 

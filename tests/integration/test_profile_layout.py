@@ -8,9 +8,7 @@ import os
 import subprocess
 import sys
 
-
 from conftest import ROOT  # noqa: E402
-
 
 HEAVY = ("tqdm", "matplotlib", "paddle", "torch")
 

@@ -53,7 +53,6 @@ def test_a_group_split_across_engine_instances_takes_nothing(name, procs, result
     the new one took different batches under the same seqs; here, deterministically, two
     live engines): seqs are an engine's, so rank 0 must not latch, and every rank stops."""
     from fastdeploy_sync import TaskQueue
-
     from workers import step_until_error_rank
 
     with TaskQueue(name, 2, endpoint="tcp://127.0.0.1:0") as first, \

@@ -24,13 +24,12 @@ import uuid
 import numpy as np
 import pytest
 
+from conftest import ROOT, TESTS, needs_pid_namespace
 from fastdeploy_sync import TaskQueue, cleanup, names
 from fastdeploy_sync.shm import memfd_server
 from fastdeploy_sync.shm.sealed import SealedSegment, SealedUnreachable
 from fastdeploy_sync.shm.segment import Segment, unlink_segment
 from fastdeploy_sync.wire.endpoints import close_listeners
-
-from conftest import ROOT, TESTS, needs_pid_namespace
 from workers import wait_until
 
 

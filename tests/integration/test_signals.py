@@ -13,11 +13,9 @@ import time
 
 import pytest
 
-from fastdeploy_sync.tp.shm_group import ShmTPGroup
-
-from workers import collect, hold_group_rank
-
 from conftest import TESTS
+from fastdeploy_sync.tp.shm_group import ShmTPGroup
+from workers import collect, hold_group_rank
 
 PROCS = os.path.join(TESTS, "signal_procs.py")
 
@@ -156,7 +154,7 @@ def test_a_group_takes_every_batch_while_its_ranks_are_signalled(name, how):
         outs = [p.communicate(timeout=60) for p in ranks]
         codes = [p.returncode for p in ranks]
         assert codes == [0, 0], [(code, err[-3000:]) for code, (_, err) in zip(codes, outs)]
-        for p, (out, err) in zip(ranks, outs):
+        for out, err in outs:
             took, _, signals = out.strip().partition(" signals ")
             assert took == "took " + ",".join(map(str, range(n))), (took[:200], err)
             if how == "handler":

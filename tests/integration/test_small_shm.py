@@ -14,12 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from fastdeploy_sync.engine import encoder as batch_encoder
+from conftest import TESTS
 from fastdeploy_sync import names
+from fastdeploy_sync.engine import encoder as batch_encoder
 from fastdeploy_sync.shm import payload as payload_shm
 from fastdeploy_sync.shm.pool import PayloadPool
-
-from conftest import TESTS
 
 SCENARIO = os.path.join(TESTS, "small_shm_scenario.py")
 

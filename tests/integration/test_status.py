@@ -4,10 +4,9 @@ sockets; every wait is bounded."""
 
 import time
 
+from conftest import SPAWN, needs_pid_namespace
 from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.engine.queue import query_status
-
-from conftest import SPAWN, needs_pid_namespace
 from workers import _report_errors, collect, wait_until
 
 

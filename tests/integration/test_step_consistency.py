@@ -4,7 +4,6 @@ same batches, in put order, none lost and none twice, in async and sync mode."""
 import pytest
 
 from fastdeploy_sync import TaskQueue
-
 from workers import check_consistency, collect, consistency_rank, put_with_pauses
 
 

@@ -4,7 +4,9 @@ import glob
 import json
 import os
 import time
+
 import pytest
+
 from fastdeploy_sync import TaskClient, TaskQueue
 from workers import collect, profiled_rank
 

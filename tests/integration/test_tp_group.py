@@ -6,13 +6,12 @@ import signal
 
 import pytest
 
+from conftest import SPAWN
 from fastdeploy_sync import BarrierTimeoutError, GroupInUseError
+from fastdeploy_sync.names import group_segment as group_shm_name
 from fastdeploy_sync.shm.ownership import OWNER_LOCK
 from fastdeploy_sync.shm.segment import Segment
-from fastdeploy_sync.names import group_segment as group_shm_name
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
-
-from conftest import SPAWN
 from workers import barrier_once_rank, collect, hold_group_rank
 
 

@@ -21,10 +21,16 @@ import zmq.auth
 
 from fastdeploy_sync import AuthenticationError, Heartbeat, TaskClient, TaskQueue
 from fastdeploy_sync.wire import codec
-from fastdeploy_sync.wire.auth import CLIENT_SECRET, create_keys, SERVER_PUBLIC
-
-from workers import (FAST_HEARTBEAT, collect, construct_and_exit, make_batch,
-                     step_until_error_rank, take_n_rank, wait_until)
+from fastdeploy_sync.wire.auth import CLIENT_SECRET, SERVER_PUBLIC, create_keys
+from workers import (
+    FAST_HEARTBEAT,
+    collect,
+    construct_and_exit,
+    make_batch,
+    step_until_error_rank,
+    take_n_rank,
+    wait_until,
+)
 
 HB = Heartbeat(*FAST_HEARTBEAT)
 
@@ -289,8 +295,8 @@ def test_a_key_removed_from_the_allowlist_is_refused_within_seconds(name, keys, 
     """Revoking a worker key is deleting its file from allowed_clients/: new connections
     with it are refused within seconds, without restarting the engine (and a key copied in
     is admitted the same way). Connections are new ones each time (query_status)."""
-    from fastdeploy_sync.wire.auth import ALLOWLIST_DIR, CLIENT_PUBLIC
     from fastdeploy_sync.engine.queue import query_status
+    from fastdeploy_sync.wire.auth import ALLOWLIST_DIR, CLIENT_PUBLIC
 
     extra = create_keys(tmp_path / "extra")["dir"]
     worker_dir = tmp_path / "extra-worker"

@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
-
 from engine_peers import endless_peer
+from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 
 # An engine with a TP=1 rank in the same process: it puts a batch every 10 ms, the rank
 # takes them, and it prints "<anon RSS MiB> <batches taken>" every 0.1 s until killed.

@@ -1,14 +1,28 @@
 """TaskClient: failures are loud, idle costs nothing, payloads are zero-copy, misuse is caught."""
 
 import time
+
 import numpy as np
 import pytest
 import zmq
-from fastdeploy_sync import EngineClosedError, EngineRejectedError, PrefetchError, TaskClient, TaskQueue
-from fastdeploy_sync.wire import codec
-from workers import (Exploding, collect, failing_prefetch_rank, idle_rank, make_batch,
-                     scripted_rank, wait_until)
 
+from fastdeploy_sync import (
+    EngineClosedError,
+    EngineRejectedError,
+    PrefetchError,
+    TaskClient,
+    TaskQueue,
+)
+from fastdeploy_sync.wire import codec
+from workers import (
+    Exploding,
+    collect,
+    failing_prefetch_rank,
+    idle_rank,
+    make_batch,
+    scripted_rank,
+    wait_until,
+)
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 

@@ -7,7 +7,6 @@ import pytest
 
 import fastdeploy_sync
 from fastdeploy_sync import Heartbeat, TaskClient, TaskQueue
-
 from workers import collect, gil_hold_rank, wait_until
 
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])

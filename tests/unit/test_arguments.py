@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+
 from fastdeploy_sync import ProtocolError, TaskClient
 from fastdeploy_sync.wire import codec
-
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 

@@ -1,10 +1,12 @@
 """The wire format: encoding, decoding, bounds and checksums, in one process (no socket)."""
 
 import pickle
+
 import numpy as np
 import pytest
-from fastdeploy_sync.wire import codec
+
 from fastdeploy_sync.errors import ProtocolError
+from fastdeploy_sync.wire import codec
 
 
 def fastdeploy_batch(count=64, length=512):

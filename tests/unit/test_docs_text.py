@@ -2,9 +2,7 @@
 
 import os
 
-
 from conftest import ROOT  # noqa: E402
-
 
 README_MAX_LINES = 250
 

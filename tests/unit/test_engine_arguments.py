@@ -1,8 +1,8 @@
 """TaskQueue's arguments, refused before anything is made."""
 
 import pytest
-from fastdeploy_sync import TaskQueue
 
+from fastdeploy_sync import TaskQueue
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 

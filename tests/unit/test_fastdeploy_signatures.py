@@ -1,8 +1,8 @@
 """The drop-in's side-channel methods have FastDeploy's signatures."""
 
 import inspect
-from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
+from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 
 # FastDeploy's methods beyond the task path and their positional parameters
 FASTDEPLOY_METHODS = {

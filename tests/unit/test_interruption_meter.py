@@ -1,9 +1,10 @@
 """ThreadInterruption's bounded memory (no thread measured)."""
 
 import os
-import pytest
-from fastdeploy_sync.profiling.interruption import ThreadInterruption
 
+import pytest
+
+from fastdeploy_sync.profiling.interruption import ThreadInterruption
 
 pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
                                 reason="needs Linux /proc/<pid>/task/<tid>/schedstat")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fastdeploy_sync.wire.endpoints import default_endpoint, MAX_DP_ID, validate_name
+from fastdeploy_sync.wire.endpoints import MAX_DP_ID, default_endpoint, validate_name
 
 
 @pytest.mark.parametrize("bad", [

@@ -3,12 +3,20 @@
 import os
 import stat
 import tempfile
+
 import pytest
+
 from fastdeploy_sync import envs
 from fastdeploy_sync.engine.queue import TaskQueue
-from fastdeploy_sync.wire.endpoints import check_ipc_endpoint, check_private_dir, claim_ipc_path, default_endpoint, ipc_path, private_dir
+from fastdeploy_sync.wire.endpoints import (
+    check_ipc_endpoint,
+    check_private_dir,
+    claim_ipc_path,
+    default_endpoint,
+    ipc_path,
+    private_dir,
+)
 from fastdeploy_sync.wire.sockets import CLIENT_FDS, ensure_free_fds  # noqa: E402
-
 
 OTHER = 12345
 

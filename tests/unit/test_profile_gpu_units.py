@@ -1,11 +1,12 @@
 """The gpu step kind's units, layers and backend choice (a fake backend; torch on the CPU when it is installed)."""
 
 import importlib.util
+
 import pytest
+
 from fastdeploy_sync.profiling import gpu_step
 from fastdeploy_sync.profiling.gpu_step import DecodeShape, GpuUnavailable, resolve
 from fastdeploy_sync.profiling.workload import ModelStep
-
 
 TINY = DecodeShape(layers=2, hidden=32, heads=4, batch=4, kv_len=8, vocab=50)
 

@@ -3,9 +3,7 @@
 import ast
 import os
 
-
 from conftest import ROOT  # noqa: E402
-
 
 PACKAGE = os.path.join(ROOT, "fastdeploy_sync", "profiling")
 

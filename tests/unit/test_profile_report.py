@@ -3,6 +3,7 @@
 import json
 import re
 from dataclasses import asdict
+
 import numpy as np
 import pytest
 

@@ -2,8 +2,10 @@
 
 import json
 import time
+
 import numpy as np
 import pytest
+
 from fastdeploy_sync.worker.step_profiler import StepProfiler
 
 

@@ -40,7 +40,7 @@ _LOSES = {"S": "-S (no site: sitecustomize is not run)",
 _SHELLS = {"sh", "bash", "dash", "zsh", "ksh"}
 _SHELL_WRAPPERS = {"exec", "nohup", "setsid", "nice", "command"}
 _SHELL_SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
-_warned = set()  # (reason, command) already reported by this process
+_warned: set = set()  # (reason, command) already reported by this process
 _WARNED_MAX = 256
 
 

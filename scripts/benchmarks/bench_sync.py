@@ -280,7 +280,7 @@ def bench_take(iters):
                 if async_prefetch:  # wait outside the timed region until it is decoded
                     while client.stats()["held"] < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
-                elif client._rings.reader is not None:  # in the ring, not decoded
+                elif client._ring.reader is not None:  # in the ring, not decoded
                     while client.ready_count() < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
                 elif not client._conn.data.poll(10000):  # arrived in the socket, not yet received
@@ -555,7 +555,7 @@ def delivery_rank(name, tp, rank, n, out):
                                     or "ring" not in stats):  # (a version without rings)
                 break
             time.sleep(0.001)
-        ring = client._rings.reader
+        ring = client._ring.reader
         decode_times = []
         if ring is not None:
             decode = ring.decode

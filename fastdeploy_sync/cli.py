@@ -162,7 +162,7 @@ def _engine_status(endpoint, args) -> bool:
     """What the engine knows: every rank's state and watermark (any coordinator). Whatever
     the endpoint answers is checked (``query_status_isolated``) and printed escaped
     (``_text``)."""
-    from .engine.status import query_status_isolated
+    from .status_client import query_status_isolated
     from .errors import ProtocolError, TaskSyncError
 
     try:  # in a child: a peer's endless reply cannot make this process grow (see there)

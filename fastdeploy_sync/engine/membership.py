@@ -41,7 +41,8 @@ import time
 
 from ..errors import ProtocolError
 from ..wire import codec
-from ..wire.liveness import RankLink, id_tag
+from ..wire.liveness import id_tag
+from .rank_link import RankLink
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 

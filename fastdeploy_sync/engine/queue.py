@@ -42,11 +42,12 @@ from ..forks import refuse_calls
 from ..shm.ack_board import AckBoard
 from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
+from ..status_client import query_status  # public here too: engine.queue.__all__
 from ..wire import codec
 from ..wire.auth import ServerAuth
 from ..wire.endpoints import (claim_ipc_path, close_listeners, default_endpoint, ipc_path,
                               listener_address, secure_socket_file, unlink_quietly, validate_name)
-from ..wire.liveness import NEVER, Heartbeat, id_tag
+from ..wire.liveness import Heartbeat, id_tag
 from ..wire.sockets import (ENGINE_FDS, FdLimitHold, anon_rss_bytes, close_monitor,
                             ensure_free_fds, new_socket, open_monitor)
 from .encoder import BatchEncoder
@@ -58,7 +59,8 @@ from .outbox import Outbox
 from .peer_log import PeerLog
 from .producer import TaskProducer
 from .producer_endpoint import ProducerEndpoint
-from .status import StatusReply, query_status
+from .rank_link import NEVER
+from .status_reply import StatusReply
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status",
            "DELIVERY_BOUNDS_S", "RETIREMENT_KINDS"]

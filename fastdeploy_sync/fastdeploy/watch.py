@@ -6,7 +6,7 @@ import time
 
 from ..engine.queue import TaskQueue
 from ..errors import GroupLostError
-from ..wire.liveness import CONNECTED, DISCONNECTED
+from ..engine.rank_link import CONNECTED, DISCONNECTED
 
 __all__ = ["GroupWatch"]
 

@@ -29,6 +29,7 @@ LAYERS = (
     ("errors", "envs", "logs", "names", "version"),
     ("wire",),
     ("shm",),
+    ("status_client",),
     ("tp", "forks"),
     ("engine", "worker", "cleanup"),
     ("fastdeploy", "profiling", "metrics"),

@@ -274,8 +274,8 @@ def test_status_a_reply_abandoned_midway_is_named_even_when_the_memory_watch_nev
 # watcher kept off the CPU): only the asking child's cap and its peak memory remain. The
 # timeout lets a loaded machine's peer stream past the cap (or its 48 MiB) first: with 3 s
 # the ask timed out before, and said "no TaskQueue answered".
-_BLIND_STATUS = ("import sys; from fastdeploy_sync.engine import status; "
-                 "status.anon_rss_bytes = lambda: 0; from fastdeploy_sync import cli; "
+_BLIND_STATUS = ("import sys; from fastdeploy_sync import status_client; "
+                 "status_client.anon_rss_bytes = lambda: 0; from fastdeploy_sync import cli; "
                  "sys.exit(cli.main(['status', {name!r}, '--timeout', '20']))")
 
 

@@ -693,3 +693,18 @@ def free_ports(n):
             s.close()
         ports.append(port)
     return ports
+
+
+@_report_errors
+def shm_barrier_rank(out, rank, name, size, rounds):
+    """A ``ShmBarrier`` rank: passes it ``rounds`` times, reports each pass's
+    ``last_arrival_ns()`` as ("passed", rank, [ns, ...])."""
+    from fastdeploy_sync.tp import ShmBarrier
+
+    with ShmBarrier(name, size, rank) as barrier:
+        passed = []
+        for _ in range(rounds):
+            barrier.wait(timeout=30)
+            passed.append(barrier.last_arrival_ns())
+        out.put(("passed", rank, passed))
+        barrier.wait(timeout=30)  # every rank reported before any closes

@@ -12,7 +12,7 @@ import platform
 
 import numpy as np
 
-from ..worker.step_profiler import SECTIONS, distribution_us
+from ..worker.step_profiler import StepProfiler
 from . import formatting as fmt
 from .contention import summarize as summarize_others, withhold_verdicts
 from .headline import kind_headline
@@ -24,6 +24,9 @@ from .targets import (THRESHOLDS, count_verdicts, idle_targets, kind_targets, ra
                       reference_config, targets_for)
 from .vocabulary import (DEFINITIONS, DELIVERY_PARTS, DELIVERY_PART_WORDS, HOLDS_GIL, SCHEMA,
                          SCHEMA_CHANGES, STEP_KIND_GIL)
+
+# the step's parts and how a distribution is written: the public StepProfiler's
+SECTIONS, distribution_us = StepProfiler.SECTIONS, StepProfiler.distribution_us
 
 __all__ = ["summarize"]
 

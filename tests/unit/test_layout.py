@@ -53,3 +53,17 @@ def test_the_checks_find_each_kind_of_fault(tmp_path):
                for c in layout_check.circles(graph))
     assert [(m, what) for m, _, what in layout_check.private_reaches(mods)] == [
         ("fastdeploy_sync.wire.codec", "._secret")]
+
+
+def test_each_package_docstring_lists_every_module_it_holds():
+    """A reader starts at a package's ``__init__``: it names each of its modules (as
+    ``module``), so a module added or moved without a line there fails here."""
+    import ast
+
+    for package in ("shm", "tp", "engine", "worker", "profiling"):
+        base = os.path.join(ROOT, "fastdeploy_sync", package)
+        doc = ast.get_docstring(ast.parse(open(os.path.join(base, "__init__.py")).read()))
+        held = {f[:-3] for f in os.listdir(base) if f.endswith(".py") and f != "__init__.py"}
+        missing = sorted(m for m in held if f"``{m}``" not in doc)
+        assert not missing, f"fastdeploy_sync/{package}/__init__.py does not list {missing}"
+

@@ -33,7 +33,7 @@ LAYERS = (
     ("tp",),
     ("engine", "worker", "cleanup"),
     ("fastdeploy", "profiling", "metrics"),
-    ("cli", "__init__"),
+    ("cli", "__init__", "testing"),
 )
 
 

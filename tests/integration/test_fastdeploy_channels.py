@@ -12,7 +12,7 @@ import pytest
 import zmq
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from conftest import SPAWN
-from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
+from fastdeploy_sync.testing.fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 from fd_workers import cache_messager, side_channel_probe
 
 

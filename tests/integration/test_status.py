@@ -8,10 +8,11 @@ from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.engine.queue import query_status
 
 from conftest import SPAWN, needs_pid_namespace
-from workers import _report_errors, collect, wait_until
+from fastdeploy_sync.testing.processes import report_errors
+from workers import collect, wait_until
 
 
-@_report_errors
+@report_errors
 def connected_rank(out, rank, name, tp, leave):
     """Join the group, say so, stay until ``leave`` is set (at most 60 s), then close."""
     with TaskClient(name, tp, rank):

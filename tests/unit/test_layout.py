@@ -60,10 +60,17 @@ def test_each_package_docstring_lists_every_module_it_holds():
     ``module``), so a module added or moved without a line there fails here."""
     import ast
 
-    for package in ("shm", "tp", "engine", "worker", "profiling"):
+    for package in ("shm", "tp", "engine", "worker", "profiling", "testing"):
         base = os.path.join(ROOT, "fastdeploy_sync", package)
         doc = ast.get_docstring(ast.parse(open(os.path.join(base, "__init__.py")).read()))
         held = {f[:-3] for f in os.listdir(base) if f.endswith(".py") and f != "__init__.py"}
         missing = sorted(m for m in held if f"``{m}``" not in doc)
         assert not missing, f"fastdeploy_sync/{package}/__init__.py does not list {missing}"
+
+
+def test_the_library_never_imports_its_testing_package():
+    graph = layout_check.imports(layout_check.modules(ROOT))
+    testing = layout_check.PACKAGE + ".testing"
+    assert [(a, b) for a, targets in graph.items() for b in targets
+            if b.startswith(testing) and not a.startswith(testing)] == []
 

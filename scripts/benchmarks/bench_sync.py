@@ -20,6 +20,11 @@ Prometheus server scrapes every 15 s or so: a high rate magnifies the cost).
 Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
 manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
 compare the ratios printed in the same run. Nothing here asserts a timing.
+
+White-box benchmark: to split a step's time into its parts it wraps and reads the
+library's private members (a client's ring, receiver, connection, watch and group, the
+engine's outbox, a ShmTPGroup's words), which users never reach and which may change with
+any commit. scripts/tools/layout_check.py allows it (``WHITE_BOX``) and no other script.
 """
 
 import argparse

@@ -4,6 +4,10 @@ processes of their own (rank 0 in ``wait_for_tasks()``, rank 1 in the barrier), 
 64 x 512 batches 2-5 ms apart (as ``bench_sync.py`` section 7 and ``put_floor.py`` put
 them). Asserts nothing.
 
+White-box benchmark: it times the library's own parts by wrapping private members (the
+client's ring, its prefetch thread and background thread, the queue's encoder, ring and
+ledger); users never reach them. scripts/tools/layout_check.py allows it (``WHITE_BOX``).
+
 - ``put``: ``put_tasks()`` timed around the library's own calls (wall clock, p50): the
   pickling (``codec.encode_parts``), taking a slot (``allocate``), the copy into it
   (``write_inline``), the whole encode, the ledger (room, seq, publish), waking the ranks.

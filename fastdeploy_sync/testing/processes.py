@@ -19,6 +19,9 @@ __all__ = ["report_errors", "collect", "make_batch", "take_checked", "consistenc
 
 
 def report_errors(fn):
+    """Wrap a child process's body ``fn(out, rank, ...)``: what it raises is put on ``out``
+    as ``("error", rank, repr and traceback)`` (``collect`` raises it in the parent)
+    instead of being lost in the child's stderr. The wrapper never raises."""
     @functools.wraps(fn)  # keeps the qualified name, so spawn can pickle the wrapper
     def wrapper(out, rank, *args, **kwargs):
         try:

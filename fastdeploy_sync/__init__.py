@@ -12,6 +12,7 @@ from .errors import *  # noqa: F401,F403 -- the public exceptions: errors.__all_
 from .version import __version__  # noqa: F401
 from .wire.liveness import Heartbeat
 from .worker.client import TaskClient
+from .worker.step_profiler import StepProfiler
 
 __all__ = ["TaskQueue", "TaskClient", "TaskProducer", "GroupLost", "LostBatch", "Heartbeat",
-           *errors.__all__, "install_signal_cleanup"]
+           *errors.__all__, "install_signal_cleanup", "StepProfiler"]

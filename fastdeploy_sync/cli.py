@@ -162,8 +162,8 @@ def _engine_status(endpoint, args) -> bool:
     """What the engine knows: every rank's state and watermark (any coordinator). Whatever
     the endpoint answers is checked (``query_status_isolated``) and printed escaped
     (``_text``)."""
-    from .engine.status import query_status_isolated
     from .errors import ProtocolError, TaskSyncError
+    from .status_client import query_status_isolated
 
     try:  # in a child: a peer's endless reply cannot make this process grow (see there)
         st = query_status_isolated(endpoint, keys_dir=args.keys, timeout=args.timeout)

@@ -1,7 +1,7 @@
 """One TP rank of a FastDeploy worker group on a simulated node (run by
 tests/integration/test_fastdeploy_multinode.py inside its own mount and UTS namespace, with a private
 /dev/shm and /tmp): paddle.distributed over gloo on 127.0.0.1, the drop-in on a tcp
-address, FastDeploy's ``nnode > 1`` loop (tests/fd_loops.py, ``multi_node=True``) with
+address, FastDeploy's ``nnode > 1`` loop (testing/fd_loops.py, ``multi_node=True``) with
 ``paddle.distributed.barrier`` as the TP barrier.
 
     python3 tests/fd_node_worker.py '<json: see main()>'
@@ -19,7 +19,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fd_loops import ids_of, run_loop, sync_env  # noqa: E402
+from fastdeploy_sync.testing.fd_loops import ids_of, run_loop, sync_env  # noqa: E402
 
 
 class PaddleBarrier:

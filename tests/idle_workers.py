@@ -1,20 +1,21 @@
 """Worker-process bodies for tests/integration/test_idle_wait.py (module-level so that spawn can import
 them). Each reports ``(tag, rank, payload)`` to a multiprocessing queue; an exception is
-reported as ``("error", rank, repr)`` (see ``workers._report_errors``)."""
+reported as ``("error", rank, repr)`` (see ``fastdeploy_sync.testing.processes.report_errors``)."""
 
 import os
 import random
 import time
 
 from fastdeploy_sync import TaskClient
-from workers import _report_errors, take_checked
+from fastdeploy_sync.testing.processes import report_errors
+from workers import take_checked
 
 
 def _exception(exc):
     return type(exc).__name__, str(exc), time.monotonic()
 
 
-@_report_errors
+@report_errors
 def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
     """Three phases, in lockstep with the test:
 
@@ -61,7 +62,7 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
             out.put(("raised", rank, _exception(exc)))
 
 
-@_report_errors
+@report_errors
 def alternating_rank(out, rank, name, tp, n_batches, async_prefetch, seed, max_step_ms=2.0,
                      deadline_s=90.0):
     """``workers.consistency_rank`` with rank 0 alternating, step by step, between the

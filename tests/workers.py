@@ -1,78 +1,31 @@
 """Worker-process bodies for the tests (module-level so that spawn can import them).
 
 Each reports to a multiprocessing queue as ``(tag, rank, payload)``; an exception is
-reported as ``("error", rank, repr)`` rather than lost in a child's stderr.
+reported as ``("error", rank, repr)`` rather than lost in a child's stderr
+(``report_errors``). What the scripts use too is ``fastdeploy_sync.testing.processes``'s,
+imported here for the tests that take it from this module.
 """
 
-import functools
 import logging
 import os
 import random
 import socket
 import time
-import traceback
-import weakref
 
 from fastdeploy_sync import TaskClient, TaskQueue
+from fastdeploy_sync.testing.processes import (  # noqa: F401
+    check_consistency,
+    collect,
+    consistency_rank,
+    engine_cause,
+    make_batch,
+    put_with_pauses,
+    report_errors,
+    take_checked,
+)
 
 
-def _report_errors(fn):
-    @functools.wraps(fn)  # keeps the qualified name, so spawn can pickle the wrapper
-    def wrapper(out, rank, *args, **kwargs):
-        try:
-            fn(out, rank, *args, **kwargs)
-        except BaseException as exc:
-            out.put(("error", rank, f"{exc!r}\n{traceback.format_exc()}"))
-    return wrapper
-
-
-@_report_errors
-def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_every=0,
-                     max_step_ms=2.0, deadline_s=90.0, endpoint=None, coordinator=None):
-    """A FastDeploy-shaped loop with random step times.
-
-    Records, per barrier step, the batch ids taken. With ``skip_every`` > 0, every
-    ``skip_every``-th step calls exist_tasks() on rank 0 but no rank calls get_tasks()
-    (FastDeploy's loop does that when it is not ready to take), decided identically on
-    every rank from the step index.
-    """
-    rng = random.Random(seed * 1000 + rank)
-    steps = []  # (step index, [batch ids])
-    taken = 0
-    deadline = time.monotonic() + deadline_s
-    with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint,
-                    coordinator=coordinator) as client:
-        step = 0
-        while taken < n_batches:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches")
-            skip = skip_every and step % skip_every == skip_every - 1
-            if rank == 0:
-                client.exist_tasks()
-            client.barrier(timeout=30)
-            if not skip:
-                # a slow rank: the others may already be at the next step's check
-                if rng.random() < 0.2:
-                    time.sleep(rng.random() * max_step_ms / 1000)
-                ids = take_checked(client)
-                if ids:
-                    steps.append((step, ids))
-                    taken += len(ids)
-            time.sleep(rng.random() * max_step_ms / 1000)  # the model step
-            step += 1
-        out.put(("steps", rank, steps))
-
-
-def take_checked(client) -> list:
-    """``get_tasks()``, each batch checked against ``make_batch``; the batch ids taken."""
-    ids = []
-    for batch_id, tokens in client.get_tasks()[0]:
-        assert int(tokens[0]) == batch_id and len(tokens) == 64 + batch_id % 7
-        ids.append(batch_id)
-    return ids
-
-
-@_report_errors
+@report_errors
 def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=None,
                 deadline_s=60.0, leave=None):
     """sync_step() until n batches are taken; report the batches (as given) in order.
@@ -95,7 +48,7 @@ def take_n_rank(out, rank, name, tp, n_batches, async_prefetch=None, endpoint=No
             leave.wait(60)
 
 
-@_report_errors
+@report_errors
 def failing_prefetch_rank(out, rank, name, tp, async_prefetch, leave=None):
     """Steps until the client raised twice an error of its own; report the exception types
     and how often it logged. With ``leave`` (an Event), close only once it is set: a rank that closes early
@@ -128,7 +81,7 @@ def failing_prefetch_rank(out, rank, name, tp, async_prefetch, leave=None):
             leave.wait(30)
 
 
-@_report_errors
+@report_errors
 def idle_rank(out, rank, name, tp, seconds, leave=None):
     """Build a client, stay idle, report the prefetch thread's and process's CPU seconds.
     With ``leave`` (an Event), close only once it is set: a rank that closes first says
@@ -144,7 +97,7 @@ def idle_rank(out, rank, name, tp, seconds, leave=None):
             leave.wait(30)
 
 
-@_report_errors
+@report_errors
 def profiled_rank(out, rank, name, tp, n_batches, deadline_s=60.0):
     """A client built with no profile argument (FD_SYNC_PROFILE decides): steps until it has
     taken n batches, then reports the step count and the profiler's summary (None if off)."""
@@ -162,7 +115,7 @@ def profiled_rank(out, rank, name, tp, n_batches, deadline_s=60.0):
         out.put(("profiled", rank, (steps, None if profiler is None else profiler.summary())))
 
 
-@_report_errors
+@report_errors
 def hold_group_rank(out, rank, name, tp, seconds, leave=None):
     """Join the group, say so, then stay until killed or ``seconds`` pass (with ``leave``,
     an Event: until it is set, at most ``seconds``)."""
@@ -174,7 +127,7 @@ def hold_group_rank(out, rank, name, tp, seconds, leave=None):
             leave.wait(seconds)
 
 
-@_report_errors
+@report_errors
 def barrier_once_rank(out, rank, name, tp, delay_s, timeout):
     with TaskClient(name, tp, rank) as client:
         out.put(("ready", rank, os.getpid()))
@@ -183,7 +136,7 @@ def barrier_once_rank(out, rank, name, tp, delay_s, timeout):
         out.put(("passed", rank, None))
 
 
-@_report_errors
+@report_errors
 def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_wait_s):
     """TP=2. Rank 1 holds the GIL for ``hold_s`` (``holding.value`` set to 1 first: a raw
     shared int, because a multiprocessing Event's waiter is released only once the setter
@@ -221,52 +174,6 @@ def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_w
         out.put(("took", rank, (found, elapsed, tasks)))
 
 
-# Messages a collect() call received but did not ask for, per queue: a later collect()
-# for their tag gets them. Children report asynchronously (each through its own feeder
-# thread), so one rank's next-phase message can overtake another rank's current one.
-_SET_ASIDE = weakref.WeakKeyDictionary()
-
-
-def collect(queue, tag, count, timeout=60.0):
-    """Wait for ``count`` messages tagged ``tag``; return {rank: payload}.
-
-    Fails at once with the child's traceback if a child reported an error, and with a
-    clear message if the messages do not arrive within ``timeout`` seconds. Messages of
-    other tags are kept for a later ``collect()`` on the same queue, never dropped.
-    """
-    import queue as queue_mod
-
-    aside = _SET_ASIDE.setdefault(queue, [])
-    got = {}
-    for item in list(aside):
-        kind, rank, payload = item
-        if kind == tag and rank not in got and len(got) < count:
-            got[rank] = payload
-            aside.remove(item)
-    deadline = time.monotonic() + timeout
-    while len(got) < count:
-        remaining = deadline - time.monotonic()
-        try:
-            kind, rank, payload = queue.get(timeout=max(remaining, 0.01))
-        except queue_mod.Empty:
-            raise AssertionError(
-                f"waited {timeout}s for {count} {tag!r} messages, got {sorted(got)}") from None
-        if kind == "error":
-            raise AssertionError(f"rank {rank} failed: {payload}")
-        if kind == tag and rank not in got:
-            got[rank] = payload
-        else:
-            aside.append((kind, rank, payload))
-    return got
-
-
-def make_batch(batch_id):
-    """A batch whose content can be checked on arrival (see consistency_rank)."""
-    import numpy as np
-
-    return batch_id, np.arange(batch_id, batch_id + 64 + batch_id % 7, dtype=np.int64)
-
-
 def _explode():
     raise RuntimeError("this request cannot be rebuilt on the worker")
 
@@ -278,7 +185,7 @@ class Exploding:
         return _explode, ()
 
 
-@_report_errors
+@report_errors
 def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
     """Run ``steps`` barrier steps; skip get_tasks() on the given step indices. Report
     what was taken per step, or the first exception (type name and message)."""
@@ -301,7 +208,7 @@ def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
         out.put(("raised", rank, (None, "", taken)))
 
 
-@_report_errors
+@report_errors
 def hold_engine(out, rank, name, tp, seconds):
     """An engine that puts one batch, says so, then stays until killed."""
     with TaskQueue(name, tp) as queue:
@@ -310,25 +217,7 @@ def hold_engine(out, rank, name, tp, seconds):
         time.sleep(seconds)
 
 
-def put_with_pauses(queue, n, seed):
-    """Put batches 0..n-1; now and then the engine pauses for up to 10 ms."""
-    rng = random.Random(seed)
-    for i in range(n):
-        queue.put_tasks(make_batch(i), timeout=30)
-        if rng.random() < 0.05:  # the engine is busy elsewhere now and then
-            time.sleep(rng.random() * 0.01)
-
-
-def check_consistency(steps_by_rank, tp, n):
-    """Every rank took identical batches at identical steps, 0..n-1 in order, once each."""
-    reference = steps_by_rank[0]
-    for rank in range(1, tp):
-        assert steps_by_rank[rank] == reference, f"rank {rank} took different batches than rank 0"
-    flat = [batch_id for _, ids in reference for batch_id in ids]
-    assert flat == list(range(n)), "batches lost, duplicated or out of put order"
-
-
-@_report_errors
+@report_errors
 def paddle_consistency_rank(out, rank, endpoints, *args, **kwargs):
     """consistency_rank with the TP ranks coordinated by paddle.distributed (gloo, CPU)."""
     os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(len(endpoints)),
@@ -357,17 +246,7 @@ def wait_until(predicate, timeout=10.0):
 FAST_HEARTBEAT = (0.2, 1.0)  # interval, timeout (s): liveness tests stay short
 
 
-def _engine_cause(exc):
-    """The engine-side condition behind a step call's exception (async mode wraps it in
-    PrefetchError)."""
-    from fastdeploy_sync import PrefetchError
-
-    if isinstance(exc, PrefetchError) and exc.__cause__ is not None:
-        return exc.__cause__
-    return exc
-
-
-@_report_errors
+@report_errors
 def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=None,
                           report_after=0, deadline_s=60.0, heartbeat=FAST_HEARTBEAT,
                           retry_barrier_timeouts=False, leave=None):
@@ -396,7 +275,7 @@ def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=Non
                     barrier_retries += 1
                     time.sleep(0.01)
                     continue
-                cause = _engine_cause(exc)
+                cause = engine_cause(exc)
                 out.put(("raised", rank, dict(type=type(exc).__name__,
                                               cause=type(cause).__name__, message=str(cause),
                                               at=time.monotonic(), taken=taken,
@@ -412,7 +291,7 @@ def step_until_error_rank(out, rank, name, tp, async_prefetch=True, endpoint=Non
             time.sleep(0.001)
 
 
-@_report_errors
+@report_errors
 def serve_engine(out, rank, name, tp, n, endpoint=None, heartbeat=FAST_HEARTBEAT,
                  seconds=60.0):
     """An engine process: put batches 0..n-1, report ("served", 0, (pid, endpoint)), then
@@ -426,8 +305,8 @@ def serve_engine(out, rank, name, tp, n, endpoint=None, heartbeat=FAST_HEARTBEAT
         time.sleep(seconds)
 
 
-@_report_errors
-@_report_errors
+@report_errors
+@report_errors
 def construct_rank(out, rank, name, tp, heartbeat=FAST_HEARTBEAT):
     """Build a TaskClient and report whether that raised (type, message) or worked."""
     from fastdeploy_sync import Heartbeat, TaskSyncError
@@ -449,7 +328,7 @@ def construct_and_exit(out, name):
     client.close()
 
 
-@_report_errors
+@report_errors
 def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=FAST_HEARTBEAT,
                       leave=None):
     """Build the client, make no step call for ``idle_s`` (a model loading), then take
@@ -475,7 +354,7 @@ def late_stepper_rank(out, rank, name, tp, async_prefetch, idle_s, n, heartbeat=
 
 # -- rebuilds: a worker process that builds its client again ------------------------------
 
-@_report_errors
+@report_errors
 def storm_engine(out, life, name, tp, n, seed, seconds, heartbeat=FAST_HEARTBEAT):
     """One life of a restarting engine: put batches ``((life, i), tokens)`` at a random
     pace for ``seconds``, then close (unless the test kills it first). Batches no group
@@ -499,7 +378,7 @@ def storm_engine(out, life, name, tp, n, seed, seconds, heartbeat=FAST_HEARTBEAT
         queue.close(timeout=1)
 
 
-@_report_errors
+@report_errors
 def rebuild_storm_rank(out, rank, name, tp, seconds, seed, async_prefetch=True,
                        rebuild_p=0.002, cleanup_s=0.1, heartbeat=FAST_HEARTBEAT):
     """A worker process that, for ``seconds``, steps a FastDeploy-shaped loop and builds
@@ -542,7 +421,7 @@ def rebuild_storm_rank(out, rank, name, tp, seconds, seed, async_prefetch=True,
                     errors["rebuilt on purpose"] += 1
                     break
         except TaskSyncError as exc:
-            cause = _engine_cause(exc)
+            cause = engine_cause(exc)
             errors[type(cause).__name__] += 1
             if type(cause).__name__ == "ProtocolError":  # never expected: keep its words
                 errors[f"ProtocolError: {cause}"[:400]] += 1
@@ -576,7 +455,7 @@ def check_lives(lives_by_rank):
 
 # -- close() from another thread ------------------------------------------------------------
 
-@_report_errors
+@report_errors
 def close_from_thread_rank(out, rank, name, tp, call, async_prefetch, blocked_s=0.3):
     """Rank 0 with its event loop in a thread calling ``call`` ("barrier", "wait_for_tasks",
     "sync_step": blocking while the peer never steps; "exist_tasks", "get_tasks": in a
@@ -626,7 +505,7 @@ def close_from_thread_rank(out, rank, name, tp, call, async_prefetch, blocked_s=
     out.put(("closed", rank, (*raised[0], close_s, calls[0])))
 
 
-@_report_errors
+@report_errors
 def idle_peer_rank(out, rank, name, tp, seconds):
     """A peer that joins the group and never steps (so rank 0's barrier blocks)."""
     from fastdeploy_sync import Heartbeat
@@ -636,7 +515,7 @@ def idle_peer_rank(out, rank, name, tp, seconds):
         time.sleep(seconds)
 
 
-@_report_errors
+@report_errors
 def gil_hold_rank(out, rank, name, tp, async_prefetch, hold_s, heartbeat, n_after=2):
     """Take one batch, then hold the GIL for ``hold_s`` seconds in one C call (as a long
     numpy or compile step does: no Python thread of this process runs meanwhile), then take
@@ -694,3 +573,18 @@ def free_ports(n):
             s.close()
         ports.append(port)
     return ports
+
+
+@report_errors
+def shm_barrier_rank(out, rank, name, size, rounds):
+    """A ``ShmBarrier`` rank: passes it ``rounds`` times, reports each pass's
+    ``last_arrival_ns()`` as ("passed", rank, [ns, ...])."""
+    from fastdeploy_sync.tp import ShmBarrier
+
+    with ShmBarrier(name, size, rank) as barrier:
+        passed = []
+        for _ in range(rounds):
+            barrier.wait(timeout=30)
+            passed.append(barrier.last_arrival_ns())
+        out.put(("passed", rank, passed))
+        barrier.wait(timeout=30)  # every rank reported before any closes

@@ -29,7 +29,7 @@ import time
 
 from ..errors import ClosedError, ProtocolError, TaskSyncError
 from ..wire import codec
-from ..wire.liveness import CONNECTED, NEVER
+from .rank_link import CONNECTED, NEVER
 
 __all__ = ["Ledger", "DELIVERY_BOUNDS_S", "RETIREMENT_KINDS"]
 

@@ -42,7 +42,8 @@ from typing import Any, Optional
 
 from ..errors import ProtocolError
 from ..wire import codec
-from ..wire.liveness import Heartbeat, RankLink, id_tag
+from ..wire.liveness import Heartbeat, id_tag
+from .rank_link import RankLink
 
 __all__ = ["Group", "GroupLost", "LostBatch", "Membership"]
 

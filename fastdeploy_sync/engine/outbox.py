@@ -9,7 +9,7 @@ import logging
 import zmq
 
 from ..wire import codec
-from ..wire.liveness import RankLink
+from .rank_link import RankLink
 
 __all__ = ["Outbox"]
 

@@ -44,6 +44,7 @@ from ..forks import refuse_calls
 from ..shm.ack_board import AckBoard
 from ..shm.ownership import on_fork
 from ..shm.segment import unlink_segment
+from ..status_client import query_status  # public here too: engine.queue.__all__
 from ..wire import codec
 from ..wire.auth import ServerAuth
 from ..wire.endpoints import (
@@ -56,7 +57,7 @@ from ..wire.endpoints import (
     unlink_quietly,
     validate_name,
 )
-from ..wire.liveness import NEVER, Heartbeat, id_tag
+from ..wire.liveness import Heartbeat, id_tag
 from ..wire.sockets import (
     ENGINE_FDS,
     FdLimitHold,
@@ -75,7 +76,8 @@ from .outbox import Outbox
 from .peer_log import PeerLog
 from .producer import TaskProducer
 from .producer_endpoint import ProducerEndpoint
-from .status import StatusReply, query_status
+from .rank_link import NEVER
+from .status_reply import StatusReply
 
 __all__ = ["TaskQueue", "TaskProducer", "GroupLost", "LostBatch", "query_status",
            "DELIVERY_BOUNDS_S", "RETIREMENT_KINDS"]

@@ -12,7 +12,7 @@ FastDeploy's flag stays set after its ``clear_data()`` until the workers' next r
 import threading
 import time
 
-from ..wire.liveness import CONNECTED
+from ..engine.rank_link import CONNECTED
 from .clear import Clear
 
 __all__ = ["EngineSide", "queue_capacity"]

@@ -5,8 +5,8 @@ import threading
 import time
 
 from ..engine.queue import TaskQueue
+from ..engine.rank_link import CONNECTED, DISCONNECTED
 from ..errors import GroupLostError
-from ..wire.liveness import CONNECTED, DISCONNECTED
 
 __all__ = ["GroupWatch"]
 

@@ -18,6 +18,7 @@ Imports run one way: ``command`` (the CLI) -> ``runner`` -> ``loops`` -> the lib
                    queue, GIL wait and other, and its context switches
 ``loops``          the engine and worker processes: FastDeploy-shaped loops per mode
 ``runner``         starts the processes, runs paired interleaved rounds, collects raw results
+``contention``     what other processes took of the run's cores while a segment ran
 ``intervals``      bootstrap intervals over rounds and the verdict words they allow
 ``report``         the figures (JSON-ready) from the raw results
 ``headline``       the whole cost per step, against the FastDeploy-style queue

@@ -70,7 +70,7 @@ import traceback
 import numpy as np
 
 from ..engine.queue import TaskQueue
-from ..tp.shm_group import ShmTPGroup
+from ..tp import ShmBarrier
 from ..worker.client import TaskClient
 from ..worker.step_profiler import StepProfiler
 from .fd_baseline import FDManagerQueue
@@ -307,7 +307,7 @@ class TPModel:
         meter.end()
         t1 = now()
         if self.collective is not None:
-            self.collective.barrier(BARRIER_TIMEOUT_S)
+            self.collective.wait(BARRIER_TIMEOUT_S)
             # every rank leaves at one instant after the last arrival (module docstring)
             release = self.collective.last_arrival_ns() + COLLECTIVE_RELEASE_NS
             while time.monotonic_ns() < release:
@@ -346,8 +346,7 @@ def worker_main(conn, run_name, tp_size, tp_rank, step_kinds, step_ms, progress,
         models = {kind: ModelStep(kind, step_ms, rank=tp_rank, gpu_backend=gpu_backend)
                   for kind in step_kinds}
         if tp_size > 1:
-            collective = ShmTPGroup(f"{run_name}m", 0, tp_size, tp_rank,
-                                    spin_us=spin_us)
+            collective = ShmBarrier(f"{run_name}m", tp_size, tp_rank, spin_us=spin_us)
         conn.send(("calibrated", {kind: {**m.calibrate(), "cpus": cpus}
                                   for kind, m in models.items()}))
         _, units = _recv(conn, "units")

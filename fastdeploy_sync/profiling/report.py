@@ -12,7 +12,7 @@ import platform
 
 import numpy as np
 
-from ..worker.step_profiler import SECTIONS, distribution_us
+from ..worker.step_profiler import StepProfiler
 from . import formatting as fmt
 from .contention import summarize as summarize_others
 from .contention import withhold_verdicts
@@ -46,6 +46,9 @@ from .vocabulary import (
     SCHEMA_CHANGES,
     STEP_KIND_GIL,
 )
+
+# the step's parts and how a distribution is written: the public StepProfiler's
+SECTIONS, distribution_us = StepProfiler.SECTIONS, StepProfiler.distribution_us
 
 __all__ = ["summarize"]
 

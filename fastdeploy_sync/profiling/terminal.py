@@ -5,7 +5,7 @@ A mode is only ever a row label, never a column name; every time, share and rati
 its unit. ``vocabulary.DEFINITIONS`` (printed at the end) defines every figure.
 """
 
-from ..worker.step_profiler import SECTIONS
+from ..worker.step_profiler import StepProfiler
 from . import formatting as fmt
 from .intervals import LEVEL
 from .options import IDLE_WARMUP_STEPS, REFERENCE
@@ -116,7 +116,7 @@ def _kind_tables(k, modes):
     for mode in modes:
         x = m[mode]
         d, sec = x["critical_path_us"], x["critical_path_by_section_us"]
-        parts = " / ".join(fmt.num(sec[s]["p50_us"]) for s in SECTIONS) + " us"
+        parts = " / ".join(fmt.num(sec[s]["p50_us"]) for s in StepProfiler.SECTIONS) + " us"
         vs = x.get("critical_path_p50_vs_fd_manager")
         out.append(f"  {mode:<11}{fmt.fig(x['critical_path_p50_us'], 'us'):>32}"
                    f"{fmt.val(d['p99_us'], 'us'):>12}{fmt.val(d['mean_us'], 'us'):>12}"

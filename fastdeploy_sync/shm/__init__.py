@@ -1,5 +1,15 @@
-"""Node-local shared memory: who owns a name (``ownership``), segments (``segment``: the one
-helper that creates, attaches, proves ownership and reclaims), semaphores
-(``semaphores``), and what lives in them: the engine's ack board (``ack_board``), the
-worker group's batch ring (``batch_ring``), large batches and their pool (``payload``).
-Every name is made by ``fastdeploy_sync.names``."""
+"""Node-local shared memory. Every name is made by ``fastdeploy_sync.names``. Modules:
+
+``ownership``     who owns a name in ``/dev/shm``: owner locks, own-uid checks, fork
+``segment``       ``Segment``: the one way a segment is created, attached, proven owned, reclaimed
+``semaphores``    named semaphores: created 0600, owner-checked, waited on through signals
+``order``         release stores and acquire loads: every publication between processes
+``sealed``        memory nobody can shrink: a sealed memfd found through a named anchor
+``memfd_server``  this process's sealed memfds, handed over a unix socket to another pid namespace
+``room``          what ``/dev/shm`` may give a pool, a large batch or a ring now
+``ack_board``     the engine's ack board: what each rank consumed
+``batch_ring``    the worker group's batch ring: one write per node, every rank reads
+``payload``       large batches copied once per node: out-of-band buffers in shared memory
+``pool``          the engine's pool of reused shared memory for large batches
+``release``       a rank's release of a batch's memory, published when its last view is freed
+"""

@@ -35,7 +35,7 @@ class BackgroundThread:
         self.thread = None
 
     def start(self, async_prefetch: bool) -> None:
-        target = self._prefetch_main if async_prefetch else self._heartbeat_main
+        target = self._receiver_main if async_prefetch else self._heartbeat_main
         self.thread = threading.Thread(target=target, daemon=True, name=self._name)
         self.thread.start()
 
@@ -46,7 +46,7 @@ class BackgroundThread:
     def _fail(self, exc) -> None:
         self._faults.fail(exc, self._closing.is_set())
 
-    def _prefetch_main(self):
+    def _receiver_main(self):
         """Async mode: receive, decode, ping, watch the engine (module docstring)."""
         receiver, conn, watch = self._receiver, self._conn, self._watch
         poller = receiver.ready

@@ -53,7 +53,6 @@ from ..wire.sockets import CLIENT_FDS, ensure_free_fds
 from .background import stop_threads, threads_cpu_seconds
 from .idle_wait import IdleWait
 from .parts import assemble
-from .ring_prefetch import PUBLISHED
 from .step_profiler import StepProfiler
 
 __all__ = ["TaskClient"]
@@ -183,8 +182,8 @@ class TaskClient:
         ensure_free_fds(CLIENT_FDS, f"TaskClient rank {tp_rank} of {name!r} dp_id={dp_id}")
         p = assemble(self, coordinator, auth, path is not None, self._closing, self._counters)
         self._slot, self._group, self._watch, self._faults = p.slot, p.group, p.watch, p.faults
-        self._rings, self._conn, self._acks, self._receiver = (p.rings, p.connection, p.acks,
-                                                               p.receiver)
+        self._ring, self._conn, self._acks, self._receiver = (p.ring, p.connection, p.acks,
+                                                              p.receiver)
         self._taker, self._background = p.taker, p.background
         self.incarnation = p.group.incarnation
         # What the step calls read: the background thread's poll result for the data socket
@@ -206,7 +205,7 @@ class TaskClient:
         if self.profiler is not None:
             self.profiler.attach(self)
         # after attach: wait_for_tasks' checks are the (timed) step calls
-        self._idle = IdleWait(self.exist_tasks, self.async_prefetch, self._rings, self._slot,
+        self._idle = IdleWait(self.exist_tasks, self.async_prefetch, self._ring, self._slot,
                               self._group, self._faults, self._receiver, self._conn)
         who = f"TaskClient rank {tp_rank} of {name!r} dp_id={dp_id}"
         self._fork_guard = refuse_in_child(self, who, idle={"close": None})
@@ -240,14 +239,14 @@ class TaskClient:
         if self._data_ready[3]:  # sync: always; async: a batch woke the background thread
             self._receiver.receive_now() if not self.async_prefetch else self._receiver.drain()
         taken = self._slot.taken
-        words = self._rings.words
-        if words is not None:
+        published = self._ring.published()
+        if published >= 0:
             # the ring says what every rank of the node can take: no rank's thread needs to
             # have run (batches that travelled over the socket: once every rank received them)
-            if words[PUBLISHED] <= taken:
+            if published <= taken:
                 return False  # nothing published this rank has not taken: one read
             group = self._group
-            if (ring := self._rings.reader) is None:
+            if (ring := self._ring.reader) is None:
                 return False  # closed by another thread meanwhile: the next call raises
             if not self._peers_welcomed:
                 if not group.all_welcomed(self._watch.engine):
@@ -332,7 +331,7 @@ class TaskClient:
                 self._receiver.drain()
         else:
             self._receiver.receive_now()
-        ring = self._rings.reader
+        ring = self._ring.reader
         if ring is not None and self._spans_nodes:
             # across nodes every rank offers what it can take: the ring's part is a read
             self._group.publish_received(ring.ready_upto(self._slot.taken, self._own_received))
@@ -375,11 +374,11 @@ class TaskClient:
             faults.raise_error()
         if not self.async_prefetch:
             self._receiver.receive_now()
-        words, taken = self._rings.words, self._slot.taken
-        if words is not None:
-            if words[PUBLISHED] <= taken:
+        published, taken = self._ring.published(), self._slot.taken
+        if published >= 0:
+            if published <= taken:
                 return 0  # nothing published this rank has not taken: one read
-            ring = self._rings.reader  # None: closed by another thread meanwhile
+            ring = self._ring.reader  # None: closed by another thread meanwhile
             return ring.ready_upto(taken, self._own_received) - taken if ring else 0
         return self._slot.received - taken
 
@@ -391,7 +390,7 @@ class TaskClient:
         latched now would take (rank 0's view; with ``coordinator="paddle"`` this rank's
         own count, as ``exist_tasks()``). Shared-memory reads: never blocks, receives
         nothing, latches nothing, raises nothing."""
-        ring = self._rings.reader
+        ring = self._ring.reader
         taken = self._slot.taken
         if ring is not None:
             return ring.ready_upto(taken, self._group.min_received) - taken
@@ -421,7 +420,7 @@ class TaskClient:
         (``received``: the highest seq up to which this rank can take every batch, from
         the ring or received over the socket; ``taken``), and the ids this rank is bound
         to, for logs and tests."""
-        ring = self._rings.reader
+        ring = self._ring.reader
         received, held = self._slot.snapshot()
         out = dict(self._counters)
         taken = self._slot.taken
@@ -442,7 +441,7 @@ class TaskClient:
         blocked in poll or on its semaphore, as it should be while idle, adds nothing."""
         if not self.async_prefetch:
             return None
-        return threads_cpu_seconds((self._background.thread, self._rings.thread))
+        return threads_cpu_seconds((self._background.thread, self._ring.thread))
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -471,8 +470,8 @@ class TaskClient:
         if self.profiler is not None and (profile_dir := envs.profile_dir()):
             self._dump_profile(self.profiler, profile_dir)
         self._background.stop()
-        self._rings.stop()
-        stopped = stop_threads((self._background.thread, self._rings.thread), _JOIN_S)
+        self._ring.stop()
+        stopped = stop_threads((self._background.thread, self._ring.thread), _JOIN_S)
         if not stopped:
             log.error("TaskClient %s rank %d: background thread did not stop within 5 s; its "
                       "sockets are kept open until exit", self.name, self.tp_rank)
@@ -490,7 +489,7 @@ class TaskClient:
         self._conn.close(stopped, self._slot.taken if say_bye else None)
         self._acks.close()
         if stopped:  # the shared memory it reads: unmapped now, or with the last array
-            self._rings.close()
+            self._ring.close()
         _unwire(self)
 
     def __enter__(self) -> "TaskClient":

@@ -35,14 +35,14 @@ class IdleWait:
     """Rank 0's ``wait_for_tasks`` (``TaskClient`` documents the contract).
 
     ``exist_tasks``: the client's check (it receives in sync mode, latches, and raises what
-    the receivers learned); ``rings``, ``slot``, ``group``, ``faults``, ``receiver``,
+    the receivers learned); ``ring``, ``slot``, ``group``, ``faults``, ``receiver``,
     ``connection``: the client's collaborators."""
 
-    def __init__(self, exist_tasks, async_prefetch, rings, slot, group, faults, receiver,
+    def __init__(self, exist_tasks, async_prefetch, ring, slot, group, faults, receiver,
                  connection):
         self._exist_tasks = exist_tasks
         self._async = async_prefetch
-        self._rings, self._slot, self._group = rings, slot, group
+        self._ring, self._slot, self._group = ring, slot, group
         self._faults, self._receiver, self._conn = faults, receiver, connection
 
     def closed(self, check) -> None:
@@ -55,7 +55,7 @@ class IdleWait:
         exist_tasks = self._exist_tasks
         if exist_tasks():
             return True
-        if self._rings.reader is not None:
+        if self._ring.reader is not None:
             return self._wait_ring(deadline)
         need = self._slot.taken + 1
         if not self._async:
@@ -103,7 +103,7 @@ class IdleWait:
         """With a ring: async mode waits for the prefetch thread's wake-up (set after every
         post, error and close), sync mode on this rank's ring semaphore itself, receiving
         from the socket between waits."""
-        exist_tasks, rings = self._exist_tasks, self._rings
+        exist_tasks, ring = self._exist_tasks, self._ring
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -111,12 +111,12 @@ class IdleWait:
             if self._group.peer_fault() is not None:
                 return self._after_peer_fault(deadline)
             if self._async:
-                rings.woke.clear()
+                ring.woke.clear()
                 if exist_tasks():  # published between the last check and the clear
                     return True
-                rings.woke.wait(min(remaining, _RING_IDLE_CHECK_S))
+                ring.woke.wait(min(remaining, _RING_IDLE_CHECK_S))
             else:
-                reader = rings.reader
+                reader = ring.reader
                 if reader is None:  # closed by another thread: exist_tasks() raises
                     return exist_tasks()
                 reader.wait(min(remaining, _SYNC_RING_CHECK_S))

@@ -21,13 +21,13 @@ __all__ = ["Parts", "assemble"]
 class Parts:
     """The collaborators of one rank's client, each with one idea (``worker.client``)."""
 
-    __slots__ = ("slot", "group", "watch", "faults", "rings", "connection", "acks", "receiver",
+    __slots__ = ("slot", "group", "watch", "faults", "ring", "connection", "acks", "receiver",
                  "taker", "background")
     slot: LocalSlot
     group: TPGroup
     watch: EngineWatch
     faults: Faults
-    rings: RingPrefetch
+    ring: RingPrefetch
     connection: EngineConnection
     acks: Acknowledger
     receiver: Receiver
@@ -54,10 +54,10 @@ def assemble(client, coordinator, auth, node_local: bool, closing, counters) -> 
         faults = p.faults = Faults(who, label, client.endpoint, group, slot, watch,
                                    client.async_prefetch, wakers)
         payload_reader = PayloadReader(name, dp_id, tp_size, rank) if node_local else None
-        rings = p.rings = RingPrefetch(name, dp_id, tp_size, rank, slot, payload_reader,
+        ring = p.ring = RingPrefetch(name, dp_id, tp_size, rank, slot, payload_reader,
                                        closing, client.async_prefetch, counters,
                                        lambda exc: faults.fail(exc, closing.is_set()))
-        wakers.append(rings.woke.set)
+        wakers.append(ring.woke.set)
         conn = p.connection = EngineConnection(name, tp_size, rank, client.endpoint,
                                                client.heartbeat, auth, watch,
                                                group.incarnation, client.worker_id, closing)
@@ -65,11 +65,12 @@ def assemble(client, coordinator, auth, node_local: bool, closing, counters) -> 
         acks = p.acks = Acknowledger(conn, name, dp_id, tp_size, rank, node_local, counters)
         receiver = p.receiver = Receiver(
             who=who, client=label, tp_rank=rank, connection=conn, watch=watch, slot=slot,
-            faults=faults, group=group, acks=acks, rings=rings, payload_reader=payload_reader,
+            faults=faults, group=group, acks=acks, ring=ring, payload_reader=payload_reader,
             closing=closing, counters=counters)
         undo.callback(receiver.wake.close)
-        p.taker = Taker(rank, slot, rings, faults, group, acks, counters)
-        role = "prefetch" if client.async_prefetch else "heartbeat"
+        p.taker = Taker(rank, slot, ring, faults, group, acks, counters)
+        # async: it receives the socket (fdsync-receiver-); sync: it only pings and watches
+        role = "receiver" if client.async_prefetch else "heartbeat"
         p.background = BackgroundThread(f"fdsync-{role}-{name}-r{rank}", receiver, conn,
                                         watch, faults, client.heartbeat, closing)
         undo.pop_all()  # made: the client's close() frees it from now on

@@ -52,7 +52,7 @@ class Receiver:
 
     Collaborators: ``connection`` (sockets, ``recv_lock``, what a reply sends), ``watch``
     (the engine this rank is bound to), ``slot`` (where batches go), ``faults`` (what the
-    next step call raises), ``group`` (watermarks, engine instance), ``acks`` and ``rings``
+    next step call raises), ``group`` (watermarks, engine instance), ``acks`` and ``ring``
     (attached at the first WELCOME), ``payload_reader`` (large batches, or None for a
     ``tcp://`` engine), ``closing`` (an Event), ``counters``.
 
@@ -61,10 +61,10 @@ class Receiver:
     the event loop at once (``drain``)."""
 
     def __init__(self, *, who, client, tp_rank, connection, watch, slot, faults, group, acks,
-                 rings, payload_reader, closing, counters):
+                 ring, payload_reader, closing, counters):
         self._who, self._client, self._rank = who, client, tp_rank
         self._conn, self._watch, self._slot, self._faults = connection, watch, slot, faults
-        self._group, self._acks, self._rings = group, acks, rings
+        self._group, self._acks, self._ring = group, acks, ring
         self._payload_reader = payload_reader
         self._closing = closing
         self._counters = counters
@@ -258,7 +258,7 @@ class Receiver:
         elif kind == codec.WELCOME:
             board = self._acks.welcomed(header.aux, header.engine)
             if board is not None:
-                self._rings.attach(header.aux, board.owner_pid)
+                self._ring.attach(header.aux, board.owner_pid)
             if not watch.bound:
                 # after the ring, before any batch is published: rank 0 latches nothing
                 # until every rank's engine is written (tp all_welcomed)
@@ -286,7 +286,7 @@ class Receiver:
         if seq <= received or seq <= slot.taken:
             self._counters["duplicates"] += 1  # replayed after a reconnect
             return
-        if seq != received + 1 and not self._rings.covers(received + 1, seq):
+        if seq != received + 1 and not self._ring.covers(received + 1, seq):
             raise ProtocolError(f"rank {self._rank} received seq {seq} after "
                                 f"{received}: a batch was lost in transport")
         if len(frames) == 3:  # header, body, shared-memory reference (shm.payload)

@@ -66,8 +66,16 @@ class RingPrefetch:
         self.words = reader.words  # last: from here on the event loop reads the ring
         if self._async and not self._closing.is_set():
             self.thread = threading.Thread(target=self._main, daemon=True,
-                                           name=f"fdsync-prefetch-{self._name}-r{self._rank}")
+                                           name=f"fdsync-ring-{self._name}-r{self._rank}")
             self.thread.start()
+
+    def published(self) -> int:
+        """The last seq the engine published in the ring (the ring's ``published()``: one
+        read of its words, no call into the reader: the step checks it when nothing is new),
+        or -1 while no ring is attached (every batch then comes over the socket). Never
+        blocks, never raises; any thread."""
+        words = self.words
+        return -1 if words is None else words[PUBLISHED]
 
     def covers(self, first: int, end: int) -> bool:
         """True if every seq in [first, end) was taken already or is in the ring: only the

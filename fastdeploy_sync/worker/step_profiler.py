@@ -23,7 +23,7 @@ import array
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -47,6 +47,9 @@ class StepProfiler:
     from another thread may see a step half-written; call them from the loop, or accept
     that one step of the window may be torn.
     """
+
+    # The parts of a step, in order: ``summary()``'s and ``samples()``' keys.
+    SECTIONS = SECTIONS
 
     def __init__(self, capacity: int = 1 << 16):
         if not isinstance(capacity, int) or capacity < 1 or capacity & (capacity - 1):
@@ -84,7 +87,7 @@ class StepProfiler:
         self._folded_total_ns += int(step.sum())
         self._folded_max_ns = max(self._folded_max_ns, int(step.max()))
 
-    def _ring_step_ns(self, n=None):
+    def _ring_step_ns(self, n: Optional[int] = None) -> np.ndarray:
         """Per-step sums of the first ``n`` ring slots (all of them for None)."""
         check, barrier, take = (np.frombuffer(ring, dtype=np.int64)[:n] for ring in self._rings)
         return check + barrier + take
@@ -102,7 +105,7 @@ class StepProfiler:
         current = int(self._ring_step_ns(partial).max()) if partial else 0
         return max(self._folded_max_ns, current)
 
-    def attach(self, client) -> "StepProfiler":
+    def attach(self, client: Any) -> "StepProfiler":
         """Time ``client.exist_tasks``, ``barrier`` and ``get_tasks`` from now on.
 
         Replaces the three bound methods on this instance with timing wrappers (and so
@@ -117,18 +120,18 @@ class StepProfiler:
         record = self.record
         profiler = self
 
-        def timed_exist_tasks():
+        def timed_exist_tasks() -> bool:
             t0 = now()
             result = exist_tasks()
             profiler._check_ns += now() - t0
             return result
 
-        def timed_barrier(timeout=None):
+        def timed_barrier(timeout: Optional[float] = None) -> None:
             t0 = now()
             barrier(timeout)
             profiler._barrier_ns += now() - t0
 
-        def timed_get_tasks():
+        def timed_get_tasks() -> Any:
             t0 = now()
             result = get_tasks()
             take = now() - t0
@@ -188,13 +191,17 @@ class StepProfiler:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    @staticmethod
+    def distribution_us(values_ns: Any) -> dict:
+        """p50/p99/mean/max (microseconds) and count of an array of nanoseconds; the figures
+        are None for an empty array."""
+        values = np.asarray(values_ns, dtype=np.float64)
+        if values.size == 0:
+            return {"count": 0, "p50_us": None, "p99_us": None, "mean_us": None, "max_us": None}
+        p50, p99 = np.percentile(values, [50, 99]) / 1e3
+        return {"count": int(values.size), "p50_us": float(p50), "p99_us": float(p99),
+                "mean_us": float(values.mean() / 1e3), "max_us": float(values.max() / 1e3)}
 
-def distribution_us(values_ns) -> dict:
-    """p50/p99/mean/max (microseconds) and count of an array of nanoseconds; the figures
-    are None for an empty array."""
-    values = np.asarray(values_ns, dtype=np.float64)
-    if values.size == 0:
-        return {"count": 0, "p50_us": None, "p99_us": None, "mean_us": None, "max_us": None}
-    p50, p99 = np.percentile(values, [50, 99]) / 1e3
-    return {"count": int(values.size), "p50_us": float(p50), "p99_us": float(p99),
-            "mean_us": float(values.mean() / 1e3), "max_us": float(values.max() / 1e3)}
+
+# the module's name for it, as before
+distribution_us = StepProfiler.distribution_us

@@ -9,13 +9,13 @@ __all__ = ["Taker"]
 
 class Taker:
     """``take(from_seq, to_seq)``: the event loop's half of ``get_tasks()`` (event loop
-    only). Collaborators: ``slot`` (what background threads decoded), ``rings`` (the ring,
+    only). Collaborators: ``slot`` (what background threads decoded), ``ring`` (the ring,
     for what they did not), ``faults``, ``group`` (publishes what was consumed), ``acks``
     (tells the engine), ``counters``."""
 
-    def __init__(self, tp_rank, slot, rings, faults, group, acks, counters):
+    def __init__(self, tp_rank, slot, ring, faults, group, acks, counters):
         self._rank = tp_rank
-        self._slot, self._rings, self._faults = slot, rings, faults
+        self._slot, self._ring, self._faults = slot, ring, faults
         self._group, self._acks, self._counters = group, acks, counters
 
     def take(self, from_seq: int, to_seq: int) -> list:
@@ -32,7 +32,7 @@ class Taker:
                 f"step or on none")
         seqs = range(from_seq + 1, to_seq + 1)
         items = slot.claim(from_seq, to_seq)  # no background thread adds these from now on
-        ring = self._rings.reader
+        ring = self._ring.reader
         if len(items) < len(seqs):
             for s in seqs:
                 if s in items:

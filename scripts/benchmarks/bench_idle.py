@@ -30,6 +30,10 @@
 
 Absolute figures drift ~30 % between runs on a shared 2-core machine: compare the rows
 of one run. Nothing here asserts a timing.
+
+White-box benchmark: section 2 splits the wake-up at the moment the last rank's receiver
+published the batch by wrapping the client's private group (``client._group``); users
+never reach it. scripts/tools/layout_check.py allows it (``WHITE_BOX``).
 """
 
 import argparse

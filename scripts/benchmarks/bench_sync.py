@@ -20,6 +20,11 @@ Prometheus server scrapes every 15 s or so: a high rate magnifies the cost).
 Every figure is a per-call p50/p99 over real processes (a second rank, an engine, a
 manager server). Absolute times drift ~30 % between runs on a shared 2-core machine;
 compare the ratios printed in the same run. Nothing here asserts a timing.
+
+White-box benchmark: to split a step's time into its parts it wraps and reads the
+library's private members (a client's ring, receiver, connection, watch and group, the
+engine's outbox, a ShmTPGroup's words), which users never reach and which may change with
+any commit. scripts/tools/layout_check.py allows it (``WHITE_BOX``) and no other script.
 """
 
 import argparse
@@ -280,7 +285,7 @@ def bench_take(iters):
                 if async_prefetch:  # wait outside the timed region until it is decoded
                     while client.stats()["held"] < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
-                elif client._rings.reader is not None:  # in the ring, not decoded
+                elif client._ring.reader is not None:  # in the ring, not decoded
                     while client.ready_count() < 1 and time.monotonic() < deadline:
                         time.sleep(0.0001)
                 elif not client._conn.data.poll(10000):  # arrived in the socket, not yet received
@@ -556,7 +561,7 @@ def delivery_rank(name, tp, rank, n, out):
                                     or "ring" not in stats):  # (a version without rings)
                 break
             time.sleep(0.001)
-        ring = client._rings.reader
+        ring = client._ring.reader
         decode_times = []
         if ring is not None:
             decode = ring.decode

@@ -30,14 +30,11 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from engine_peers import hold_gil  # noqa: E402
-from fastdeploy_sync import Heartbeat, PrefetchError, TaskClient, TaskQueue, TaskSyncError  # noqa: E402
+from fastdeploy_sync import Heartbeat, PrefetchError, TaskClient, TaskQueue, TaskSyncError
+from fastdeploy_sync.testing.peers import hold_gil
 
 SPAWN = mp.get_context("spawn")
 

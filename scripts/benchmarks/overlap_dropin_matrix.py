@@ -4,7 +4,7 @@
     python scripts/benchmarks/overlap_dropin_matrix.py [--runs 20] [--tp 2,8] [--rates 2,100]
                                             [--modes async,sync] [--seconds 3]
 
-FastDeploy develop's overlap-scheduler loop (``tests/fd_loops.py``, shape ``overlap``: the
+FastDeploy develop's overlap-scheduler loop (``testing/fd_loops.py``, shape ``overlap``: the
 queue's ``worker_process_tp_barrier`` the only TP barrier, no idle branch, a no-op idle
 step, a 2 ms busy step ending in a real collective with a 10 s timeout), TP ranks in
 processes on one node (TP=8 takes develop's ``read_finish_flag`` path, ``nnode = (tp + 8)
@@ -21,15 +21,19 @@ run deadlocked or was inconsistent.
 
 import argparse
 import multiprocessing as mp
-import os
 import queue
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from fd_loops import STOP, batches, check_group, ids_of, loop_worker, wait_room  # noqa: E402
+from fastdeploy_sync.testing.fd_loops import (
+    STOP,
+    batches,
+    check_group,
+    ids_of,
+    loop_worker,
+    wait_room,
+)
 
 COLLECTIVE_TIMEOUT_S = 10.0
 

@@ -4,6 +4,10 @@ processes of their own (rank 0 in ``wait_for_tasks()``, rank 1 in the barrier), 
 64 x 512 batches 2-5 ms apart (as ``bench_sync.py`` section 7 and ``put_floor.py`` put
 them). Asserts nothing.
 
+White-box benchmark: it times the library's own parts by wrapping private members (the
+client's ring, its prefetch thread and background thread, the queue's encoder, ring and
+ledger); users never reach them. scripts/tools/layout_check.py allows it (``WHITE_BOX``).
+
 - ``put``: ``put_tasks()`` timed around the library's own calls (wall clock, p50): the
   pickling (``codec.encode_parts``), taking a slot (``allocate``), the copy into it
   (``write_inline``), the whole encode, the ledger (room, seq, publish), waking the ranks.
@@ -49,17 +53,17 @@ def _rank(name, tp, rank, n, out):
     with TaskClient(name, tp, rank, async_prefetch=True) as client:
         client.barrier(timeout=60)
         deadline = time.monotonic() + 10
-        rings = client._rings
-        while time.monotonic() < deadline and not (rings.thread is not None
-                                                   and rings.thread.ident):
+        ring = client._ring
+        while time.monotonic() < deadline and not (ring.thread is not None
+                                                  and ring.thread.ident):
             time.sleep(0.001)  # the ring attached and its prefetch thread running
-        if rings.thread is None:
+        if ring.thread is None:
             raise SystemExit(f"rank {rank}: no ring (FD_SYNC_SHM_RING_KB=off, or no room)")
         parts = {"decode": [], "wait": [], "wake": []}
-        _timed(rings.reader, "decode", parts["decode"], time.thread_time_ns)
-        _timed(rings.reader, "wait", parts["wait"], time.thread_time_ns)
-        _timed(rings.woke, "set", parts["wake"], time.thread_time_ns)
-        threads = (client._background.thread, rings.thread)
+        _timed(ring.reader, "decode", parts["decode"], time.thread_time_ns)
+        _timed(ring.reader, "wait", parts["wait"], time.thread_time_ns)
+        _timed(ring.woke, "set", parts["wake"], time.thread_time_ns)
+        threads = (client._background.thread, ring.thread)
         before = [threads_cpu_seconds((t,)) for t in threads]
         out.put(("ready", rank, None))
         bench_sync.take_batches(client, rank, n)

@@ -11,7 +11,7 @@ client_id=0 per DP group, ``while exist_tasks(): sleep(0.001)`` before each
 ``event_loop_normal``'s task path. FastDeploy's TP barrier on GPU without the overlap
 scheduler (``paddle.distributed.barrier``) and its ``exist_task_signal`` IPCSignal are stood
 in for by a multiprocessing Barrier and Value per DP group (the overlap scheduler's and
-XPU's barrier is the queue's own ``worker_process_tp_barrier``: tests/fd_loops.py, shape
+XPU's barrier is the queue's own ``worker_process_tp_barrier``: testing/fd_loops.py, shape
 ``overlap``). At the end it prints, per DP
 group, a digest of every rank's (step, request ids) and the verification line.
 """

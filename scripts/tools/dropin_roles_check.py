@@ -3,7 +3,7 @@
 
     python scripts/tools/dropin_roles_check.py [--tp 2,4] [--runs 3]
 
-For each loop shape of ``tests/fd_loops.py`` (develop, 2.x, 2.0, overlap, overlap reading
+For each loop shape of ``testing/fd_loops.py`` (develop, 2.x, 2.0, overlap, overlap reading
 only its signal, docs/index.md's loop), TP ranks in processes built with FastDeploy's worker
 arguments (no ``role=``), the engine's client beside the server: the ranks idle in the loop,
 then the server's ``cleanup()``; it prints, per shape, what every rank raised and the
@@ -21,9 +21,7 @@ import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from fd_loops import batches, closing_worker, engine_loop, loop_worker  # noqa: E402
+from fastdeploy_sync.testing.fd_loops import batches, closing_worker, engine_loop, loop_worker
 
 SHAPES = [("develop", True), ("v2x", True), ("v20", True), ("overlap", True),
           ("overlap", False), ("index", True)]

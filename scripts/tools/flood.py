@@ -27,7 +27,6 @@ import argparse
 import multiprocessing as mp
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -35,11 +34,14 @@ import uuid
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from engine_peers import PeakRSS, producer_endpoint_flooder, put_and_die, worker_key_flooder  # noqa: E402
-from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError  # noqa: E402
-from fastdeploy_sync.wire.auth import create_keys  # noqa: E402
+from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError
+from fastdeploy_sync.testing.peers import (
+    PeakRSS,
+    producer_endpoint_flooder,
+    put_and_die,
+    worker_key_flooder,
+)
+from fastdeploy_sync.wire.auth import create_keys
 
 SPAWN = mp.get_context("spawn")
 

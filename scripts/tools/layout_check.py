@@ -2,7 +2,7 @@
 
     python scripts/tools/layout_check.py [--sizes N]
 
-Prints, and exits 1 when any of the first three is not empty:
+Prints, and exits 1 when any but the last is not empty:
 
   * imports that run back up: a module imports one of a layer above its own (``LAYERS``);
     within one package, modules may import each other as long as there is no circle;
@@ -10,7 +10,12 @@ Prints, and exits 1 when any of the first three is not empty:
     still an edge);
   * private members reached from another module: ``obj._name`` where ``_name`` is not
     defined in the module that reads it (a class's own ``self._x`` and a module's own
-    ``_helpers`` are that module's), and ``from x import _name``;
+    ``_helpers`` are that module's), and ``from x import _name``; in the package and in
+    ``scripts/``, except the white-box benchmarks (``WHITE_BOX``), whose docstrings say so;
+  * the ``profile`` benchmark (``PUBLIC_ONLY``) using what the library does not export to
+    its users (``public_names``);
+  * scripts that reach the tests: an import of a module of ``tests/``, or a ``sys.path``
+    edit that names it (what scripts and tests share is ``fastdeploy_sync.testing``);
   * with ``--sizes N``: the N largest classes and functions (lines, docstrings included).
 
 ``tests/unit/test_layout.py`` runs the same checks.
@@ -29,11 +34,29 @@ LAYERS = (
     ("errors", "envs", "logs", "names", "version"),
     ("wire",),
     ("shm",),
-    ("tp", "forks"),
+    ("forks", "status_client"),
+    ("tp",),
     ("engine", "worker", "cleanup"),
     ("fastdeploy", "profiling", "metrics"),
-    ("cli", "__init__"),
+    ("cli", "__init__", "testing"),
 )
+
+
+# What the library exports to its users: the package's ``__all__``, each subpackage's
+# (its ``__init__``'s) and these modules' (documented entry points: docs/operating.md).
+PUBLIC_MODULES = ("cleanup",)
+# Packages that use the library only as its users can: the ``profile`` benchmark.
+PUBLIC_ONLY = ("profiling",)
+# Their one exception, (module, what it imports from): the FastDeploy stand-in's flags
+# segment needs an owner lock that outlives a killed server (its leftovers are removed,
+# a live server's never), which is ``shm.segment``'s; exporting that, or copying it into a
+# benchmark, would be worse.
+PUBLIC_ONLY_EXCEPTIONS = (("fastdeploy_sync.profiling.fd_baseline", "fastdeploy_sync.shm.segment"),)
+# Scripts that time the library's own parts by wrapping them (a public hook would put
+# work on the step's path for every user): each says "White-box benchmark" in its
+# docstring, and only these may reach private members.
+WHITE_BOX = ("scripts/benchmarks/bench_sync.py", "scripts/benchmarks/ring_parts.py",
+             "scripts/benchmarks/bench_idle.py")
 
 
 def unit_of(module: str) -> str:
@@ -186,6 +209,112 @@ def private_reaches(mods):
     return sorted(bad)
 
 
+def _all_of(path, root):
+    """The names of a module's ``__all__`` (``*other.__all__`` of a sibling followed)."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            for elt in getattr(node.value, "elts", ()):
+                if isinstance(elt, ast.Constant):
+                    names.add(elt.value)
+                elif isinstance(elt, ast.Starred) and isinstance(elt.value, ast.Attribute):
+                    sibling = os.path.join(os.path.dirname(path), f"{elt.value.value.id}.py")
+                    names |= _all_of(sibling, root)
+    return names
+
+
+def public_names(root=ROOT) -> set:
+    """What the library exports to its users (``PUBLIC_MODULES``' comment)."""
+    base = os.path.join(root, PACKAGE)
+    paths = [os.path.join(base, "__init__.py")]
+    paths += [os.path.join(base, d, "__init__.py") for d in sorted(os.listdir(base))
+              if os.path.isfile(os.path.join(base, d, "__init__.py"))]
+    paths += [os.path.join(base, f"{m}.py") for m in PUBLIC_MODULES]
+    names = set()
+    for path in paths:
+        names |= _all_of(path, root)
+    return names
+
+
+def non_public_uses(mods, root=ROOT):
+    """``[(module, line, what), ...]``: a ``PUBLIC_ONLY`` package importing from the
+    library (outside itself) a name the library does not export (``public_names``)."""
+    public = public_names(root)
+    bad = []
+    for module, path in mods.items():
+        if unit_of(module) not in PUBLIC_ONLY:
+            continue
+        own = f"{PACKAGE}.{unit_of(module)}"
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path.endswith("__init__.py"), node)
+                if (target.startswith(PACKAGE) and not target.startswith(own)
+                        and (module, target) not in PUBLIC_ONLY_EXCEPTIONS):
+                    bad += [(module, node.lineno, f"{target}.{a.name}") for a in node.names
+                            if a.name not in public]
+            elif isinstance(node, ast.Import):
+                bad += [(module, node.lineno, a.name) for a in node.names
+                        if a.name.startswith(PACKAGE + ".") and not a.name.startswith(own)]
+    return sorted(bad)
+
+
+def scripts(root=ROOT):
+    """``{path relative to root: path}`` of every script under ``scripts/``."""
+    out = {}
+    for d, _, files in os.walk(os.path.join(root, "scripts")):
+        for fn in files:
+            if fn.endswith(".py"):
+                path = os.path.join(d, fn)
+                out[os.path.relpath(path, root)] = path
+    return out
+
+
+def _test_modules(root):
+    names = set()
+    for _, _, files in os.walk(os.path.join(root, "tests")):
+        names |= {fn[:-3] for fn in files if fn.endswith(".py")}
+    return names - {"__init__"}
+
+
+def script_faults(found, root=ROOT):
+    """``[(script, line, what), ...]``: private members reached by a script that is not a
+    declared white-box benchmark, a white-box benchmark whose docstring does not say so,
+    and scripts that reach the tests (module docstring)."""
+    tests = _test_modules(root)
+    bad = []
+    for rel, path in found.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        if rel in WHITE_BOX:
+            if "White-box benchmark" not in (ast.get_docstring(tree) or ""):
+                bad.append((rel, 1, 'docstring does not say "White-box benchmark"'))
+        else:
+            bad += [(rel, line, what) for _, line, what in private_reaches({rel: path})]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bad += [(rel, node.lineno, f"imports {a.name} (tests/)") for a in node.names
+                        if a.name.split(".")[0] in tests]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                if (node.module or "").split(".")[0] in tests:
+                    bad.append((rel, node.lineno, f"imports {node.module} (tests/)"))
+            elif isinstance(node, (ast.Expr, ast.Assign)) and _edits_sys_path(node) and any(
+                    isinstance(c, ast.Constant) and isinstance(c.value, str)
+                    and "tests" in c.value for c in ast.walk(node)):
+                bad.append((rel, node.lineno, "edits sys.path to reach tests/"))
+    return sorted(bad)
+
+
+def _edits_sys_path(node) -> bool:
+    """``sys.path.insert/append/extend(...)`` or ``sys.path[...] = ...``."""
+    for n in ast.walk(node):
+        if (isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
+                and n.value.id == "sys"):
+            return True
+    return False
+
+
 def sizes(mods, count):
     rows = []
     for module, path in mods.items():
@@ -208,6 +337,7 @@ def main(argv=None) -> int:
     mods = modules()
     graph = imports(mods)
     up, circ, priv = upward(graph), circles(graph), private_reaches(mods)
+    hidden, script_bad = non_public_uses(mods), script_faults(scripts())
     print(f"{len(mods)} modules, {sum(len(v) for v in graph.values())} imports within the "
           f"package")
     print(f"imports that run back up: {len(up)}")
@@ -219,6 +349,12 @@ def main(argv=None) -> int:
     print(f"private members reached from another module: {len(priv)}")
     for module, line, what in priv:
         print(f"  {module}:{line}: {what}")
+    print(f"the profile benchmark using what the library does not export: {len(hidden)}")
+    for module, line, what in hidden:
+        print(f"  {module}:{line}: {what}")
+    print(f"scripts reaching private members or the tests: {len(script_bad)}")
+    for rel, line, what in script_bad:
+        print(f"  {rel}:{line}: {what}")
     if args.sizes:
         classes, functions = sizes(mods, args.sizes)
         print("largest classes:")
@@ -227,7 +363,7 @@ def main(argv=None) -> int:
         print("largest functions:")
         for n, _, where in functions:
             print(f"  {n:5d}  {where}")
-    return 1 if up or circ or priv else 0
+    return 1 if up or circ or priv or hidden or script_bad else 0
 
 
 if __name__ == "__main__":

@@ -11,15 +11,16 @@ first violation.
 
 import argparse
 import multiprocessing as mp
-import os
-import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from fastdeploy_sync import TaskQueue  # noqa: E402
-from workers import check_consistency, collect, consistency_rank, put_with_pauses  # noqa: E402
+from fastdeploy_sync import TaskQueue
+from fastdeploy_sync.testing.processes import (
+    check_consistency,
+    collect,
+    consistency_rank,
+    put_with_pauses,
+)
 
 
 def run(tp, async_prefetch, n, seed, skip_every):

@@ -4,7 +4,7 @@
     python scripts/tools/soak_dropin.py --shape develop --batches 20000 --tp 2 --dp 2 [--sync]
 
 Runs FastDeploy's engine loop (``while exist_tasks(): sleep(1 ms)`` then ``put_tasks``) per
-DP group against TP ranks running the loop shape of ``tests/fd_loops.py`` (develop's
+DP group against TP ranks running the loop shape of ``testing/fd_loops.py`` (develop's
 ``exist_tasks()``, 2.x's ``num_tasks() > 0``, the 2.0-era top barrier), one node, and
 checks what every rank took: identical batches at identical steps and calls on every rank
 of a group, every batch exactly once, in put order, none of another group's. Prints the
@@ -14,14 +14,11 @@ ControlRequest stand-in.
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
-from fd_loops import batches, engine_loop, ids_of, loop_worker  # noqa: E402
+from fastdeploy_sync.testing.fd_loops import batches, engine_loop, ids_of, loop_worker
 
 
 def main():

@@ -33,8 +33,6 @@ import uuid
 
 from fastdeploy_sync import cleanup
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-
 FAST = (0.2, 1.0)  # heartbeat interval, timeout (s): restarts are noticed within ~1 s
 
 
@@ -68,7 +66,7 @@ def worker(out, stop, rank, name, tp, seed, rebuild_every, async_prefetch):
     ("opened", rank, serial) when built, ("closed", rank, (serial, incarnation, steps,
     error)) when closed, steps being [(barrier count, [(id, life, index), ...]), ...]."""
     from fastdeploy_sync import Heartbeat, TaskClient, TaskSyncError
-    from workers import _engine_cause
+    from fastdeploy_sync.testing.processes import engine_cause
 
     os.environ["FD_SYNC_ATTACH_TIMEOUT"] = "3"
     rng = random.Random(seed * 1000 + rank)
@@ -104,7 +102,7 @@ def worker(out, stop, rank, name, tp, seed, rebuild_every, async_prefetch):
                     error = "rebuilt on purpose"
                     break
         except TaskSyncError as exc:
-            error = type(_engine_cause(exc)).__name__
+            error = type(engine_cause(exc)).__name__
         time.sleep(rng.random() * 0.05)  # the server's own clean-up, old client still open
         client.close()
         out.put(("closed", rank, (serial, client.incarnation,

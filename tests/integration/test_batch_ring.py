@@ -170,8 +170,8 @@ def test_close_from_another_thread_frees_the_ring_semaphore_only_once_the_waiter
     with TaskQueue(name, 1):
         client = TaskClient(name, 1, 0, async_prefetch=False)
         # sync mode: num_tasks() receives the WELCOME, which attaches the ring
-        assert wait_until(lambda: client.num_tasks() == 0 and client._rings.reader is not None)
-        reader = client._rings.reader
+        assert wait_until(lambda: client.num_tasks() == 0 and client._ring.reader is not None)
+        reader = client._ring.reader
         sem = reader._sem = _SlowToLeaveSemaphore(reader._sem)
         raised = []
 

@@ -14,7 +14,7 @@ import zmq
 
 from conftest import SPAWN
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
+from fastdeploy_sync.testing.fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 from fd_workers import cache_messager, side_channel_probe
 
 RESULT_TIMEOUT_S = 60

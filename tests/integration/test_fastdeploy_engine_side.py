@@ -10,7 +10,7 @@ import pytest
 from conftest import SPAWN
 from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import STOP, batches, idle_worker, wait_room
+from fastdeploy_sync.testing.fd_loops import STOP, batches, idle_worker, wait_room
 
 HEARTBEAT_TIMEOUT_S = 1.0
 

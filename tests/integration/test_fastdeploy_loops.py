@@ -1,4 +1,4 @@
-"""FastDeploy's worker loop shapes (tests/fd_loops.py: develop's exist_tasks(), 2.x's
+"""FastDeploy's worker loop shapes (testing/fd_loops.py: develop's exist_tasks(), 2.x's
 num_tasks() > 0, 2.0's barrier at the top) over the drop-in, one node, async and sync, TP
 and DP sizes of the compatibility table, with FastDeploy's engine loop (wait while
 exist_tasks(), then put). Every rank must take identical batches at identical steps, each
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SPAWN
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import (
+from fastdeploy_sync.testing.fd_loops import (
     ControlRequest,
     batches,
     check_group,

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT, TESTS
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import STOP, batches, engine_loop, ids_of
+from fastdeploy_sync.testing.fd_loops import STOP, batches, engine_loop, ids_of
 from workers import free_ports
 
 HERE = TESTS  # fd_node_worker.py
@@ -241,7 +241,7 @@ def test_reports_larger_than_a_pipe_are_read_while_the_nodes_run(name, loopback_
     """Each rank reports every batch it took through a pipe of its own. Before: the pipes
     were read only after the nodes exited, and a report above the pipe's 64 KiB capacity
     (about 3 000 batches) left its rank blocked in print() and the run waiting for it
-    until its timeout (the 20 000-batch soak, scripts/tools/soak_dropin_multinode.py, hung)."""
+    until its timeout (the 20 000-batch soak, tests/soak_dropin_multinode.py, hung)."""
     n = 6000
     reports = run_multinode(name, 2, 1, n, [0, 1], timeout=480)
     size = len(json.dumps(reports[(0, 1)]["calls"]))

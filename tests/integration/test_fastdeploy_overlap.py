@@ -1,4 +1,4 @@
-"""FastDeploy develop's overlap-scheduler loop (tests/fd_loops.py, shape ``overlap``) over the
+"""FastDeploy develop's overlap-scheduler loop (testing/fd_loops.py, shape ``overlap``) over the
 drop-in: the queue's ``worker_process_tp_barrier`` is the only TP barrier, there is no idle
 branch, an idle step is a no-op, a busy step runs the model's collective. Nothing orders a
 slow rank's read of the signal before rank 0's check of the next step, so the drop-in must
@@ -15,7 +15,7 @@ import pytest
 
 from conftest import SPAWN
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
+from fastdeploy_sync.testing.fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 
 RESULT_TIMEOUT_S = 90
 COLLECTIVE_TIMEOUT_S = 5.0

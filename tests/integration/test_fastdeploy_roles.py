@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SPAWN
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-from fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
+from fastdeploy_sync.testing.fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 
 RESULT_TIMEOUT_S = 90
 
@@ -80,7 +80,7 @@ LOOPS = [("develop", True), ("v2x", True), ("v20", True), ("overlap", True),
 def test_cleanup_reaches_every_worker(name, procs, results, shape, read_flag):
     """The server's cleanup() with TP=2 workers idle in each loop shape (no role=): every
     rank raises EngineClosedError (the figures: scripts/tools/dropin_roles_check.py)."""
-    from fd_loops import closing_worker
+    from fastdeploy_sync.testing.fd_loops import closing_worker
 
     tp = 2
     server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp,

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from workers import _report_errors, collect
+from fastdeploy_sync.testing.processes import report_errors
+from workers import collect
 
 STEP_MS = 3.0
 
@@ -29,7 +30,7 @@ def _spin(ms):
         pass
 
 
-@_report_errors
+@report_errors
 def gil_holding_rank(out, rank, name, tp, n, async_prefetch):
     """Rank 0 records, per step, when its check began and the ids the step took; every
     rank checks that it took the same ids."""

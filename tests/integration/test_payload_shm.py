@@ -20,8 +20,9 @@ from fastdeploy_sync import GroupLostError, ProtocolError, TaskClient, TaskQueue
 from fastdeploy_sync.engine import encoder as batch_encoder
 from fastdeploy_sync.shm import payload as payload_shm
 from fastdeploy_sync.shm.pool import PayloadPool
+from fastdeploy_sync.testing.processes import report_errors
 from fastdeploy_sync.wire import codec
-from workers import _report_errors, collect, wait_until
+from workers import collect, wait_until
 
 pytestmark = pytest.mark.usefixtures("loopback_tcp")
 
@@ -97,7 +98,7 @@ def _take_described(client, n, deadline_s=60.0, hold=()):
     return got, held
 
 
-@_report_errors
+@report_errors
 def take_and_describe(out, rank, name, tp, n, async_prefetch, endpoint=None, leave=None):
     """With ``leave`` (an Event), close only once it is set: a rank that closes says BYE
     and the engine retires the group, and its pool with it."""
@@ -236,7 +237,7 @@ def test_default_threshold_and_off(name, procs, results, monkeypatch):
         assert shared == shared_expected
 
 
-@_report_errors
+@report_errors
 def hold_batch_zero(out, rank, name, tp, phases, control):
     """Take ``phases`` rounds of batches (each round's count from the test), freeing every
     batch at once except, on rank 1, batch 0, which it holds until told to free it; then
@@ -297,7 +298,7 @@ def test_a_region_is_reused_only_once_every_rank_freed_its_arrays(name, procs, r
         control.join_thread()
 
 
-@_report_errors
+@report_errors
 def hold_until_queue_closed(out, rank, name, tp, n):
     with TaskClient(name, tp, rank) as client:
         got, held = _take_described(client, n, hold=(0,))
@@ -346,7 +347,7 @@ def test_batches_larger_than_the_pool_or_with_no_pool_take_a_segment_of_their_ow
             assert shared == 2
 
 
-@_report_errors
+@report_errors
 def engine_that_gets_killed(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
     os.environ["FD_SYNC_SHM_POOL_MB"] = "1"
@@ -389,7 +390,7 @@ def test_a_live_pool_is_never_reclaimed(name, small_threshold):
         assert pool_names(name) == [pool]
 
 
-@_report_errors
+@report_errors
 def engine_that_exits_without_close(out, rank, name, n):
     os.environ["FD_SYNC_SHM_PAYLOAD_MIN_KB"] = str(THRESHOLD_KB)
     os.environ["FD_SYNC_SHM_POOL_MB"] = "1"
@@ -544,7 +545,7 @@ def test_a_rank_releases_a_region_when_its_last_array_is_freed(name):
         pool.close()
 
 
-@_report_errors
+@report_errors
 def take_then_hang(out, rank, name, tp, n):
     from fastdeploy_sync import Heartbeat
 
@@ -650,7 +651,7 @@ def test_shared_bytes_are_hashed_only_when_asked(name, procs, results, small_thr
         assert batches == [expected(i) for i in range(4)] and shared == 2
 
 
-@_report_errors
+@report_errors
 def mutate_references(out, rank, name, inputs, seed):
     """Decode ``inputs`` mutations of a pool batch's body and reference, the checksum
     recomputed each time (what a buggy sender could produce): count the outcomes."""

@@ -7,10 +7,11 @@ import time
 from conftest import SPAWN, needs_pid_namespace
 from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.engine.queue import query_status
-from workers import _report_errors, collect, wait_until
+from fastdeploy_sync.testing.processes import report_errors
+from workers import collect, wait_until
 
 
-@_report_errors
+@report_errors
 def connected_rank(out, rank, name, tp, leave):
     """Join the group, say so, stay until ``leave`` is set (at most 60 s), then close."""
     with TaskClient(name, tp, rank):
@@ -273,8 +274,8 @@ def test_status_a_reply_abandoned_midway_is_named_even_when_the_memory_watch_nev
 # watcher kept off the CPU): only the asking child's cap and its peak memory remain. The
 # timeout lets a loaded machine's peer stream past the cap (or its 48 MiB) first: with 3 s
 # the ask timed out before, and said "no TaskQueue answered".
-_BLIND_STATUS = ("import sys; from fastdeploy_sync.engine import status; "
-                 "status.anon_rss_bytes = lambda: 0; from fastdeploy_sync import cli; "
+_BLIND_STATUS = ("import sys; from fastdeploy_sync import status_client; "
+                 "status_client.anon_rss_bytes = lambda: 0; from fastdeploy_sync import cli; "
                  "sys.exit(cli.main(['status', {name!r}, '--timeout', '20']))")
 
 

@@ -53,3 +53,57 @@ def test_the_checks_find_each_kind_of_fault(tmp_path):
                for c in layout_check.circles(graph))
     assert [(m, what) for m, _, what in layout_check.private_reaches(mods)] == [
         ("fastdeploy_sync.wire.codec", "._secret")]
+
+
+def test_each_package_docstring_lists_every_module_it_holds():
+    """A reader starts at a package's ``__init__``: it names each of its modules (as
+    ``module``), so a module added or moved without a line there fails here."""
+    import ast
+
+    for package in ("shm", "tp", "engine", "worker", "profiling", "testing"):
+        base = os.path.join(ROOT, "fastdeploy_sync", package)
+        doc = ast.get_docstring(ast.parse(open(os.path.join(base, "__init__.py")).read()))
+        held = {f[:-3] for f in os.listdir(base) if f.endswith(".py") and f != "__init__.py"}
+        missing = sorted(m for m in held if f"``{m}``" not in doc)
+        assert not missing, f"fastdeploy_sync/{package}/__init__.py does not list {missing}"
+
+
+def test_the_library_never_imports_its_testing_package():
+    graph = layout_check.imports(layout_check.modules(ROOT))
+    testing = layout_check.PACKAGE + ".testing"
+    assert [(a, b) for a, targets in graph.items() for b in targets
+            if b.startswith(testing) and not a.startswith(testing)] == []
+
+
+def test_the_profile_benchmark_uses_only_what_the_library_exports():
+    assert layout_check.non_public_uses(layout_check.modules(ROOT)) == []
+
+
+def test_scripts_reach_no_private_member_and_no_test_module():
+    """What scripts and tests share is ``fastdeploy_sync.testing``; only the declared
+    white-box benchmarks reach private members, and their docstrings say so."""
+    assert layout_check.script_faults(layout_check.scripts(ROOT)) == []
+
+
+def test_the_public_and_script_checks_find_each_kind_of_fault(tmp_path):
+    _write(tmp_path, "fastdeploy_sync/__init__.py", '__all__ = ["TaskQueue"]\n')
+    _write(tmp_path, "fastdeploy_sync/cleanup.py", '__all__ = ["scan"]\n')
+    _write(tmp_path, "fastdeploy_sync/tp/__init__.py", '__all__ = ["ShmBarrier"]\n')
+    _write(tmp_path, "fastdeploy_sync/profiling/__init__.py", "")
+    _write(tmp_path, "fastdeploy_sync/profiling/loops.py",
+           "from ..tp import ShmBarrier\nfrom ..cleanup import scan\n"
+           "from ..tp.shm_group import ShmTPGroup\n")
+    mods = layout_check.modules(str(tmp_path))
+    assert [(m, what) for m, _, what in layout_check.non_public_uses(mods, str(tmp_path))] == [
+        ("fastdeploy_sync.profiling.loops", "fastdeploy_sync.tp.shm_group.ShmTPGroup")]
+    _write(tmp_path, "tests/workers.py", "")
+    _write(tmp_path, "scripts/tools/a.py",
+           'import os, sys\nsys.path.insert(0, os.path.join("..", "tests"))\n'
+           "from workers import collect\n\n\ndef f(client):\n    return client._ring\n")
+    _write(tmp_path, "scripts/benchmarks/ring_parts.py", '"""Times parts."""\n')
+    found = layout_check.script_faults(layout_check.scripts(str(tmp_path)), str(tmp_path))
+    assert [(rel, what) for rel, _, what in found] == [
+        ("scripts/benchmarks/ring_parts.py", 'docstring does not say "White-box benchmark"'),
+        ("scripts/tools/a.py", "edits sys.path to reach tests/"),
+        ("scripts/tools/a.py", "imports workers (tests/)"),
+        ("scripts/tools/a.py", "._ring")]

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """20 000-batch consistency soak of the drop-in with a TP group across two simulated nodes.
 
-    python scripts/tools/soak_dropin_multinode.py --batches 20000 --tp 2 [--sync] [--shape v2x]
+    python tests/soak_dropin_multinode.py --batches 20000 --tp 2 [--sync] [--shape v2x]
 
 Each node is a mount + UTS namespace with its own /dev/shm, /tmp and hostname (as in
 tests/integration/test_fastdeploy_multinode.py, whose harness this runs): FastDeploy's ``nnode > 1``
 loop, paddle.distributed over gloo on 127.0.0.1, the engine on a tcp address in this
 process. Checks that every rank took identical batches at identical steps and calls,
 every batch once, in order (every 97th a ControlRequest). Needs root for unshare/mount.
+It lives in tests/, beside the harness it runs (a test module's), not in scripts/.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import sys
 import time
 import uuid
 
-_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.join(_TESTS, "integration")]
 os.environ.setdefault("FD_SYNC_INSECURE_TCP", "1")  # loopback only
 

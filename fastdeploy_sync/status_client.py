@@ -1,11 +1,11 @@
-"""What a queue says of itself to whoever asks (``fastdeploy-sync status``, scrapers): the
-engine's STATUS reply (``StatusReply``) and the asker's side (``query_status``).
+"""Asking a queue for its status: what ``fastdeploy-sync status`` and scrapers run
+(``query_status``, and ``query_status_isolated``: the same ask in a capped child process).
+Not the engine: the engine's side of STATUS is ``engine.status_reply``.
 
 A STATUS request is answered to anyone past authentication (CURVE on tcp, the private
 directory on ipc): the same people who could run a worker. It carries no ids (only their
-``liveness.id_tag``), and is rebuilt at most every ``_STATUS_CACHE_S``: a flood of requests
-must not cost a JSON encoding each. The asker checks everything it is answered: a peer's
-bytes are not trusted to be a status.
+``liveness.id_tag``). The asker checks everything it is answered: a peer's bytes are not
+trusted to be a status.
 """
 
 import json
@@ -18,34 +18,13 @@ from typing import Any, Optional
 
 import zmq
 
-from ..errors import ProtocolError, TaskSyncError
-from ..wire import codec
-from ..wire.auth import ClientAuth
-from ..wire.endpoints import check_ipc_endpoint, ipc_path
-from ..wire.sockets import anon_rss_bytes, new_socket, trim_heap
+from .errors import ProtocolError, TaskSyncError
+from .wire import codec
+from .wire.auth import ClientAuth
+from .wire.endpoints import check_ipc_endpoint, ipc_path
+from .wire.sockets import anon_rss_bytes, new_socket, trim_heap
 
-__all__ = ["StatusReply", "query_status", "query_status_isolated"]
-
-# A STATUS reply is rebuilt at most this often (a status is for people and scrapers).
-_STATUS_CACHE_S = 0.2
-
-
-class StatusReply:
-    """The queue's STATUS reply: ``status()`` (a callable returning the queue's status
-    dict) as JSON, rebuilt at most every ``_STATUS_CACHE_S``. I/O thread only."""
-
-    def __init__(self, status):
-        self._status = status
-        self._cache = (float("-inf"), b"")  # (when, the JSON)
-
-    def __call__(self) -> bytes:
-        now = time.monotonic()
-        when, raw = self._cache
-        if now - when >= _STATUS_CACHE_S:
-            raw = json.dumps(self._status()).encode()
-            self._cache = (now, raw)
-        return raw
-
+__all__ = ["query_status", "query_status_isolated"]
 
 # What query_status accepts: a STATUS reply is a few KiB (a TP=8 queue: ~2 KiB); a frame
 # beyond this drops the connection, and a reply that makes this process hold more than

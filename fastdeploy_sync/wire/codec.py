@@ -385,7 +385,8 @@ class _Arrays:
     def reduce(self, arr):
         # every array of the batch passes here: the common case (the dtype of the array
         # before it) reads four attributes and makes one tuple
-        if arr.nbytes < OOB_MIN_BYTES or not arr.flags.c_contiguous:
+        nbytes = arr.nbytes
+        if nbytes < OOB_MIN_BYTES or not arr.flags.c_contiguous:
             return arr.__reduce_ex__(5)
         dtype = arr.dtype
         run = self._run
@@ -394,8 +395,8 @@ class _Arrays:
             if run is None:
                 return arr.__reduce_ex__(5)
         offset = run[0] + run[1]
-        run[1] += arr.nbytes
-        self.size = offset + arr.nbytes
+        run[1] += nbytes
+        self.size = offset + nbytes
         self.count += 1
         # a run's dtype holds at most 32 bytes an item, so an array of 1024 bytes or more
         # has at least one dimension

@@ -195,7 +195,7 @@ class SharedPayload:
     def write_payload(self, parts) -> None:
         """Copy ``parts``' buffers (``codec.EncodedPayload``) to their offsets, then close
         the file (the name keeps the memory). The gaps stay zero (fresh pages)."""
-        for (start, _), raw in zip(parts.layout, parts.buffers):
+        for start, raw in parts.chunks():
             self.write(start, raw)
         self.seal()
 

@@ -1,14 +1,18 @@
 """Wire format: one small fixed header frame, then a pickle body, then (when the batch
 holds large arrays) an offsets frame and one data frame holding every array's bytes.
 
-Why pickle protocol 5 with out-of-band buffers: a task batch is "any picklable object",
-typically ``(list_of_requests, real_bsz)`` where each request carries token ids as numpy
-arrays. Protocol 5 hands every large contiguous array to ``buffer_callback`` instead of
-copying it into the pickle stream; the arrays travel in one data frame and
-``decode_payload()`` rebuilds each as a view of a slice of the received frame: no
-per-element Python work and no copy on the worker. Token ids as numpy arrays decode
-several times faster than the same ids as Python lists, whose unpickling holds the GIL
-in the prefetch thread (docs/performance.md has both).
+Why pickle protocol 5 with an out-of-band data region: a task batch is "any picklable
+object", typically ``(list_of_requests, real_bsz)`` where each request carries token ids
+as numpy arrays. The encoder lays every large plain array out in one data region
+(``_Arrays``: same-dtype runs, back to back) instead of copying it into the pickle
+stream, and pickles each as ``numpy.frombuffer(region, dtype, count, offset)``; the
+region is one out-of-band buffer, so ``decode_payload()`` rebuilds each array as a view
+of the received data frame with one C call: no per-array Python work and no copy on the
+worker, and on the engine no buffer callback per array. Other buffers protocol 5 hands
+out of band (arrays that keep numpy's reduction, ``PickleBuffer`` objects) follow the
+region in the same frame, each with its own offsets pair. Token ids as numpy arrays
+decode several times faster than the same ids as Python lists, whose unpickling holds
+the GIL in the prefetch thread (docs/performance.md has both; docs/design.md the format).
 
 Node-local engines put the data region of a large batch in shared memory instead of a
 frame (``shm.payload``): ``encode_parts()`` collects the buffers without copying them,
@@ -27,7 +31,8 @@ index makes the unpickler allocate GiBs). So ``decode_payload()`` first checks t
 structure with arithmetic only (frame count; sizes against ``MAX_BODY_BYTES``,
 ``MAX_DATA_BYTES``, ``MAX_BUFFERS``), then, when the sender's ``payload_checksum()`` is
 given, verifies it, then checks that every out-of-band buffer lies inside the data frame,
-and only then unpickles: with the checksum, corrupted bytes give ``ProtocolError``, never
+and only then unpickles (where ``numpy.frombuffer`` refuses an array that would reach
+outside the region): with the checksum, corrupted bytes give ``ProtocolError``, never
 a crash or an unbounded allocation (docs/security.md has the fuzzing). A checksum is not
 authentication: a sender that computes the checksum over bytes of its choosing can still
 crash the worker or run code in it. Only connect workers to an engine you trust: tcp
@@ -37,7 +42,6 @@ permissions.
 
 import copyreg
 import io
-import itertools
 import pickle
 import struct
 from typing import Optional
@@ -81,7 +85,7 @@ __all__ = [
 ]
 
 MAGIC = b"FDSY"
-VERSION = 2
+VERSION = 3  # 3: plain arrays rebuilt from one region buffer (docs/design.md)
 
 # Message kinds. Every header names the engine instance, the worker group incarnation and
 # the worker instance it belongs to, so traffic from a previous life (an engine restarted
@@ -190,8 +194,9 @@ MAX_BODY_BYTES = 256 << 20
 #: Largest data frame (every out-of-band array of one batch). Decoded arrays are views of
 #: the received frame, so this bounds no decode-time allocation; it rejects nonsense sizes.
 MAX_DATA_BYTES = 8 << 30
-#: Most out-of-band buffers in one batch (the offsets frame then holds 16 bytes each). Each
-#: becomes a ~200-byte memoryview on decode; a FastDeploy batch carries hundreds at most.
+#: Most out-of-band buffers in one batch (the offsets frame then holds 16 bytes each), and
+#: most large arrays the encoder sends (every plain array of the region counts as one):
+#: each becomes an object on decode; a FastDeploy batch carries hundreds at most.
 MAX_BUFFERS = 1 << 16
 
 # Payload checksum: xxh3_64 (the `xxhash` package) rather than zlib.crc32, which is several
@@ -208,50 +213,81 @@ _GIL_FREE_COPY_BYTES = 1 << 20
 
 
 class EncodedPayload:
-    """A batch pickled with its out-of-band buffers collected, not yet copied anywhere.
+    """A batch pickled with its out-of-band bytes collected, not yet copied anywhere.
 
-    ``body`` (bytes): the pickle stream; ``buffers``: the out-of-band buffers as flat
-    memoryviews of the caller's own memory (numpy arrays...), nothing copied; ``layout``:
-    their (start, length) in the data region, starts 64-byte aligned; ``offsets`` (bytes):
-    ``layout`` as int64 pairs, the offsets frame (``b""`` when there are no buffers);
-    ``data_size``: the bytes the data region needs (0 when there are no buffers).
+    ``body`` (bytes): the pickle stream; ``offsets`` (bytes): the (start, length) int64
+    pairs of the out-of-band buffers the body names, in the order it names them (the
+    offsets frame; ``b""`` when there are none); ``data_size``: the bytes the data region
+    needs (0 when there are none). The data region is laid out in ``pieces``, each
+    ``(start, length, source)`` in increasing ``start`` order, starts 64-byte aligned:
+    ``source`` is a flat memoryview of a buffer the pickler handed out of band (a
+    ``PickleBuffer``), or a *run*: a list of same-dtype 1-d arrays laid back to back (the
+    plain arrays of the batch, ``_Arrays``). ``buffers`` is true when there is a data
+    region. Nothing is copied.
 
-    The buffers alias the caller's objects: copy them (``frames()``, ``write_data()``)
+    The sources alias the caller's objects: copy them (``frames()``, ``write_data()``)
     before the caller may mutate or free what was passed to ``encode_parts()``.
 
     ``data_hash()`` hashes the data region as the copy will hold it (for node-local
     shared memory, whose bytes do not travel in a frame, see ``shm.payload``).
     """
 
-    __slots__ = ("body", "buffers", "layout", "offsets", "data_size")
+    __slots__ = ("body", "pieces", "offsets", "data_size")
 
-    def __init__(self, body, buffers, layout, offsets, data_size):
-        self.body, self.buffers, self.layout = body, buffers, layout
+    def __init__(self, body, pieces, offsets, data_size):
+        self.body, self.pieces = body, pieces
         self.offsets, self.data_size = offsets, data_size
 
+    @property
+    def buffers(self) -> bool:
+        """True when the batch has a data region (an offsets and a data frame)."""
+        return bool(self.pieces)
+
+    def chunks(self):
+        """``(start, bytes-like)`` for every source buffer of the data region, in order
+        (each array of a run on its own); the gaps between them are zero."""
+        for start, _, source in self.pieces:
+            if type(source) is memoryview:
+                yield start, source
+            else:
+                for array in source:
+                    yield start, array
+                    start += array.nbytes
+
     def write_data(self, dest) -> None:
-        """Copy every buffer to its offset in ``dest`` (a writable buffer of at least
+        """Copy every piece to its offset in ``dest`` (a writable buffer of at least
         ``data_size`` bytes, such as a reused shared-memory region) and zero the alignment
         gaps between them: the one copy of the batch, after which ``dest`` holds exactly
-        the bytes ``data_hash()`` describes. Buffers of 1 MiB and more are copied by numpy,
-        which releases the GIL while it copies (a memoryview assignment would hold it for
-        the whole copy, long enough to delay the engine's I/O thread); smaller ones by
-        memoryview assignment, which costs less per call."""
+        the bytes ``data_hash()`` describes. A run of arrays is copied by C loops, not one
+        Python call per array: below 1 MiB ``bytes.join`` then one assignment (less per
+        call than numpy's concatenate, measured), from 1 MiB one ``numpy.concatenate``
+        into a typed view of its place, which releases the GIL while it copies (a
+        memoryview assignment or a join holds it for the whole copy, long enough to delay
+        the engine's I/O thread); likewise another buffer of 1 MiB and more is copied by
+        numpy, a smaller one by memoryview assignment, which costs less per call."""
         view = memoryview(dest).cast("B")
         if view.nbytes < self.data_size:
             raise ValueError(f"{view.nbytes}-byte destination for a {self.data_size}-byte "
                              f"data region")
         array = None
         end = 0
-        for (start, length), raw in zip(self.layout, self.buffers):
+        for start, length, source in self.pieces:
             if start > end:
                 view[end:start] = _ZEROS[:start - end]
-            if length >= _GIL_FREE_COPY_BYTES:
+            if type(source) is not memoryview:
+                if length < _GIL_FREE_COPY_BYTES:
+                    view[start:start + length] = b"".join(source)
+                else:
+                    run = np.frombuffer(view, dtype=source[0].dtype,
+                                        count=length // source[0].dtype.itemsize, offset=start)
+                    np.concatenate(source, out=run)
+                    del run
+            elif length >= _GIL_FREE_COPY_BYTES:
                 if array is None:
                     array = np.frombuffer(view, dtype=np.uint8)
-                np.copyto(array[start:start + length], np.frombuffer(raw, dtype=np.uint8))
+                np.copyto(array[start:start + length], np.frombuffer(source, dtype=np.uint8))
             else:
-                view[start:start + length] = raw
+                view[start:start + length] = source
             end = start + length
         del array
         view.release()
@@ -260,15 +296,20 @@ class EncodedPayload:
         """xxh3_64 of the data region (``frames()[2]``, or what ``write_data`` writes), never
         0, streamed from the caller's buffers without building the region: the alignment
         gaps hash as the zero bytes the region holds there. Valid only while the caller
-        leaves the arrays unchanged, as the copy is. 0 when there are no buffers."""
-        if not self.buffers:
+        leaves the arrays unchanged, as the copy is. 0 when there is no data region."""
+        if not self.pieces:
             return 0
         hasher = xxhash.xxh3_64()
+        update = hasher.update
         end = 0
-        for (start, length), raw in zip(self.layout, self.buffers):
+        for start, length, source in self.pieces:
             if start > end:
-                hasher.update(_ZEROS[:start - end])
-            hasher.update(raw)
+                update(_ZEROS[:start - end])
+            if type(source) is memoryview:
+                update(source)
+            else:
+                for array in source:  # a run: back to back
+                    update(array)
             end = start + length
         return hasher.intdigest() or 1
 
@@ -278,59 +319,125 @@ class EncodedPayload:
         ``bytes.join`` sizes the result first and copies each buffer into it once:
         building a bytearray and converting it to bytes would copy the batch twice and
         briefly hold both copies plus the bytearray's over-allocation."""
-        if not self.buffers:
+        if not self.pieces:
             return [self.body]
-        pieces = []
+        pieces: list = []  # bytes and memoryviews, for bytes.join
         end = 0
-        for (start, length), raw in zip(self.layout, self.buffers):
+        for start, length, source in self.pieces:
             if start > end:
-                pieces.append(bytes(start - end))  # alignment gap, < 64 bytes
-            pieces.append(raw)
+                pieces.append(_ZEROS[:start - end])  # alignment gap, < 64 bytes
+            if type(source) is memoryview:
+                pieces.append(source)
+            else:
+                pieces += source  # a run: back to back
             end = start + length
         return [self.body, self.offsets, b"".join(pieces)]
 
 
-def _reduce_ndarray(arr):
-    """How the encoder pickles a plain ``numpy.ndarray``.
+# Kinds of dtype whose arrays travel in a run (``_Arrays``): numbers and booleans, which
+# export their bytes through the buffer protocol (``frames()``, the checksum) and cannot
+# hold Python objects. Others (structured, strings, datetimes) keep numpy's reduction.
+_RUN_KINDS = frozenset("biufc")
 
-    numpy's own protocol-5 reduction rebuilds every array through
-    ``numpy._core.numeric._frombuffer``, a Python function (``frombuffer`` then
-    ``reshape``), whose cost per array is most of a 64-request batch's encode and decode
-    time (docs/performance.md). Here a 1-d array (token ids) is
-    rebuilt by ``numpy.frombuffer(buffer, dtype)`` alone, one C call, and an n-d array by
-    ``_array``; either is a view of the out-of-band buffer (read-only when the buffer is),
-    its dtype (and shape) taken from the pickle body. Like numpy's own path it goes
-    through ``numpy.frombuffer``, which refuses a dtype flagged as holding Python objects
-    and a buffer that is not a whole number of items (``ValueError``; decode turns it
-    into ``ProtocolError``): ``numpy.ndarray(shape, dtype, buffer)``, one call too, would
-    build an object array over raw bytes, read as pointers when touched. (A dtype whose
-    pickled state was corrupted can carry wrong flags and pass that check, as it can
-    numpy's: what the body checksum is for.) Arrays this does not cover (below
-    ``OOB_MIN_BYTES``, not C-contiguous, holding Python objects, or of a dtype the buffer
-    protocol cannot export, such as datetime64) keep numpy's reduction."""
-    if arr.nbytes >= OOB_MIN_BYTES and arr.flags.c_contiguous and not arr.dtype.hasobject:
-        try:
-            buffer = pickle.PickleBuffer(arr)
-        except (ValueError, TypeError, BufferError):
+
+class _Region:
+    """The data region as the body names it: pickled as ``memoryview(<out-of-band
+    buffer>)``, once per batch (the pickler memoizes it; later arrays name it by a memo
+    index), so every array of the batch is rebuilt from the one buffer."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def __reduce__(self):
+        return memoryview, (self.buffer,)
+
+
+class _Arrays:
+    """The plain arrays of one batch, laid out in runs while the pickler meets them.
+
+    ``reduce`` (the pickler's reduction for ``numpy.ndarray``) places a large
+    C-contiguous array of a number or boolean dtype at the end of the current run (a new
+    run, 64-byte aligned, when its dtype differs) and pickles it as
+    ``numpy.frombuffer(region, dtype, count, offset)``, one C call on decode, where
+    ``region`` is a memoryview of the whole data region (one out-of-band buffer for the
+    batch, ``_Region``): the worker builds no per-array buffer and the encoder runs no
+    per-array buffer callback. An n-d array is rebuilt by ``_array`` (the same call, then
+    ``reshape``). Like ``numpy.frombuffer`` itself, decode refuses a dtype flagged as
+    holding Python objects and an array that does not fit the region (``ValueError``;
+    decode turns it into ``ProtocolError``): ``numpy.ndarray(shape, dtype, buffer)``, one
+    call too, would build an object array over raw bytes, read as pointers when touched.
+    (A dtype whose pickled state was corrupted can carry wrong flags and pass that check,
+    as it can numpy's: what the body checksum is for.) Arrays this does not cover (below
+    ``OOB_MIN_BYTES``, not C-contiguous, of another dtype kind) keep numpy's
+    reduction: in band, or out of band as a buffer of their own."""
+
+    __slots__ = ("region", "runs", "count", "size", "_dtype", "_run")
+
+    def __init__(self):
+        self.region = None  # _Region, made at the first array
+        self.runs = []  # [start, length, [arrays]] in region order
+        self.count = 0  # arrays placed
+        self.size = 0  # end of the last run, in bytes from the region's start
+        self._dtype = self._run = None  # the current run's dtype and entry
+
+    def reduce(self, arr):
+        # every array of the batch passes here: the common case (the dtype of the array
+        # before it) reads four attributes and makes one tuple
+        nbytes = arr.nbytes
+        if nbytes < OOB_MIN_BYTES or not arr.flags.c_contiguous:
             return arr.__reduce_ex__(5)
+        dtype = arr.dtype
+        run = self._run
+        if dtype is not self._dtype:
+            run = self._run_for(dtype)
+            if run is None:
+                return arr.__reduce_ex__(5)
+        offset = run[0] + run[1]
+        run[1] += nbytes
+        self.size = offset + nbytes
+        self.count += 1
+        # a run's dtype holds at most 32 bytes an item, so an array of 1024 bytes or more
+        # has at least one dimension
         if arr.ndim == 1:
-            return np.frombuffer, (buffer, arr.dtype)
-        return _array, (buffer, arr.dtype, arr.shape)
-    return arr.__reduce_ex__(5)
+            run[2].append(arr)
+            return np.frombuffer, (self.region, dtype, arr.size, offset)
+        run[2].append(arr.reshape(-1))  # C-contiguous: a view
+        return _array, (self.region, dtype, arr.size, offset, arr.shape)
+
+    def _run_for(self, dtype):
+        """The run an array of ``dtype`` goes at the end of: the current one when the
+        dtypes are equal, else a new one; None when ``dtype`` cannot travel in a run."""
+        if dtype.kind not in _RUN_KINDS:
+            return None
+        if self._run is None or dtype != self._dtype:
+            if self.region is None:
+                self.region = _Region(pickle.PickleBuffer(_REGION_MARK))
+            start = (self.size + _ALIGN - 1) & -_ALIGN
+            self._run = [start, 0, []]
+            self.runs.append(self._run)
+        self._dtype = dtype
+        return self._run
 
 
-def _array(buffer, dtype, shape):
-    """Decode side of ``_reduce_ndarray`` for n-d arrays: the buffer as ``dtype`` items
-    (``numpy.frombuffer``: no Python objects, a whole number of items), in ``shape``
-    (``ValueError`` when the count differs)."""
-    return np.frombuffer(buffer, dtype).reshape(shape)
+# What the region's out-of-band buffer wraps while pickling (the buffer callback knows
+# the region's ``PickleBuffer`` by identity); its byte is never sent.
+_REGION_MARK = bytearray(1)
 
 
-def _dispatch_table():
+def _array(region, dtype, count, offset, shape):
+    """Decode side of ``_Arrays.reduce`` for n-d arrays: ``count`` items of ``dtype`` at
+    ``offset`` in the region (``numpy.frombuffer``: no Python objects, inside the
+    region), in ``shape`` (``ValueError`` when the count differs)."""
+    return np.frombuffer(region, dtype, count, offset).reshape(shape)
+
+
+def _dispatch_table(arrays):
     """copyreg's reductions (read at every call: a registration made at any time counts)
-    plus ``_reduce_ndarray``, unless the application registered its own for ndarray."""
+    plus ``arrays.reduce`` for ndarray, unless the application registered its own."""
     table = copyreg.dispatch_table.copy()
-    table.setdefault(np.ndarray, _reduce_ndarray)
+    table.setdefault(np.ndarray, arrays.reduce)
     return table
 
 
@@ -354,7 +461,7 @@ class _CappedBody(io.BytesIO):
 
 
 def encode_parts(obj, max_body_bytes: Optional[int] = None) -> EncodedPayload:
-    """Pickle ``obj`` (protocol 5) and lay out its out-of-band buffers without copying them.
+    """Pickle ``obj`` (protocol 5) and lay out its out-of-band bytes without copying them.
 
     The first half of ``encode_payload()``: the same checks and errors (``TypeError`` if
     ``obj`` cannot be pickled, ``ValueError`` beyond ``MAX_BODY_BYTES``, ``MAX_BUFFERS`` or
@@ -364,30 +471,33 @@ def encode_parts(obj, max_body_bytes: Optional[int] = None) -> EncodedPayload:
     ``max_body_bytes`` (None: ``MAX_BODY_BYTES``; the smaller of the two counts): pickling
     stops with ``ValueError`` once the body passes it, so a batch too large to send costs
     at most that much memory to refuse, not its whole pickle. Nothing is copied for the
-    out-of-band buffers: their total (``data_size``) is known before any copy, for the
+    out-of-band bytes: their total (``data_size``) is known before any copy, for the
     caller to check.
+
+    Layout: the plain arrays' runs first (``_Arrays``), then every other out-of-band
+    buffer as it came, each at a 64-byte aligned start; the region's pair in the offsets
+    frame covers the runs (it is named where the first array was met, the buffers' pairs
+    where they were).
     """
-    buffers, layout = [], []
-    size = 0
+    arrays = _Arrays()
+    named = []  # what each out-of-band buffer of the body is: None for the region
 
     def keep_out_of_band(pickle_buffer):
-        # lays the buffer out as it comes (one pass: a second loop over the buffers would
-        # be a noticeable share of a 64-request batch's encode)
-        nonlocal size
+        # called once for the region and for every other buffer the pickler meets
+        region = arrays.region
+        if region is not None and pickle_buffer is region.buffer:
+            named.append(None)
+            return False
         raw = pickle_buffer.raw()
-        length = raw.nbytes
-        if length < OOB_MIN_BYTES:
+        if raw.nbytes < OOB_MIN_BYTES:
             return True  # in-band
-        start = (size + _ALIGN - 1) & -_ALIGN
-        buffers.append(raw)
-        layout.append((start, length))
-        size = start + length
+        named.append(raw)
         return False
 
     cap = MAX_BODY_BYTES if max_body_bytes is None else min(MAX_BODY_BYTES, max_body_bytes)
     out = _CappedBody(cap)
     pickler = pickle.Pickler(out, protocol=5, buffer_callback=keep_out_of_band)
-    pickler.dispatch_table = _dispatch_table()
+    pickler.dispatch_table = _dispatch_table(arrays)
     try:
         pickler.dump(obj)
     except _BodyTooLarge:
@@ -398,16 +508,31 @@ def encode_parts(obj, max_body_bytes: Optional[int] = None) -> EncodedPayload:
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise TypeError(f"task batch is not picklable: {exc}") from exc
     body = out.getvalue()
-    if not buffers:
-        return EncodedPayload(body, [], [], b"", 0)
-    if len(buffers) > MAX_BUFFERS:
-        raise ValueError(f"task batch holds {len(buffers)} arrays of {OOB_MIN_BYTES} bytes or "
-                         f"more, more than codec.MAX_BUFFERS ({MAX_BUFFERS}); split the batch")
+    if not named:
+        return EncodedPayload(body, [], b"", 0)
+    # each array is one object the worker builds: they count against MAX_BUFFERS as the
+    # buffers of their own do
+    count = arrays.count + len(named) - (arrays.region is not None)
+    if count > MAX_BUFFERS:
+        raise ValueError(f"task batch holds {count} arrays of "
+                         f"{OOB_MIN_BYTES} bytes or more, more than codec.MAX_BUFFERS "
+                         f"({MAX_BUFFERS}); split the batch")
+    pieces = [(start, length, run) for start, length, run in arrays.runs]
+    size = arrays.size
+    pairs: list[int] = []
+    for raw in named:
+        if raw is None:
+            pairs += (0, arrays.size)
+            continue
+        start = (size + _ALIGN - 1) & -_ALIGN
+        pieces.append((start, raw.nbytes, raw))
+        pairs += (start, raw.nbytes)
+        size = start + raw.nbytes
     if size > MAX_DATA_BYTES:
         raise ValueError(f"task batch's arrays take {size} bytes, more than "
                          f"codec.MAX_DATA_BYTES ({MAX_DATA_BYTES}); split the batch")
-    offsets = struct.pack(f"<{2 * len(layout)}q", *itertools.chain.from_iterable(layout))
-    return EncodedPayload(body, buffers, layout, offsets, size)
+    offsets = struct.pack(f"<{len(pairs)}q", *pairs)
+    return EncodedPayload(body, pieces, offsets, size)
 
 
 def encode_payload(obj) -> list:
@@ -546,5 +671,7 @@ def _buffer(frame):
     # writable, and over inproc it may even be the sender's own memory, so hand pickle a
     # read-only view: decoded arrays are then read-only (writes raise instead of
     # corrupting a message another rank or the engine may still hold).
+    if type(frame) is memoryview and frame.readonly:
+        return frame  # already what pickle is handed (the ring's and the pool's slices)
     buf = getattr(frame, "buffer", None)
     return memoryview(buf if buf is not None else frame).toreadonly()

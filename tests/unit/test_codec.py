@@ -124,7 +124,9 @@ class Recorder:
 
 
 def test_structural_errors_are_protocol_errors(monkeypatch):
-    body, offsets, data = codec.encode_payload([np.arange(1000), np.arange(2000)])
+    # two out-of-band buffers: the plain arrays' region, and a structured array's own
+    body, offsets, data = codec.encode_payload([np.arange(1000),
+                                                np.zeros(2000, dtype=[("id", "<i8")])])
     pairs = np.frombuffer(offsets, dtype=np.int64)
 
     def with_pairs(**changes):
@@ -259,7 +261,7 @@ class _ObjectsOverBytes:
         data = pickle.PickleBuffer(np.arange(4096, dtype=np.int64))
         if self.ndim == 1:
             return np.frombuffer, (data, self.dtype)
-        return codec._array, (data, self.dtype, (64, 32))
+        return codec._array, (data, self.dtype, 2048, 0, (64, 32))
 
 
 @pytest.mark.parametrize("dtype", [object, [("id", "<i8"), ("obj", "O")]],
@@ -272,3 +274,74 @@ def test_an_out_of_band_array_of_python_objects_is_refused(dtype, ndim):
     assert len(frames) == 3  # the buffer did travel out of band
     with pytest.raises(ProtocolError, match="does not decode"):
         codec.decode_payload(frames, codec.payload_checksum(frames))
+
+
+def test_the_plain_arrays_of_a_batch_travel_as_one_out_of_band_buffer():
+    """A 64-request batch's token ids are one out-of-band buffer (the data region), not 64:
+    the encoder runs no buffer callback per array and the worker slices no buffer per
+    array; each array is a read-only view of the region at its own offset, back to back
+    (same dtype: one run, copied by one C loop)."""
+    batch = fastdeploy_batch()
+    parts = codec.encode_parts(batch)
+    assert len(parts.pieces) == 1 and parts.data_size == 64 * 512 * 8
+    frames = parts.frames()
+    assert np.frombuffer(frames[1], dtype=np.int64).tolist() == [0, 64 * 512 * 8]
+    assert frames[0].count(pickle.NEXT_BUFFER) == 1
+    requests, _ = codec.decode_payload(frames, codec.payload_checksum(frames))
+    data = np.frombuffer(frames[2], dtype=np.int64)
+    for i, (sent, got) in enumerate(zip(batch[0], requests)):
+        np.testing.assert_array_equal(got["prompt_token_ids"], sent["prompt_token_ids"])
+        assert not got["prompt_token_ids"].flags.writeable
+        assert np.shares_memory(got["prompt_token_ids"], data[i * 512:(i + 1) * 512])
+
+
+def test_runs_of_mixed_dtypes_and_other_buffers_lay_out_and_copy_exactly():
+    """Arrays of several dtypes, interleaved, n-d, one of them twice, beside buffers that
+    keep their own (a structured array, a ``PickleBuffer``): every copy of the data region
+    (``frames()``, ``write_data()`` into dirty memory, ``chunks()``) holds the same bytes,
+    ``data_hash()`` is their hash, runs start on 64-byte boundaries and every array
+    decodes exactly, as a view of the region, aligned for its dtype."""
+    ids = np.arange(1000, dtype=np.int64)
+    obj = {"ids": ids, "again": ids, "mask": np.arange(3000) % 2 == 0,
+           "scores": np.linspace(0, 1, 777, dtype=np.float32).reshape(7, 111),
+           "more_ids": np.arange(5000, 5500, dtype=np.int64),
+           "half": np.ones(1500, dtype=np.float16),
+           "records": np.zeros(300, dtype=[("id", "<i8"), ("score", "<f4")]),
+           "raw": pickle.PickleBuffer(bytearray(range(256)) * 8)}
+    parts = codec.encode_parts(obj)
+    frames = parts.frames()
+    data = frames[2]
+    assert len(data) == parts.data_size
+    dest = bytearray(b"\xff" * (parts.data_size + 64))
+    parts.write_data(dest)
+    assert bytes(dest[:parts.data_size]) == data  # the gaps are zeroed, not left dirty
+    assert parts.data_hash() == (codec.xxhash.xxh3_64(data).intdigest() or 1)
+    assert all(start % 64 == 0 for start, _, _ in parts.pieces)
+    assert [start for start, _, _ in parts.pieces] == sorted(start for start, _, _ in parts.pieces)
+    for start, raw in parts.chunks():
+        view = memoryview(raw).cast("B")
+        assert data[start:start + view.nbytes] == view.tobytes()
+    decoded = codec.decode_payload(frames, codec.payload_checksum(frames))
+    region = np.frombuffer(data, dtype=np.uint8)
+    for key in ("ids", "again", "mask", "scores", "more_ids", "half", "records"):
+        np.testing.assert_array_equal(decoded[key], obj[key])
+        assert decoded[key].dtype == obj[key].dtype and decoded[key].shape == obj[key].shape
+        assert np.shares_memory(decoded[key], region) and not decoded[key].flags.writeable
+        assert decoded[key].flags.aligned
+    assert decoded["again"] is decoded["ids"]  # one object, as sent
+    assert bytes(decoded["raw"]) == bytes(obj["raw"].raw())
+
+
+@pytest.mark.parametrize("field", ["count", "offset"])
+def test_an_array_reaching_outside_the_region_is_a_protocol_error(field):
+    """A body (its checksum recomputed: an authenticated but buggy sender) whose array asks
+    for items beyond the data region: numpy refuses, decode raises ProtocolError; nothing
+    is read outside the region."""
+    frames = codec.encode_payload([np.arange(512, dtype=np.int64), np.arange(512, dtype=np.int64)])
+    # the second array: count 512 (BININT2 0x0200), offset 4096 (BININT2 0x1000)
+    old = b"M\x00\x02M\x00\x10"
+    new = {"count": b"M\x01\x02M\x00\x10", "offset": b"M\x00\x02M\x08\x10"}[field]
+    assert frames[0].count(old) == 1
+    bad = [frames[0].replace(old, new), frames[1], frames[2]]
+    with pytest.raises(ProtocolError, match="does not decode"):
+        codec.decode_payload(bad, codec.payload_checksum(bad))

@@ -128,15 +128,34 @@ def query_status_isolated(endpoint: str, *, keys_dir: Optional[str] = None,
 
     For single-threaded callers (the CLI): it forks. Blocks at most ``timeout`` + 5 s (the
     child is killed and reaped then, and on any exception here, KeyboardInterrupt
-    included). Raises what ``query_status`` raises, of the same kind (``TimeoutError``,
+    included). A signal this process handles in Python (Ctrl-C's KeyboardInterrupt) that
+    arrives while it forks is held until the fork is done, then raised here as at any other
+    moment. Raises what ``query_status`` raises, of the same kind (``TimeoutError``,
     ``ProtocolError``, other ``TaskSyncError``, ``OSError`` and its common subclasses,
     ``ValueError``; anything else as a ``TaskSyncError`` naming it), and ``ProtocolError``
     naming the endpoint when the child ends without an answer (the cap reached)."""
-    reader, writer = os.pipe()
-    pid = os.fork()
+    # The signals this process handles in Python are held (blocked) across the fork: a
+    # handler that raises (KeyboardInterrupt on Ctrl-C) must not run inside os.fork, where
+    # the modules' at-fork hooks run (logging's, for one) and an exception in a hook is
+    # printed as "Exception ignored" and dropped: the Ctrl-C would be lost. Held, the
+    # signal is delivered when the mask is restored, in the try below (parent) or in the
+    # child's (which then ends, status 1).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the current mask, unchanged
+    reader = writer = None
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _handled_signals())
+        reader, writer = os.pipe()
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fd in (reader, writer):
+            if fd is not None:
+                os.close(fd)
+        raise
     if pid == 0:  # the child: never returns
         code = 0
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(reader)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 2)  # libzmq's "out of memory" line is the parent's to word
@@ -163,6 +182,7 @@ def query_status_isolated(endpoint: str, *, keys_dir: Optional[str] = None,
     os.close(writer)
     data = None
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held Ctrl-C raises here
         data = _read_all(reader, time.monotonic() + timeout + 5.0)
     finally:  # also on KeyboardInterrupt: the child never outlives the call
         os.close(reader)
@@ -196,6 +216,12 @@ _FORWARDED = {"TimeoutError": TimeoutError, "ProtocolError": ProtocolError,
               "TaskSyncError": TaskSyncError, "PermissionError": PermissionError,
               "FileNotFoundError": FileNotFoundError, "OSError": OSError,
               "ValueError": ValueError}
+
+
+def _handled_signals() -> set:
+    """The signals whose disposition is a Python handler (SIGINT's default_int_handler,
+    whatever the caller installed): those whose handler may raise."""
+    return {sig for sig in signal.valid_signals() if callable(signal.getsignal(sig))}
 
 
 def _peak_rss_bytes() -> int:

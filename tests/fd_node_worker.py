@@ -50,6 +50,13 @@ def main():
         import paddle
         import paddle.distributed as dist
 
+        # imported before the group is made: from the group's construction on, every
+        # collective (the drop-in's first one included) waits at most gloo's own 30 s for
+        # the other ranks, and this import, after the group, made a rank that a loaded
+        # machine slowed arrive late enough for the others to time out. init_parallel_env
+        # waits for every rank however late it comes.
+        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+
         paddle.set_device("cpu")
         dist.init_parallel_env()
         world = dist.get_world_size()
@@ -57,8 +64,6 @@ def main():
         groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) if world > tp else None
                   for d in range(world // tp)]
         barrier = PaddleBarrier(dist, groups[dp])
-        from fastdeploy_sync.fastdeploy import EngineWorkerQueue
-
         q = EngineWorkerQueue(address=tuple(a["address"]), num_client=tp, client_id=rank,
                               local_data_parallel_id=dp, name=a["name"], connect_timeout=60)
         calls, steps = run_loop(q, a["shape"], tp, rank, barrier, LocalFlag(),

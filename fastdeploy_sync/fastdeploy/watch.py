@@ -25,12 +25,16 @@ class GroupWatch:
     per call otherwise), on every call while it is lost. The group counts as lost when the
     engine retired it (``groups_retired`` grew: a rank's connection gone and not back
     within the heartbeat timeout, a rank's BYE, or ``FD_SYNC_STALL_TIMEOUT`` of silence;
-    see ``liveness``), or when a rank is disconnected and the engine has heard nothing from
-    it for longer than the heartbeat timeout (by the engine's monotonic clock: a wall-clock
-    step is not a lost group), whatever the engine decided. It stays lost until a new group
+    see ``liveness``), or, with a ``TaskProducer`` (the engine elsewhere), when a rank is
+    disconnected and the engine has heard nothing from it for longer than the heartbeat
+    timeout (by the engine's monotonic clock: a wall-clock step is not a lost group),
+    whatever the engine decided. It stays lost until a new group
     has every rank connected: batches put meanwhile wait for that group (``put_tasks()``
     raises instead of waiting). With a ``TaskQueue`` the retirement's ``GroupLost`` event (its
-    ``unfinished`` batches) is taken from ``group_events`` and attached to the error."""
+    ``unfinished`` batches) is taken from ``group_events`` and attached to the error: only
+    the retirement counts there (the engine retires a rank disconnected and silent past the
+    heartbeat timeout itself, within one heartbeat interval), so the first error the engine
+    loop catches carries the unfinished batches however late the queue's I/O thread runs."""
 
     def __init__(self, queue, where, timeout):
         # where(): names the queue in messages (a callable: the port may be known later)
@@ -38,6 +42,11 @@ class GroupWatch:
         self._lock = threading.Lock()
         self._next = 0.0
         self._lost = None  # the GroupLostError raised while the group is lost
+        # a TaskQueue (this process's engine) retires a gone rank's group itself, and its
+        # retirement carries the unfinished batches: a loaded engine's I/O thread may run
+        # its tick after a check here has seen the rank silent past the timeout, and an
+        # error raised then would have handed the engine loop none of them
+        self._retires = isinstance(queue, TaskQueue)
         self._retired = self._stats().get("groups_retired", 0)
 
     def _stats(self):
@@ -57,7 +66,7 @@ class GroupWatch:
             if retired > self._retired:
                 self._retired = retired
                 self._lost = self._error(self._retire_reason(ranks), ranks, self._event())
-            elif self._lost is None:
+            elif self._lost is None and not self._retires:
                 # silent_s is the engine's monotonic count since it last heard the rank:
                 # a wall-clock step (NTP) moves "since", never this
                 gone = [r for r in ranks if r["state"] == DISCONNECTED

@@ -1,9 +1,12 @@
 """fastdeploy-sync status: read a live group's watermarks without joining it."""
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -168,3 +171,95 @@ def test_status_watch_refreshes_until_interrupted(name, procs, results, tmp_path
     assert snapshots >= 3, stdout
     # every snapshot but perhaps the one Ctrl-C cut short shows the engine's view
     assert stdout.count(f"engine {name!r} dp_id=0 tp_size=2") >= snapshots - 1
+
+
+# Runs `fastdeploy-sync status NAME --watch 0.001` (the CLI's main) again each time Ctrl-C
+# ended it, and says on the pipe fd argv[2] when each snapshot starts and how each run
+# ended. The snapshots themselves go nowhere: only their headers are counted.
+_WATCH_AGAIN = r"""
+import os, signal, sys
+from fastdeploy_sync.cli import main
+
+name, marks = sys.argv[1], int(sys.argv[2])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell hands SIG_IGN
+
+
+class Snapshots:
+    def write(self, text):
+        if "Ctrl-C to stop" in text:
+            os.write(marks, b"snapshot\n")
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+sys.stdout = Snapshots()
+while True:
+    code = main(["status", name, "--watch", "0.001"])
+    os.write(marks, b"ended %d\n" % code)
+"""
+
+
+class _Lines:
+    """The lines written to a pipe's read end, each awaited with a bound."""
+
+    def __init__(self, fd):
+        self.fd, self.buffer = fd, b""
+
+    def next(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.fd], [], [], max(left, 0))
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None  # the writer ended
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
+def test_status_watch_ends_on_every_ctrl_c_whatever_moment_it_comes(name, tmp_path):
+    """Ctrl-C ends `status --watch` wherever its loop is (asking the engine in a forked
+    child, printing, sleeping), with the last snapshot's exit status: here 150 runs, each
+    sent SIGINT once at a different moment of its second snapshot or later. A SIGINT that
+    came while the watch forked used to be raised inside an at-fork hook (logging's), where
+    Python prints the KeyboardInterrupt and drops it: the watch went on for ever."""
+    rounds = 150
+    with TaskQueue(name, 1):
+        reader, writer = os.pipe()
+        with (tmp_path / "stderr").open("w") as err:
+            watch = subprocess.Popen([sys.executable, "-c", _WATCH_AGAIN, name, str(writer)],
+                                     pass_fds=(writer,), stdout=subprocess.DEVNULL, stderr=err)
+        os.close(writer)
+        lines = _Lines(reader)
+        try:
+            for k in range(rounds):
+                # the first snapshot done (exit status 0 from then on), the second begun
+                for _ in range(2):
+                    line = lines.next(60)
+                    assert line == "snapshot", (k, line, (tmp_path / "stderr").read_text())
+                # 0 to 11 ms on: the loop (fork, ask, wait, print, sleep) takes ~10 ms
+                time.sleep((k % 12) / 1000)
+                watch.send_signal(signal.SIGINT)
+                # a snapshot begun before the signal came may still be reported; one
+                # that goes on past 30 s lost it
+                deadline = time.monotonic() + 30
+                line = "snapshot"
+                while line == "snapshot":
+                    line = lines.next(deadline - time.monotonic())
+                assert line is not None, (f"Ctrl-C number {k + 1} was lost: the watch went "
+                                          f"on for 30 s\n{(tmp_path / 'stderr').read_text()}")
+                assert line == "ended 0", (k, line, (tmp_path / "stderr").read_text())
+        finally:
+            watch.kill()
+            watch.wait(timeout=10)
+            os.close(reader)
+    stderr = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr

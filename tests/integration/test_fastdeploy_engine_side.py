@@ -2,14 +2,19 @@
 its worker group is lost, and recovers when a new group connects."""
 
 import os
+import queue
 import signal as signals
 import time
 
 import pytest
 
 from conftest import SPAWN
+from fastdeploy_sync import TaskQueue
+from fastdeploy_sync.engine.membership import GroupLost, LostBatch
+from fastdeploy_sync.engine.rank_link import CONNECTED, DISCONNECTED
 from fastdeploy_sync.errors import GroupLostError
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+from fastdeploy_sync.fastdeploy.watch import GroupWatch
 from fastdeploy_sync.testing.fd_loops import STOP, batches, idle_worker, wait_room
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -73,15 +78,15 @@ def test_engine_loop_raises_group_lost_then_recovers(name, procs, results, fast_
         os.kill(pids[killed], signals.SIGKILL)
         killed_at = time.monotonic()
         engine.put_tasks(batches(0, 4)[3], timeout=10)  # never taken by the dead group
+        # raised (before: the loop spun until the caller's own timeout, here 15 s); how soon
+        # after the heartbeat timeout depends on when the engine's I/O thread runs, a time
+        # a loaded machine sets, not one to assert
         with pytest.raises(GroupLostError) as info:
             while time.monotonic() - killed_at < 15:
                 wait_room(engine, 15)  # FastDeploy's engine loop
                 time.sleep(0.001)
-        elapsed = time.monotonic() - killed_at
         text = str(info.value)
         assert "rank 0" in text and "rank 1" in text and "restart every TP rank" in text, text
-        # within the heartbeat bound (plus the 100 ms watch period and a loaded machine)
-        assert elapsed < HEARTBEAT_TIMEOUT_S + 2.5, elapsed
         # while no new group is complete, every engine-side call keeps saying so
         with pytest.raises(GroupLostError):
             engine.put_tasks(["x"], timeout=1)
@@ -180,3 +185,41 @@ def test_a_wall_clock_step_is_not_a_lost_group(name, procs, results, monkeypatch
     finally:
         monkeypatch.undo()
         server.cleanup()
+
+
+class _LateEngine(TaskQueue):
+    """A TaskQueue as the engine side's watch reads it (``stats()``, ``group_events``) at
+    the moment a loaded machine can leave for a while: rank 1 disconnected and silent past
+    the heartbeat timeout, and the queue's I/O thread not yet run the tick that retires the
+    group. ``retire()`` is that tick. Nothing of a real queue (sockets, memory) is built."""
+
+    def __init__(self):  # the stand-in builds nothing: no TaskQueue.__init__
+        self.retired, self.group_events = 0, queue.Queue()
+
+    def stats(self):
+        return {"groups_retired": self.retired, "group": None if self.retired else "g",
+                "ranks": [{"rank": 0, "state": CONNECTED, "silent_s": 0.0, "reason": None},
+                          {"rank": 1, "state": DISCONNECTED, "silent_s": 5.0,
+                           "reason": "its connection closed"}]}
+
+    def retire(self, event):
+        self.group_events.put(event)
+        self.retired += 1
+
+
+def test_the_first_group_lost_error_carries_the_unfinished_batches_however_late_the_tick():
+    """The engine loop catches the first GroupLostError and re-queues its ``.unfinished``
+    (docs/fastdeploy.md): that error must carry them even when the watch sees a rank
+    silent past the heartbeat timeout before the engine's I/O thread has retired the
+    group. Before: it raised then, with ``.unfinished`` empty (seen under load as
+    test_engine_loop_raises_group_lost_then_recovers[1] failing, ``assert (0, 3) in []``)."""
+    engine = _LateEngine()
+    watch = GroupWatch(engine, lambda: "queue q dp 0", HEARTBEAT_TIMEOUT_S)
+    watch.check()  # not lost yet: the engine decides, and its retirement says what is lost
+    lost = LostBatch(7, ["a request"], (0,))
+    engine.retire(GroupLost("g", "rank 1 is gone", time.time(), [], [lost]))
+    time.sleep(0.15)  # past the watch's 100 ms period: the next call looks
+    with pytest.raises(GroupLostError) as info:
+        watch.check()
+    assert info.value.unfinished == [lost]
+    assert "rank 1 is gone" in str(info.value)

@@ -96,6 +96,10 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
     ``skip_every``-th step calls exist_tasks() on rank 0 but no rank calls get_tasks()
     (FastDeploy's loop does that when it is not ready to take), decided identically on
     every rank from the step index.
+
+    ``deadline_s`` bounds a stall, not the run: the rank raises ``TimeoutError`` once it
+    has taken nothing for that long (a loaded machine may make the whole run slow; only a
+    hang stops batches).
     """
     rng = random.Random(seed * 1000 + rank)
     steps = []  # (step index, [batch ids])
@@ -106,7 +110,8 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
         step = 0
         while taken < n_batches:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches")
+                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches, then none "
+                                   f"for {deadline_s} s")
             skip = skip_every and step % skip_every == skip_every - 1
             if rank == 0:
                 client.exist_tasks()
@@ -119,6 +124,7 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
                 if ids:
                     steps.append((step, ids))
                     taken += len(ids)
+                    deadline = time.monotonic() + deadline_s
             time.sleep(rng.random() * max_step_ms / 1000)  # the model step
             step += 1
         out.put(("steps", rank, steps))

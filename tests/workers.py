@@ -231,14 +231,25 @@ def paddle_consistency_rank(out, rank, endpoints, *args, **kwargs):
     consistency_rank.__wrapped__(out, rank, *args, coordinator="paddle", **kwargs)
 
 
-def wait_until(predicate, timeout=10.0):
-    """Poll ``predicate`` every 5 ms for up to ``timeout`` seconds; return its last value."""
+def wait_until(predicate, timeout=10.0, what=None, seen=None, interval=0.005):
+    """Poll ``predicate`` every ``interval`` seconds for up to ``timeout`` seconds.
+
+    Returns the predicate's first truthy value (or its last value at the deadline). With
+    ``what`` (what is awaited, in words) a deadline reached raises AssertionError naming
+    it, the timeout and what was seen: ``seen()`` when given (called once, at the
+    failure), otherwise the predicate's last value. Blocks at most ``timeout`` seconds
+    plus one predicate call."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if value or what is None:
+        return value
+    raise AssertionError(f"{what}: not reached within {timeout} s; seen: "
+                         f"{seen() if seen is not None else value!r}")
 
 
 # -- liveness and restarts --------------------------------------------------------------

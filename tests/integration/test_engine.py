@@ -586,9 +586,8 @@ def test_a_bye_is_not_counted_as_an_ack_message(name):
     with TaskQueue(name, 1) as queue:
         with TaskClient(name, 1, 0) as client:
             queue.put_tasks("a", timeout=5)
-            deadline = time.monotonic() + 10
-            while not client.sync_step() and time.monotonic() < deadline:
-                time.sleep(0.001)
+            wait_until(client.sync_step, timeout=10, interval=0.001,
+                       what="the client to take the batch")
         assert wait_until(lambda: queue.stats().get("byes", 0) == 1)
         assert queue.stats().get("acks", 0) == 0
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from fastdeploy_sync import TaskProducer, TaskQueue
+from fastdeploy_sync import TaskProducer, TaskQueue, names
 from fastdeploy_sync.engine.producer_endpoint import MAX_PRODUCERS
 from fastdeploy_sync.testing.processes import reap
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
@@ -99,9 +99,10 @@ def test_a_thousand_producers_at_once_under_a_soft_limit_of_1024(name):
         for path in [ipc_path(default_endpoint(name, 0)), ipc_path(default_endpoint(name, 0, "put"))]:
             if os.path.exists(path):
                 os.unlink(path)
-        for leftover in os.listdir("/dev/shm"):
-            if f"fdsync.{name}." in leftover:
-                os.unlink("/dev/shm/" + leftover)
+        for leftover in os.listdir(names.SHM_DIR):  # the killed engine's segments, semaphores
+            parsed = names.parse_shm_entry(leftover)
+            if parsed is not None and parsed.name == name:
+                os.unlink(os.path.join(names.SHM_DIR, leftover))
 
 
 # -- the limit stays the application's ---------------------------------------------------

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine_peers import endless_peer
+from fastdeploy_sync import names
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 from workers import wait_until
 
@@ -82,6 +83,7 @@ def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, mon
         for path in [ipc_path(default_endpoint(name, 0)), ipc_path(default_endpoint(name, 0, "put"))]:
             if os.path.exists(path):
                 os.unlink(path)
-        for leftover in os.listdir("/dev/shm"):
-            if f"fdsync.{name}." in leftover:
-                os.unlink("/dev/shm/" + leftover)
+        for leftover in os.listdir(names.SHM_DIR):  # the killed engine's segments, semaphores
+            parsed = names.parse_shm_entry(leftover)
+            if parsed is not None and parsed.name == name:
+                os.unlink(os.path.join(names.SHM_DIR, leftover))

@@ -161,11 +161,8 @@ def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_w
             hold_gil(hold_s)
         else:
             out.put(("ready", rank, None))
-            deadline = time.monotonic() + 30
-            while client.num_tasks() == 0:  # this rank's own receiver has the batch
-                if time.monotonic() > deadline:
-                    raise TimeoutError("rank 0 never received the batch")
-                time.sleep(0.001)
+            wait_until(lambda: client.num_tasks() != 0, timeout=30, interval=0.001,
+                       what="rank 0: its own receiver to have the batch")
             t0 = time.monotonic()
             found = client.exist_tasks()
             elapsed = time.monotonic() - t0
@@ -195,10 +192,9 @@ def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
         deadline = time.monotonic() + deadline_s
         try:
             for step in range(steps):
-                while rank == 0 and not client.exist_tasks():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("no tasks arrived")
-                    time.sleep(0.001)
+                if rank == 0:
+                    wait_until(client.exist_tasks, timeout=max(0.0, deadline - time.monotonic()),
+                               interval=0.001, what=f"step {step}: tasks to arrive")
                 client.barrier(timeout=10)
                 if step not in skip_get_on:
                     taken.append(client.get_tasks()[0])

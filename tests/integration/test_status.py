@@ -319,11 +319,15 @@ def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
                              text=True)
         try:
             children = wait_until(lambda: _children(p.pid), timeout=30, interval=0.05,
-                       what="the CLI to fork its asking child",
-                       seen=lambda: f"no child; the CLI's exit status {p.poll()}")
-            time.sleep(0.3)
-            p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=15)
+                                  what="the CLI to fork its asking child",
+                                  seen=lambda: f"no child; the CLI's exit status {p.poll()}")
+            silent.settimeout(30)
+            conn, _ = silent.accept()
+            with conn:  # the child has connected and spoken: it now waits for an answer
+                conn.settimeout(30)
+                assert conn.recv(1), "the asking child hung up without a word"
+                p.send_signal(signal.SIGINT)
+                out, err = p.communicate(timeout=15)
         finally:
             if p.poll() is None:
                 p.kill()

@@ -218,12 +218,12 @@ def engine_closing_on_a_reader_that_stopped(out, name, interval):
 
     from fastdeploy_sync import TaskQueue
     from fastdeploy_sync.wire.liveness import Heartbeat
+    from workers import wait_until
 
     queue = TaskQueue(name, 1, max_inflight=8, heartbeat=Heartbeat(interval, 3.0))
     out.put(("ready", 0, queue.endpoint))
-    deadline = time.monotonic() + 30
-    while queue.stats().get("hellos", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # the rank's HELLO (not checked: the test judges what close() returns)
+    wait_until(lambda: queue.stats().get("hellos", 0) >= 1, timeout=30, interval=0.01)
     for i in range(4):
         queue.put_tasks(np.full(4 << 17, i, dtype=np.int64), timeout=10)
     out.put(("closing", 0, os.getpid()))

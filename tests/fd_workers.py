@@ -202,6 +202,7 @@ def ep_dp_engine_process(n, results, done, *, name=None, tp_size=1, dp_size=2, w
     keeps the server until ``done`` is set (at most ``wait_s``)."""
     try:
         from fastdeploy_sync.fastdeploy import EngineWorkerQueue
+        from fastdeploy_sync.testing.processes import reap
 
         server = EngineWorkerQueue(address=("0.0.0.0", 0), is_server=True, num_client=tp_size,
                                    local_data_parallel_size=dp_size, name=name)
@@ -230,7 +231,7 @@ def ep_dp_engine_process(n, results, done, *, name=None, tp_size=1, dp_size=2, w
             results.put(("engine", 0, os.getpid(), None))
         except BaseException:
             results.put(("error", 0, -1, traceback.format_exc()))
-        _reap(child, wait_s)
+        reap(child, wait_s)
         with os.fdopen(read_end, "rb") as pipe:
             data = pipe.read()
         results.put(pickle.loads(data) if data else ("error", 1, -1, "the forked engine died"))
@@ -239,17 +240,6 @@ def ep_dp_engine_process(n, results, done, *, name=None, tp_size=1, dp_size=2, w
         server.cleanup()
 
 
-def _reap(pid, wait_s):
-    """Wait for child ``pid`` at most ``wait_s`` seconds, then kill it."""
-    import signal
-
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
 
 
 def _forked_dp_engine(address, tp_size, dp_id, n, name):

@@ -24,11 +24,11 @@ import threading
 
 import posix_ipc
 
-from fastdeploy_sync import envs
+from fastdeploy_sync import envs, names
+from fastdeploy_sync.names import SHM_DIR
 from fastdeploy_sync.shm.segment import Segment
 from fastdeploy_sync.wire.endpoints import private_dir
 
-SHM_DIR = "/dev/shm"
 CHURN_S = 0.05  # how long each coming-and-going name lives
 
 
@@ -41,15 +41,15 @@ def churn(tag, stop):
             k += 1
             # a 7-digit number or more: never a port
             new = [Segment.create(f"/fdsync-fdq-exist-{tag[7:]}{k:06d}", 4096),
-                   Segment.create(f"/fdsync.prof{tag}c{k}.dp0", 4096)]
+                   Segment.create(names.group_segment(f"prof{tag}c{k}", 0), 4096)]
             for seg in held:
                 seg.close()
-                os.unlink(SHM_DIR + seg.name)
+                os.unlink(names.shm_path(seg.name))
             held = new
     finally:
         for seg in held:
             seg.close()
-            os.unlink(SHM_DIR + seg.name)
+            os.unlink(names.shm_path(seg.name))
 
 
 def main() -> int:
@@ -61,13 +61,13 @@ def main() -> int:
     try:
         # Looks like a live TP group of queue <tag>, a live profile run's segment and a live
         # fd-manager server's flags (a port number can never be that large).
-        for name in (f"/fdsync.{tag}.dp0", f"/fdsync.prof{tag}s0.dp0",
+        for name in (names.group_segment(tag, 0), names.group_segment(f"prof{tag}s0", 0),
                      f"/fdsync-fdq-exist-{1_000_000 + pid}"):
             held.append(Segment.create(name, 4096))
-            paths.append(SHM_DIR + name)
-        for name in (f"/fdsync.{tag}.dp0.w0", f"/{tag}.lock"):
+            paths.append(names.shm_path(name))
+        for name in (names.group_semaphore(tag, 0, 0), f"/{tag}.lock"):
             held.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600))
-            paths.append(f"{SHM_DIR}/sem.{name[1:]}")
+            paths.append(names.semaphore_path(name))
         plain = f"{SHM_DIR}/{tag}"
         held.append(os.open(plain, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
         paths.append(plain)

@@ -3,12 +3,10 @@ them). Each reports ``(tag, rank, payload)`` to a multiprocessing queue; an exce
 reported as ``("error", rank, repr)`` (see ``fastdeploy_sync.testing.processes.report_errors``)."""
 
 import os
-import random
 import time
 
 from fastdeploy_sync import TaskClient
 from fastdeploy_sync.testing.processes import report_errors
-from workers import take_checked
 
 
 def _exception(exc):
@@ -60,37 +58,3 @@ def wait_phases_rank(out, rank, name, tp, async_prefetch, idle_timeout):
             if isinstance(exc, AssertionError):
                 raise
             out.put(("raised", rank, _exception(exc)))
-
-
-@report_errors
-def alternating_rank(out, rank, name, tp, n_batches, async_prefetch, seed, max_step_ms=2.0,
-                     deadline_s=90.0):
-    """``workers.consistency_rank`` with rank 0 alternating, step by step, between the
-    blocking ``wait_for_tasks()`` (random timeouts of 0-5 ms, some of which pass) and the
-    flag check ``exist_tasks()``. Reports ("steps", rank, ([(step, [batch ids])], waits)),
-    waits being rank 0's (returned True, returned False) counts, None on other ranks."""
-    rng = random.Random(seed * 1000 + rank)
-    steps = []
-    taken = 0
-    waits = [0, 0]
-    deadline = time.monotonic() + deadline_s
-    with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
-        step = 0
-        while taken < n_batches:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches")
-            if rank == 0:
-                if step % 2:
-                    client.exist_tasks()
-                else:
-                    waits[not client.wait_for_tasks(rng.random() * 0.005)] += 1
-            client.barrier(timeout=30)
-            if rng.random() < 0.2:  # a slow rank: the others may be at the next check
-                time.sleep(rng.random() * max_step_ms / 1000)
-            ids = take_checked(client)
-            if ids:
-                steps.append((step, ids))
-                taken += len(ids)
-            time.sleep(rng.random() * max_step_ms / 1000)  # the model step
-            step += 1
-        out.put(("steps", rank, (steps, tuple(waits) if rank == 0 else None)))

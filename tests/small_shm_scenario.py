@@ -92,6 +92,7 @@ class Captured(logging.Handler):
 
 def main(scenario, name):
     from fastdeploy_sync import TaskQueue
+    from fastdeploy_sync.names import SHM_DIR
 
     captured = Captured()
     logging.getLogger("fastdeploy_sync").addHandler(captured)
@@ -108,8 +109,8 @@ def main(scenario, name):
     batches = [step for step in plan if isinstance(step, tuple)]
     out = SPAWN.Queue()
     leave = SPAWN.Event()
-    result = {"scenario": scenario, "shm_size_mib": os.statvfs("/dev/shm").f_blocks
-              * os.statvfs("/dev/shm").f_frsize // MiB, "error": None}
+    result = {"scenario": scenario, "shm_size_mib": os.statvfs(SHM_DIR).f_blocks
+              * os.statvfs(SHM_DIR).f_frsize // MiB, "error": None}
     filler = None
     with TaskQueue(name, TP, max_inflight=2) as queue:
         procs = [SPAWN.Process(target=rank_main, args=(name, r, len(batches), out, leave),
@@ -129,7 +130,7 @@ def main(scenario, name):
                     # wait until the ranks took what was put: then fill what is left
                     while queue.num_tasks():
                         time.sleep(0.001)
-                    filler = fill("/dev/shm", keep_free=MiB)
+                    filler = fill(SHM_DIR, keep_free=MiB)
                     continue
                 if step == "free":
                     os.unlink(filler)
@@ -160,7 +161,7 @@ def main(scenario, name):
     result["exitcodes"] = [p.exitcode for p in procs]
     result["expected"] = [digest(batch(i, mb)) for i, mb in batches]
     result["log"] = captured.lines
-    result["left"] = sorted(os.listdir("/dev/shm"))
+    result["left"] = sorted(os.listdir(SHM_DIR))
     print(json.dumps(result))
 
 

@@ -161,11 +161,8 @@ def peer_receiving_rank(out, rank, name, async_prefetch, holding, hold_s, peer_w
             hold_gil(hold_s)
         else:
             out.put(("ready", rank, None))
-            deadline = time.monotonic() + 30
-            while client.num_tasks() == 0:  # this rank's own receiver has the batch
-                if time.monotonic() > deadline:
-                    raise TimeoutError("rank 0 never received the batch")
-                time.sleep(0.001)
+            wait_until(lambda: client.num_tasks() != 0, timeout=30, interval=0.001,
+                       what="rank 0: its own receiver to have the batch")
             t0 = time.monotonic()
             found = client.exist_tasks()
             elapsed = time.monotonic() - t0
@@ -195,10 +192,9 @@ def scripted_rank(out, rank, name, tp, steps, skip_get_on=(), deadline_s=30.0):
         deadline = time.monotonic() + deadline_s
         try:
             for step in range(steps):
-                while rank == 0 and not client.exist_tasks():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("no tasks arrived")
-                    time.sleep(0.001)
+                if rank == 0:
+                    wait_until(client.exist_tasks, timeout=max(0.0, deadline - time.monotonic()),
+                               interval=0.001, what=f"step {step}: tasks to arrive")
                 client.barrier(timeout=10)
                 if step not in skip_get_on:
                     taken.append(client.get_tasks()[0])
@@ -231,14 +227,25 @@ def paddle_consistency_rank(out, rank, endpoints, *args, **kwargs):
     consistency_rank.__wrapped__(out, rank, *args, coordinator="paddle", **kwargs)
 
 
-def wait_until(predicate, timeout=10.0):
-    """Poll ``predicate`` every 5 ms for up to ``timeout`` seconds; return its last value."""
+def wait_until(predicate, timeout=10.0, what=None, seen=None, interval=0.005):
+    """Poll ``predicate`` every ``interval`` seconds for up to ``timeout`` seconds.
+
+    Returns the predicate's first truthy value (or its last value at the deadline). With
+    ``what`` (what is awaited, in words) a deadline reached raises AssertionError naming
+    it, the timeout and what was seen: ``seen()`` when given (called once, at the
+    failure), otherwise the predicate's last value. Blocks at most ``timeout`` seconds
+    plus one predicate call."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if value or what is None:
+        return value
+    raise AssertionError(f"{what}: not reached within {timeout} s; seen: "
+                         f"{seen() if seen is not None else value!r}")
 
 
 # -- liveness and restarts --------------------------------------------------------------

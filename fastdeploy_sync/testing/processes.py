@@ -6,7 +6,9 @@ that the "spawn" start method can import them in a child.
 """
 
 import functools
+import os
 import random
+import signal
 import time
 import traceback
 import weakref
@@ -16,7 +18,7 @@ from ..errors import PrefetchError
 from ..worker.client import TaskClient
 
 __all__ = ["report_errors", "collect", "make_batch", "take_checked", "consistency_rank",
-           "put_with_pauses", "check_consistency", "engine_cause"]
+           "put_with_pauses", "check_consistency", "engine_cause", "reap"]
 
 
 def report_errors(fn):
@@ -89,13 +91,18 @@ def take_checked(client) -> list:
 
 @report_errors
 def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_every=0,
-                     max_step_ms=2.0, deadline_s=90.0, endpoint=None, coordinator=None):
+                     max_step_ms=2.0, deadline_s=90.0, endpoint=None, coordinator=None,
+                     alternate_wait=False):
     """A FastDeploy-shaped loop with random step times.
 
-    Records, per barrier step, the batch ids taken. With ``skip_every`` > 0, every
-    ``skip_every``-th step calls exist_tasks() on rank 0 but no rank calls get_tasks()
-    (FastDeploy's loop does that when it is not ready to take), decided identically on
-    every rank from the step index.
+    Records, per barrier step, the batch ids taken, and reports ("steps", rank, steps).
+    With ``skip_every`` > 0, every ``skip_every``-th step calls exist_tasks() on rank 0 but
+    no rank calls get_tasks() (FastDeploy's loop does that when it is not ready to take),
+    decided identically on every rank from the step index. With ``alternate_wait``, rank
+    0 alternates, step by step, between the blocking ``wait_for_tasks()`` (random timeouts
+    of 0-5 ms, some of which pass) and ``exist_tasks()``, and the report is
+    ("steps", rank, (steps, waits)), waits being rank 0's (returned True, returned False)
+    counts, None on other ranks.
 
     ``deadline_s`` bounds a stall, not the run: the rank raises ``TimeoutError`` once it
     has taken nothing for that long (a loaded machine may make the whole run slow; only a
@@ -104,6 +111,7 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
     rng = random.Random(seed * 1000 + rank)
     steps = []  # (step index, [batch ids])
     taken = 0
+    waits = [0, 0]
     deadline = time.monotonic() + deadline_s
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch, endpoint=endpoint,
                     coordinator=coordinator) as client:
@@ -113,7 +121,9 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
                 raise TimeoutError(f"rank {rank}: took {taken}/{n_batches} batches, then none "
                                    f"for {deadline_s} s")
             skip = skip_every and step % skip_every == skip_every - 1
-            if rank == 0:
+            if rank == 0 and alternate_wait and not step % 2:
+                waits[not client.wait_for_tasks(rng.random() * 0.005)] += 1
+            elif rank == 0:
                 client.exist_tasks()
             client.barrier(timeout=30)
             if not skip:
@@ -127,7 +137,8 @@ def consistency_rank(out, rank, name, tp, n_batches, async_prefetch, seed, skip_
                     deadline = time.monotonic() + deadline_s
             time.sleep(rng.random() * max_step_ms / 1000)  # the model step
             step += 1
-        out.put(("steps", rank, steps))
+        out.put(("steps", rank, (steps, tuple(waits) if rank == 0 else None)
+                 if alternate_wait else steps))
 
 
 def put_with_pauses(queue, n, seed):
@@ -154,3 +165,22 @@ def engine_cause(exc):
     if isinstance(exc, PrefetchError) and exc.__cause__ is not None:
         return exc.__cause__
     return exc
+
+
+def reap(pid: int, timeout: float) -> "int | None":
+    """Wait for ``pid``, a child this process forked, for up to ``timeout`` seconds.
+
+    Returns its wait status (``os.waitpid``'s), or None when it had not exited by then: it
+    is then SIGKILLed and reaped, so no child outlives the call either way. Blocks about
+    ``timeout`` seconds at most, plus the killed child's exit."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None

@@ -16,6 +16,9 @@ Prints, and exits 1 when any but the last is not empty:
     its users (``public_names``);
   * scripts that reach the tests: an import of a module of ``tests/``, or a ``sys.path``
     edit that names it (what scripts and tests share is ``fastdeploy_sync.testing``);
+  * classes past their size budget (lines, docstrings included): ``CLASS_LINES`` for
+    every class, or its reviewed entry in ``CLASS_BUDGETS``; and entries of that table
+    that name no class any more;
   * with ``--sizes N``: the N largest classes and functions (lines, docstrings included).
 
 ``tests/unit/test_layout.py`` runs the same checks.
@@ -57,6 +60,22 @@ PUBLIC_ONLY_EXCEPTIONS = (("fastdeploy_sync.profiling.fd_baseline", "fastdeploy_
 # docstring, and only these may reach private members.
 WHITE_BOX = ("scripts/benchmarks/bench_sync.py", "scripts/benchmarks/ring_parts.py",
              "scripts/benchmarks/bench_idle.py")
+
+# "No class over ~400 lines" (docstrings included): the budget of every class but those
+# below.
+CLASS_LINES = 400
+# Reviewed budgets of the classes over 300 lines: each its size when reviewed, rounded up
+# a little. A class that grows past its budget fails the check: split it, or review the
+# growth and raise its entry here (and drop an entry once its class is back under 300).
+CLASS_BUDGETS = {
+    "fastdeploy_sync.worker.client.TaskClient": 450,
+    "fastdeploy_sync.fastdeploy.queue.EngineWorkerQueue": 440,
+    "fastdeploy_sync.tp.shm_group.ShmTPGroup": 430,
+    "fastdeploy_sync.profiling.fd_baseline.FDManagerQueue": 380,
+    "fastdeploy_sync.engine.encoder.BatchEncoder": 370,
+    "fastdeploy_sync.engine.queue.TaskQueue": 370,
+    "fastdeploy_sync.engine.ledger.Ledger": 340,
+}
 
 
 def unit_of(module: str) -> str:
@@ -324,9 +343,30 @@ def sizes(mods, count):
                 kind = "class" if isinstance(node, ast.ClassDef) else "def"
                 rows.append((node.end_lineno - node.lineno + 1, kind, f"{module}.{node.name}"))
     rows.sort(reverse=True)
-    classes = [r for r in rows if r[1] == "class"][:count]
+    classes = [r for r in rows if r[1] == "class"][:count]  # count None: all of them
     functions = [r for r in rows if r[1] == "def"][:count]
     return classes, functions
+
+
+def over_budget(mods, budgets=None, default=CLASS_LINES):
+    """The classes past their size budget, as (class, lines, budget), largest first, then
+    the entries of ``budgets`` (``CLASS_BUDGETS`` by default) naming no class, as
+    (name, None, budget)."""
+    budgets = CLASS_BUDGETS if budgets is None else budgets
+    classes, _ = sizes(mods, None)
+    found = {where for _, _, where in classes}
+    over = [(where, n, budgets.get(where, default)) for n, _, where in classes
+            if n > budgets.get(where, default)]
+    return over + [(name, None, b) for name, b in sorted(budgets.items()) if name not in found]
+
+
+def budget_faults(over):
+    """One line per ``over_budget`` row: what grew (or is gone) and what to review."""
+    where = "CLASS_BUDGETS in scripts/tools/layout_check.py"
+    return [f"{name}: gone or renamed; remove or rename its budget entry ({where})"
+            if n is None else
+            f"{name}: {n} lines, past its budget of {budget}: split it, or review the "
+            f"growth and raise its budget ({where})" for name, n, budget in over]
 
 
 def main(argv=None) -> int:
@@ -338,6 +378,7 @@ def main(argv=None) -> int:
     graph = imports(mods)
     up, circ, priv = upward(graph), circles(graph), private_reaches(mods)
     hidden, script_bad = non_public_uses(mods), script_faults(scripts())
+    too_big = budget_faults(over_budget(mods))
     print(f"{len(mods)} modules, {sum(len(v) for v in graph.values())} imports within the "
           f"package")
     print(f"imports that run back up: {len(up)}")
@@ -355,6 +396,9 @@ def main(argv=None) -> int:
     print(f"scripts reaching private members or the tests: {len(script_bad)}")
     for rel, line, what in script_bad:
         print(f"  {rel}:{line}: {what}")
+    print(f"classes past their size budget, or stale budgets: {len(too_big)}")
+    for line in too_big:
+        print(f"  {line}")
     if args.sizes:
         classes, functions = sizes(mods, args.sizes)
         print("largest classes:")
@@ -363,7 +407,7 @@ def main(argv=None) -> int:
         print("largest functions:")
         for n, _, where in functions:
             print(f"  {n:5d}  {where}")
-    return 1 if up or circ or priv or hidden or script_bad else 0
+    return 1 if up or circ or priv or hidden or script_bad or too_big else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TESTS
-from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue
+from fastdeploy_sync import ProtocolError, TaskClient, TaskQueue, names
 from fastdeploy_sync.shm.sealed import SealedSegment
 from workers import wait_until
 
@@ -24,8 +24,20 @@ def _take(client, timeout=10):
     return client.get_tasks()[0]
 
 
+def _ring_paths(name, epoch=1):
+    """The files of queue ``name``'s batch ring of worker group ``epoch`` (DP group 0), of
+    any engine pid: what the library names so (``names.ring``), read back by its parser."""
+    found = []
+    for entry in sorted(os.listdir(names.SHM_DIR)):
+        parsed = names.parse_shm_entry(entry)
+        if parsed is not None and parsed.kind == "ring" and parsed.name == name \
+                and "/" + entry == names.ring(name, 0, epoch, parsed.pid):
+            found.append(names.shm_path("/" + entry))
+    return found
+
+
 def _ring_name(name):
-    (path,) = glob.glob(f"/dev/shm/fdsync.{name}.dp0.br1.*")
+    (path,) = _ring_paths(name)
     return "/" + os.path.basename(path)
 
 
@@ -97,12 +109,12 @@ _TRUNCATE = textwrap.dedent("""
     import glob, os, sys, time
     import numpy as np
     sys.path.insert(0, {tests!r})
-    from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError
+    from fastdeploy_sync import TaskClient, TaskQueue, TaskSyncError, names
     from workers import wait_until
     name = {name!r}
     with TaskQueue(name, 1) as queue, TaskClient(name, 1, 0, async_prefetch=False) as client:
         wait_until(lambda: client.num_tasks() >= 0 and client.stats()["ring"], timeout=10)
-        (path,) = glob.glob(f"/dev/shm/fdsync.{{name}}.dp0.br1.*")
+        path = names.shm_path(names.ring(name, 0, 1))  # this process is the engine
         queue.put_tasks({{"ids": np.arange(4096, dtype=np.int64)}}, timeout=5)
         os.truncate(path, 8192)  # the header survives, the slots do not
         try:
@@ -231,7 +243,7 @@ def test_arrays_kept_after_the_take_survive_truncation_of_the_ring(name):
     try:
         assert proc.stdout.readline().strip() == "HELD", proc.stderr.read()
         truncated, refused = [], []
-        for path in glob.glob(f"/dev/shm/fdsync.{name}.dp0.br1.*"):
+        for path in _ring_paths(name):
             os.truncate(path, 0)
             truncated.append(path)
         for link in glob.glob(f"/proc/{proc.pid}/fd/*"):

@@ -13,7 +13,7 @@ import posix_ipc
 import pytest
 
 from conftest import TESTS, needs_pid_namespace
-from fastdeploy_sync import envs
+from fastdeploy_sync import envs, names
 from workers import wait_until
 
 PROCS = os.path.join(TESTS, "cleanup_procs.py")
@@ -21,17 +21,19 @@ PROCS = os.path.join(TESTS, "cleanup_procs.py")
 
 def _names(name):
     """Every file of queue ``name`` in /dev/shm and in the ipc directory."""
-    return sorted(glob.glob(f"/dev/shm/*fdsync.{name}.*")
+    # deliberately broad, not built by names: any DP group, and a leftover the library's
+    # parser would not read back
+    return sorted(glob.glob(f"{names.SHM_DIR}/*fdsync.{name}.*")
                   + glob.glob(os.path.join(envs.ipc_dir(), f"fdsync-{name}-*")))
 
 
 def _expected(name):
     """What a live TP=2 group with a shared batch holds (the batch's name has the engine's
     pid: matched by prefix)."""
-    shm = [f"/dev/shm/fdsync.{name}.dp0", f"/dev/shm/fdsync.{name}.dp0.acks",
-           f"/dev/shm/sem.fdsync.{name}.dp0.w0", f"/dev/shm/sem.fdsync.{name}.dp0.w1"]
-    ipc = [os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp0.ipc"),
-           os.path.join(envs.ipc_dir(), f"fdsync-{name}-dp0.put.ipc")]
+    shm = [names.shm_path(names.group_segment(name, 0)), names.shm_path(names.ack_board(name, 0)),
+           *(names.semaphore_path(names.group_semaphore(name, 0, r)) for r in range(2))]
+    ipc = [os.path.join(envs.ipc_dir(), names.socket_file(name, 0)),
+           os.path.join(envs.ipc_dir(), names.socket_file(name, 0, "put"))]
     return shm + ipc
 
 
@@ -157,23 +159,25 @@ def test_clean_removes_a_killed_group_and_refuses_a_live_ones_names(name):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file of another uid")
 def test_another_users_names_are_never_touched(name):
-    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0", posix_ipc.O_CREX, mode=0o600, size=4096)
-    sem = posix_ipc.Semaphore(f"/fdsync.{name}.dp0.w0", posix_ipc.O_CREX, mode=0o600)
+    seg_name, sem_name = names.group_segment(name, 0), names.group_semaphore(name, 0, 0)
+    seg_path, sem_path = names.shm_path(seg_name), names.semaphore_path(sem_name)
+    seg = posix_ipc.SharedMemory(seg_name, posix_ipc.O_CREX, mode=0o600, size=4096)
+    sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode=0o600)
     try:
         os.fchown(seg.fd, 4242, 4242)
-        os.chown(f"/dev/shm/sem.fdsync.{name}.dp0.w0", 4242, 4242)
+        os.chown(sem_path, 4242, 4242)
         out = _clean(name)
         assert out.returncode == 0, out.stderr
-        assert f"not ours /dev/shm/fdsync.{name}.dp0 " in out.stdout, out.stdout
-        assert f"not ours /dev/shm/sem.fdsync.{name}.dp0.w0 " in out.stdout, out.stdout
+        assert f"not ours {seg_path} " in out.stdout, out.stdout
+        assert f"not ours {sem_path} " in out.stdout, out.stdout
         assert "owned by uid 4242" in out.stdout
-        assert os.path.exists(f"/dev/shm/fdsync.{name}.dp0")
-        assert os.path.exists(f"/dev/shm/sem.fdsync.{name}.dp0.w0")
+        assert os.path.exists(seg_path)
+        assert os.path.exists(sem_path)
     finally:
         seg.close_fd()
         posix_ipc.unlink_shared_memory(seg.name)
         sem.close()
-        posix_ipc.unlink_semaphore(f"/fdsync.{name}.dp0.w0")
+        posix_ipc.unlink_semaphore(sem_name)
 
 
 def test_a_segment_being_created_is_kept_until_it_is_old(name):
@@ -181,10 +185,10 @@ def test_a_segment_being_created_is_kept_until_it_is_old(name):
     while it is young, and counts as stale once it has not changed for CREATING_GRACE_S."""
     from fastdeploy_sync.cleanup import CREATING_GRACE_S
 
-    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.acks", posix_ipc.O_CREX, mode=0o600,
+    seg = posix_ipc.SharedMemory(names.ack_board(name, 0), posix_ipc.O_CREX, mode=0o600,
                                  size=4096)
     seg.close_fd()
-    path = f"/dev/shm/fdsync.{name}.dp0.acks"
+    path = names.shm_path(names.ack_board(name, 0))
     try:
         out = _clean(name)
         assert "in use   " + path in out.stdout and "being created" in out.stdout, out.stdout
@@ -196,7 +200,7 @@ def test_a_segment_being_created_is_kept_until_it_is_old(name):
         assert not os.path.exists(path)
     finally:
         if os.path.exists(path):
-            posix_ipc.unlink_shared_memory(f"/fdsync.{name}.dp0.acks")
+            posix_ipc.unlink_shared_memory(names.ack_board(name, 0))
 
 
 def test_importing_the_library_takes_no_signal_and_no_prometheus():
@@ -286,7 +290,7 @@ def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
     """Pids lie both ways: a leftover whose recorded pid now belongs to another live
     process (reuse) is stale; a live owner whose recorded pid means nothing here (another
     pid namespace sharing /dev/shm, as containers with --ipc=host do) is in use."""
-    reused, foreign = f"/fdsync.{name}r.dp0", f"/fdsync.{name}f.dp0"
+    reused, foreign = names.group_segment(name + "r", 0), names.group_segment(name + "f", 0)
     holder = None
     try:
         # a creator that exited, its recorded pid now a live process's (ours)
@@ -299,12 +303,12 @@ def test_clean_decides_by_the_owner_lock_not_by_a_recorded_pid(name):
         assert holder.stdout.readline().strip() == "ready"
         out = _clean(name + "r")
         assert out.returncode == 0, out.stderr
-        assert "removed  /dev/shm" + reused in out.stdout, out.stdout
-        assert not os.path.exists("/dev/shm" + reused)
+        assert "removed  " + names.shm_path(reused) in out.stdout, out.stdout
+        assert not os.path.exists(names.shm_path(reused))
         out = _clean(name + "f")
         assert out.returncode == 0, out.stderr
-        assert "in use   /dev/shm" + foreign in out.stdout, out.stdout
-        assert os.path.exists("/dev/shm" + foreign)
+        assert "in use   " + names.shm_path(foreign) in out.stdout, out.stdout
+        assert os.path.exists(names.shm_path(foreign))
     finally:
         if holder is not None:
             holder.kill()
@@ -355,7 +359,8 @@ def test_clean_as_root_never_removes_another_users_symlink(name, tmp_path):
     segment is gone). Before: root removed it."""
     target = tmp_path / "ours"
     target.write_bytes(b"x" * 32)  # a regular file of root's: what stat() would have seen
-    planted = [f"/dev/shm/sem.fdsync.{name}.dp0.w0", f"/dev/shm/fdsync.{name}.dp0.b1.99999"]
+    planted = [names.semaphore_path(names.group_semaphore(name, 0, 0)),
+               names.shm_path(names.batch_segment(name, 0, 1, 99999))]
     try:
         for path in planted:
             os.symlink(target, path)
@@ -378,13 +383,13 @@ def test_clean_as_root_never_removes_another_users_symlink(name, tmp_path):
 _CLEAN_AS_NOBODY = """
 import os, sys
 import posix_ipc
-from fastdeploy_sync import cli
+from fastdeploy_sync import cli, names
 cli.build_parser()  # imports what the commands need while we may still read them
 name = sys.argv[1]
 os.environ.pop("XDG_RUNTIME_DIR", None)
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
-seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.b2.99999", posix_ipc.O_CREX, mode=0o600,
-                             size=4096)
+seg = posix_ipc.SharedMemory(names.batch_segment(name, 0, 2, 99999), posix_ipc.O_CREX,
+                             mode=0o600, size=4096)
 seg.close_fd()
 sys.exit(cli.main(["clean", name]))
 """
@@ -399,18 +404,19 @@ def test_clean_as_an_unprivileged_user_skips_what_it_may_not_touch(name, tmp_pat
     secret = tmp_path / "secret"
     secret.mkdir(mode=0o700)
     roots = []
-    seg = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0", posix_ipc.O_CREX, mode=0o644, size=4096)
+    seg = posix_ipc.SharedMemory(names.group_segment(name, 0), posix_ipc.O_CREX, mode=0o644,
+                                 size=4096)
     seg.close_fd()
-    roots.append(f"/dev/shm/fdsync.{name}.dp0")
-    batch = posix_ipc.SharedMemory(f"/fdsync.{name}.dp0.b1.99998", posix_ipc.O_CREX,
+    roots.append(names.shm_path(names.group_segment(name, 0)))
+    batch = posix_ipc.SharedMemory(names.batch_segment(name, 0, 1, 99998), posix_ipc.O_CREX,
                                    mode=0o644, size=4096)
     batch.close_fd()
-    roots.append(f"/dev/shm/fdsync.{name}.dp0.b1.99998")
-    posix_ipc.Semaphore(f"/fdsync.{name}.dp0.w0", posix_ipc.O_CREX, mode=0o644).close()
-    roots.append(f"/dev/shm/sem.fdsync.{name}.dp0.w0")
-    os.symlink(secret / "nothing", f"/dev/shm/sem.fdsync.{name}.dp0.w1")
-    roots.append(f"/dev/shm/sem.fdsync.{name}.dp0.w1")
-    mine = f"/dev/shm/fdsync.{name}.dp0.b2.99999"
+    roots.append(names.shm_path(names.batch_segment(name, 0, 1, 99998)))
+    posix_ipc.Semaphore(names.group_semaphore(name, 0, 0), posix_ipc.O_CREX, mode=0o644).close()
+    roots.append(names.semaphore_path(names.group_semaphore(name, 0, 0)))
+    os.symlink(secret / "nothing", names.semaphore_path(names.group_semaphore(name, 0, 1)))
+    roots.append(names.semaphore_path(names.group_semaphore(name, 0, 1)))
+    mine = names.shm_path(names.batch_segment(name, 0, 2, 99999))
     try:
         out = subprocess.run([sys.executable, "-c", _CLEAN_AS_NOBODY, name],
                              capture_output=True, text=True, timeout=60)

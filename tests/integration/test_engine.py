@@ -12,7 +12,7 @@ import zmq
 
 from conftest import SPAWN
 from engine_peers import RawRank, engine_closing_on_a_reader_that_stopped
-from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError
+from fastdeploy_sync import EndpointInUseError, TaskQueue, TaskSyncError, names
 from fastdeploy_sync.wire.codec import ACK, pack_header
 from workers import (
     collect,
@@ -198,7 +198,7 @@ def test_a_killed_engine_leaves_nothing_the_next_one_trips_on(name, procs, resul
     collect(doomed, "ready", 1)
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout=10)
-    assert os.path.exists(f"/dev/shm/fdsync.{name}.dp0.acks")
+    assert os.path.exists(names.shm_path(names.ack_board(name, 0)))
     with TaskQueue(name, 1) as queue:  # reclaims the socket file and the ack board
         queue.put_tasks("fresh", timeout=1)
         procs(take_n_rank, results, 0, name, 1, 1)
@@ -586,9 +586,8 @@ def test_a_bye_is_not_counted_as_an_ack_message(name):
     with TaskQueue(name, 1) as queue:
         with TaskClient(name, 1, 0) as client:
             queue.put_tasks("a", timeout=5)
-            deadline = time.monotonic() + 10
-            while not client.sync_step() and time.monotonic() < deadline:
-                time.sleep(0.001)
+            wait_until(client.sync_step, timeout=10, interval=0.001,
+                       what="the client to take the batch")
         assert wait_until(lambda: queue.stats().get("byes", 0) == 1)
         assert queue.stats().get("acks", 0) == 0
 

@@ -16,6 +16,7 @@ from conftest import SPAWN
 from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fastdeploy_sync.testing.fd_loops import batches, check_group, engine_loop, ids_of, loop_worker
 from fd_workers import cache_messager, side_channel_probe
+from workers import wait_until
 
 RESULT_TIMEOUT_S = 60
 
@@ -197,13 +198,8 @@ def test_cache_messagers_beside_a_tp2_group(name, procs, results):
         finished = []
         for k in range(rounds):  # the connector's and engine's side of each round
             engine.put_cache_info([{"round": k, "blocks": [k, k + 1]}], timeout=30)
-            deadline = time.monotonic() + 30
-            got = engine.get_finished_req(timeout=30)
-            while not got:
-                assert time.monotonic() < deadline, f"round {k}: no finished request"
-                time.sleep(0.002)
-                got = engine.get_finished_req(timeout=30)
-            finished.append(got)
+            finished.append(wait_until(lambda: engine.get_finished_req(timeout=30), timeout=30,
+                                       interval=0.002, what=f"round {k}: a finished request"))
         reports = {}
         for _ in range(tp):
             kind, _, r, payload = results.get(timeout=RESULT_TIMEOUT_S)
@@ -334,8 +330,9 @@ def test_prefill_decode_layout_on_one_node(name, procs, results):
                         engines["decode"].put_tasks(puts["decode"][got], timeout=30)
                         got += 1
                         engines["decode"].put_cache_info([{"decode": item}], timeout=30)
-                        while not engines["decode"].get_finished_req(timeout=30):
-                            time.sleep(0.002)
+                        wait_until(lambda: engines["decode"].get_finished_req(timeout=30),
+                                   timeout=30, interval=0.002,
+                                   what=f"decode: the finished report of {item}")
                     time.sleep(0.002)
                 engines["decode"].put_tasks("stop", timeout=30)
             except BaseException as exc:  # reported below
@@ -347,12 +344,8 @@ def test_prefill_decode_layout_on_one_node(name, procs, results):
         for k in range(n):  # the prefill engine and its connector
             prefill.put_tasks(puts["prefill"][k], timeout=30)
             prefill.put_cache_info([{"prefill": k}], timeout=30)
-            deadline = time.monotonic() + 30
-            report = prefill.get_finished_req(timeout=30)
-            while not report:
-                assert time.monotonic() < deadline, f"request {k}: no finished report"
-                time.sleep(0.002)
-                report = prefill.get_finished_req(timeout=30)
+            report = wait_until(lambda: prefill.get_finished_req(timeout=30), timeout=30,
+                                interval=0.002, what=f"request {k}: a finished report")
             assert report == [[f"req{k}", "finished"]]
             engines["decode"].put_disaggregated_tasks(("req", k))  # the connector's hand-off
         prefill.put_tasks("stop", timeout=30)

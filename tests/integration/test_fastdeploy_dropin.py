@@ -29,6 +29,7 @@ from fd_workers import (
     fd_engine_process,
     fd_worker_loop,
 )
+from workers import wait_until
 
 RESULT_TIMEOUT_S = 60
 
@@ -197,13 +198,6 @@ def _worker_thread(address, name, **kw):
                              name=name, role="worker", connect_timeout=10, **kw)
 
 
-def _until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
-
-
 def test_put_get_num_tasks_and_clear(name):
     """FastDeploy's test_put_get_tasks_and_clear_data, with the engine's client and the
     worker as two instances."""
@@ -218,10 +212,10 @@ def test_put_get_num_tasks_and_clear(name):
             tasks = ["task-A"]
             engine.put_tasks(tasks)
             assert engine.num_tasks() == 1
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             fetched, all_read = worker.get_tasks()
             assert all_read and fetched == [tasks]
-            _until(lambda: engine.num_tasks() == 0)
+            wait_until(lambda: engine.num_tasks() == 0, interval=0.002, what="engine.num_tasks() == 0")
             assert not engine.exist_tasks()
             # put, clear: FastDeploy's engine reads an empty queue at once and may put again,
             # and its exist_tasks() stays True until the workers drained what was cleared;
@@ -232,29 +226,31 @@ def test_put_get_num_tasks_and_clear(name):
             engine.clear_data()  # nothing put since: adds nothing
             engine.put_tasks(["task-C"], timeout=1)  # no wait for the workers
             assert engine.num_tasks() == 1 and engine.exist_tasks()
-            _until(lambda: worker.num_tasks() == 3)  # the batch, the marker, task-C
+            wait_until(lambda: worker.num_tasks() == 3, interval=0.002,
+                       what="worker.num_tasks() == 3")  # the batch, the marker, task-C
             assert worker.exist_tasks()
             fetched, all_read = worker.get_tasks()
             assert fetched == [["task-C"]] and all_read and worker.cleared == 1
-            _until(lambda: engine.num_tasks() == 0)
+            wait_until(lambda: engine.num_tasks() == 0, interval=0.002, what="engine.num_tasks() == 0")
             assert not engine.exist_tasks()  # drained
             # cleared, then drained by the workers alone: the flag falls with the drain
             engine.put_tasks(["task-E"])
             engine.clear_data()
             assert engine.num_tasks() == 0 and engine.exist_tasks()
-            _until(lambda: worker.num_tasks() == 2)  # the batch and the marker
+            wait_until(lambda: worker.num_tasks() == 2, interval=0.002,
+                       what="worker.num_tasks() == 2")  # the batch and the marker
             assert worker.exist_tasks()
             assert worker.get_tasks() == ([], True) and worker.cleared == 2
-            _until(lambda: not engine.exist_tasks())
+            wait_until(lambda: not engine.exist_tasks(), interval=0.002, what="not engine.exist_tasks()")
             engine.clear_data()  # nothing pending: a no-op
             assert engine.num_tasks() == 0
             # worker-side clear_data empties what the worker holds, as FastDeploy's
             engine.put_tasks(["task-B"])
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             worker.clear_data()
             assert worker.get_tasks() == ([], True) and worker.cleared == 3
             engine.put_tasks(["task-D"], timeout=5)
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             assert worker.get_tasks() == ([["task-D"]], True)
         finally:
             worker.cleanup()
@@ -275,7 +271,7 @@ def test_unix_socket_path_addresses(name):
         worker = _worker_thread(path, None)
         try:
             engine.put_tasks(["via-path"])
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             assert worker.get_tasks() == ([["via-path"]], True)
             assert not os.path.exists(path)
         finally:
@@ -290,7 +286,7 @@ def test_unix_socket_path_addresses(name):
         try:
             engine = EngineWorkerQueue(address=("0.0.0.0", port), client_id=0, name=name)
             engine.put_tasks(["via-port"])
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             assert worker.get_tasks() == ([["via-port"]], True)
         finally:
             worker.cleanup()
@@ -338,7 +334,7 @@ def test_ports_and_server_only_port(name, loopback_tcp):
                 engine.get_server_port()
             engine.put_tasks(["dp1"])
             assert worker._name == server._name == f"fdq{port}"  # workers know the port only
-            _until(worker.exist_tasks)
+            wait_until(worker.exist_tasks, interval=0.002, what="worker.exist_tasks()")
             assert worker.get_tasks() == ([["dp1"]], True)
             assert server.num_connected_clients() == 0  # the server's own group 0
             assert engine.num_connected_clients() == 1

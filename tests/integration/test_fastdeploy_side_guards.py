@@ -22,6 +22,7 @@ from fastdeploy_sync.fastdeploy import EngineWorkerQueue
 from fastdeploy_sync.fastdeploy.links import RemoteLink
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
 from fd_workers import barrier_messager
+from workers import wait_until
 
 RESULT_TIMEOUT_S = 60
 
@@ -63,10 +64,9 @@ def test_an_endless_message_to_the_side_channels_is_cut(name):
                                               for line in server.stdout], daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(samples) < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(samples) >= 5, server.stderr.read() if server.poll() is not None else ""
+        wait_until(lambda: len(samples) >= 5, timeout=30, interval=0.05,
+                   what="five heap samples from the server",
+                   seen=lambda: (samples, server.stderr.read() if server.poll() is not None else ""))
         start_heap, start_answers = samples[-1]
         sent, cut = endless_peer(ipc_path(default_endpoint(name, 0, "side")), 60000, 3.0)
         during = list(samples)
@@ -249,9 +249,7 @@ def test_a_late_party_fills_its_round_and_reset_still_breaks_it(name):
 
         t = threading.Thread(target=party_a)
         t.start()
-        deadline = time.monotonic() + 30
-        while not out and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: out, timeout=30, what="the waiter on the broken barrier to return")
         assert out == [True] and bb.broken
         with pytest.raises(threading.BrokenBarrierError):
             bb.wait(30)  # round 0, late: broken for it too, at once
@@ -263,9 +261,8 @@ def test_a_late_party_fills_its_round_and_reset_still_breaks_it(name):
         failed = []
         t = threading.Thread(target=lambda: failed.append(_broken(ba.wait, 30)))
         t.start()
-        deadline = time.monotonic() + 30
-        while bb.n_waiting != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: bb.n_waiting == 1, timeout=30, what="one thread waiting in bb",
+                   seen=lambda: bb.n_waiting)
         bb.reset()
         t.join(30)
         assert failed == [True]

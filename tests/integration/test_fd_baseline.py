@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+from fastdeploy_sync import names
 
 try:
     from fastdeploy_sync.profiling.fd_baseline import FDManagerQueue
@@ -289,12 +290,12 @@ def test_a_new_server_removes_flags_left_by_dead_servers_and_no_live_ones():
     try:
         assert holder.stdout.readline().strip() == "ready"
         with FDManagerQueue(is_server=True, tp_size=1):
-            assert not os.path.exists("/dev/shm" + dead)
-            assert os.path.exists("/dev/shm" + live)
+            assert not os.path.exists(names.shm_path(dead))
+            assert os.path.exists(names.shm_path(live))
     finally:
         holder.kill()
         holder.wait(timeout=30)
         holder.stdout.close()
         for seg in (dead, live):
-            if os.path.exists("/dev/shm" + seg):
-                os.unlink("/dev/shm" + seg)
+            if os.path.exists(names.shm_path(seg)):
+                os.unlink(names.shm_path(seg))

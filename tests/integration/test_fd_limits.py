@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import resource
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -20,9 +19,11 @@ import time
 
 import pytest
 
-from fastdeploy_sync import TaskProducer, TaskQueue
+from fastdeploy_sync import TaskProducer, TaskQueue, names
 from fastdeploy_sync.engine.producer_endpoint import MAX_PRODUCERS
+from fastdeploy_sync.testing.processes import reap
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
+from workers import wait_until
 
 # An engine under a soft limit of 1024 with a TP=1 rank in the same process: it prints
 # its soft limit once, then "<batches taken>" every 0.1 s, putting a batch every 10 ms.
@@ -65,10 +66,9 @@ def test_a_thousand_producers_at_once_under_a_soft_limit_of_1024(name):
     reader.start()
     conns = []
     try:
-        deadline = time.monotonic() + 30
-        while len(lines) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(lines) >= 3, engine.stderr.read() if engine.poll() is not None else ""
+        wait_until(lambda: len(lines) >= 3, timeout=30, interval=0.05,
+                   what="the engine's first three fd-count lines",
+                   seen=lambda: (lines, engine.stderr.read() if engine.poll() is not None else ""))
         assert lines[0] > 1024  # raised to the hard limit at start
         taken = lines[-1]
         path = ipc_path(default_endpoint(name, 0, "put"))
@@ -99,9 +99,10 @@ def test_a_thousand_producers_at_once_under_a_soft_limit_of_1024(name):
         for path in [ipc_path(default_endpoint(name, 0)), ipc_path(default_endpoint(name, 0, "put"))]:
             if os.path.exists(path):
                 os.unlink(path)
-        for leftover in os.listdir("/dev/shm"):
-            if f"fdsync.{name}." in leftover:
-                os.unlink("/dev/shm/" + leftover)
+        for leftover in os.listdir(names.SHM_DIR):  # the killed engine's segments, semaphores
+            parsed = names.parse_shm_entry(leftover)
+            if parsed is not None and parsed.name == name:
+                os.unlink(os.path.join(names.SHM_DIR, leftover))
 
 
 # -- the limit stays the application's ---------------------------------------------------
@@ -137,12 +138,7 @@ def _forked_child_soft():
             assert select.select([f], [], [], 30)[0], "the forked child did not write"
             return int(f.read())  # EOF when the child exits: at once
     finally:
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.01)
+        reap(pid, max(0.0, deadline - time.monotonic()))
 
 
 @pytest.fixture

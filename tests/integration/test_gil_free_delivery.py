@@ -19,7 +19,7 @@ import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.testing.processes import report_errors
-from workers import collect
+from workers import collect, wait_until
 
 STEP_MS = 3.0
 
@@ -39,10 +39,14 @@ def gil_holding_rank(out, rank, name, tp, n, async_prefetch):
     taken = 0
     deadline = time.monotonic() + 90
     with TaskClient(name, tp, rank, async_prefetch=async_prefetch) as client:
-        while client.stats()["engine"] is None:  # welcomed (sync mode: num_tasks receives)
-            assert time.monotonic() < deadline, "never welcomed"
+        def welcomed():  # sync mode: num_tasks() receives
+            if client.stats()["engine"] is not None:
+                return True
             client.num_tasks()
-            time.sleep(0.001)
+            return False
+
+        wait_until(welcomed, timeout=deadline - time.monotonic(), interval=0.001,
+                   what=f"rank {rank}: the engine's welcome")
         client.barrier(timeout=30)
         if rank == 0:  # every rank has attached the ring and published its engine: from now
             # on a put is the node's at once (the peers wait in the barrier, GIL released,

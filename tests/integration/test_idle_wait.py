@@ -8,8 +8,8 @@ import time
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from idle_workers import alternating_rank, wait_phases_rank
-from workers import check_consistency, collect, put_with_pauses
+from idle_workers import wait_phases_rank
+from workers import check_consistency, collect, consistency_rank, put_with_pauses
 
 MODES = pytest.mark.parametrize("async_prefetch", [True, False], ids=["async", "sync"])
 
@@ -70,7 +70,8 @@ def test_consistency_when_rank0_alternates_wait_and_check(name, procs, results, 
     n = 400
     with TaskQueue(name, tp, max_inflight=8) as queue:
         for rank in range(tp):
-            procs(alternating_rank, results, rank, name, tp, n, async_prefetch, seed=tp)
+            procs(consistency_rank, results, rank, name, tp, n, async_prefetch, seed=tp,
+                  alternate_wait=True)
         put_with_pauses(queue, n, seed=tp)
         reports = collect(results, "steps", tp, timeout=120)
     check_consistency({rank: steps for rank, (steps, _) in reports.items()}, tp, n)

@@ -56,23 +56,37 @@ def expected(i):
     return i, req, [(digest, dtype, shape, False) for digest, dtype, shape, _ in arrays]
 
 
+def _listed(name, kind):
+    """(path, names.Parsed) of each ``names.SHM_DIR`` entry of queue ``name``, DP group 0,
+    of ``kind`` (a key of ``names.KINDS``), from one listing, sorted; read back by the
+    library's own parser, so the test follows the library's naming."""
+    found = []
+    for entry in sorted(os.listdir(names.SHM_DIR)):
+        parsed = names.parse_shm_entry(entry)
+        if parsed is not None and parsed.name == name and parsed.dp_id == 0 \
+                and parsed.kind == kind:
+            found.append((os.path.join(names.SHM_DIR, entry), parsed))
+    return found
+
+
 def shm_names(name):
     """Shared batches and pools (not the worker groups' rings: ring_names)."""
-    return sorted(n for n in glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*") if ".dp0.br" not in n)
+    return [path for path, _ in _listed(name, "payload")]
 
 
 def ring_names(name):
-    return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.br*"))
+    return [path for path, _ in _listed(name, "ring")]
 
 
 def pool_names(name):
-    return sorted(glob.glob(f"/dev/shm/fdsync.{name}.dp0.bp*"))
+    """Pools: held locked for their life (a batch's own segment is not)."""
+    return [path for path, parsed in _listed(name, "payload") if parsed.locked]
 
 
 def segment_names(name):
     """Batches' own segments, from one listing: a pool retired with its group may be
     unlinked between two listings (a rank's BYE retires the group meanwhile)."""
-    return [n for n in shm_names(name) if ".dp0.bp" not in n]
+    return [path for path, parsed in _listed(name, "payload") if not parsed.locked]
 
 
 def shm_stats(queue):
@@ -306,7 +320,8 @@ def test_a_region_is_reused_only_once_every_rank_freed_its_arrays(name, procs, r
 def hold_until_queue_closed(out, rank, name, tp, n):
     with TaskClient(name, tp, rank) as client:
         got, held = _take_described(client, n, hold=(0,))
-        gone = wait_until(lambda: not glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*"), 30)
+        prefix = names.shm_path(names.payload_prefix(name, 0))  # batches, pools and rings
+        gone = wait_until(lambda: not glob.glob(prefix + "*"), 30)
         out.put(("held", rank, (gone, describe(held[0]))))
 
 
@@ -372,15 +387,17 @@ def test_a_killed_engines_pool_and_segments_are_reclaimed(name, procs, doomed):
     assert len(pool_names(name)) == 1 and len(segment_names(name)) == 1, left
     assert all(path.endswith(f".{engine.pid}") for path in left), left
     ring = ring_names(name)
-    sems = glob.glob(f"/dev/shm/sem.fdsync.{name}.dp0.br1.{engine.pid}.w*")
-    assert ring == [f"/dev/shm/fdsync.{name}.dp0.br1.{engine.pid}"] and len(sems) == 2, sems
+    ring_name = names.ring(name, 0, 1, engine.pid)
+    sems = [names.semaphore_path(names.ring_semaphore(ring_name, r)) for r in range(2)]
+    listed = [path for path, _ in _listed(name, "ring semaphore")]
+    assert ring == [names.shm_path(ring_name)] and listed == sems, (ring, listed)
     os.kill(engine.pid, signal.SIGKILL)
     engine.join(timeout=10)
     assert shm_names(name) == left  # nobody removed them: SIGKILL runs no finalizer
     with TaskQueue(name, 2):
         assert shm_names(name) == []
         # the killed engine's ring and semaphores are gone; the new engine has its own
-        assert ring_names(name) == [f"/dev/shm/fdsync.{name}.dp0.br1.{os.getpid()}"]
+        assert ring_names(name) == [names.shm_path(names.ring(name, 0, 1))]
         assert not any(os.path.exists(path) for path in sems)
     # the name fixture checks that nothing else of the name is left either
 
@@ -413,7 +430,9 @@ def test_an_engine_that_exits_without_close_leaves_nothing(name, procs, results)
     engine.join(timeout=20)
     assert engine.exitcode == 0
     assert shm_names(name) == []
-    assert glob.glob(f"/dev/shm/sem.fdsync.{name}.*") == []  # nor the ring's semaphores
+    assert [entry for entry in os.listdir(names.SHM_DIR)  # nor the ring's semaphores
+            if (parsed := names.parse_shm_entry(entry)) is not None and parsed.semaphore
+            and parsed.name == name] == []
 
 
 def test_close_unlinks_unconsumed_batches(name, small_threshold, monkeypatch):
@@ -590,7 +609,7 @@ def _mapped_shm(name):
     not)."""
     with open("/proc/self/maps") as maps:
         return sorted({line.split(None, 5)[5].strip() for line in maps
-                       if f"/dev/shm/fdsync.{name}.dp0.b" in line})
+                       if names.shm_path(names.payload_prefix(name, 0)) in line})
 
 
 def test_a_held_group_lost_event_holds_its_batches_not_the_retired_pool(

@@ -1,12 +1,11 @@
 """Rank 0's check and a peer still receiving the batch it holds (tp_group.wait_peers)."""
 
-import time
 
 import pytest
 
 from conftest import SPAWN
 from fastdeploy_sync import TaskQueue
-from workers import collect, peer_receiving_rank
+from workers import collect, peer_receiving_rank, wait_until
 
 
 @pytest.mark.serial  # rank 1's I/O thread must hold the batch before its GIL hold ends
@@ -34,10 +33,9 @@ def test_the_step_takes_a_batch_a_peer_is_receiving_when_rank_0_checks(name, pro
         procs(peer_receiving_rank, results, rank, name, async_prefetch, holding, hold_s, 10.0)
     with TaskQueue(name, 2) as queue:
         collect(results, "ready", 1)  # rank 0; rank 1 says so through ``holding``
-        deadline = time.monotonic() + 30
-        while not holding.value:  # rank 1 is about to hold the GIL
-            assert time.monotonic() < deadline, "rank 1 never began to hold the GIL"
-            time.sleep(0.0005)
+        # rank 1 is about to hold the GIL: a short poll, so the put lands while it holds it
+        wait_until(lambda: holding.value, timeout=30, interval=0.0005,
+                   what="rank 1 to begin holding the GIL")
         queue.put_tasks("batch 1", timeout=30)
         took = collect(results, "took", 2)
     found, elapsed, tasks0 = took[0]

@@ -11,7 +11,6 @@ import json
 import os
 import queue as queue_module
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from fastdeploy_sync import TaskQueue, cleanup, names
 from fastdeploy_sync.shm import memfd_server
 from fastdeploy_sync.shm.sealed import SealedSegment, SealedUnreachable
 from fastdeploy_sync.shm.segment import Segment, unlink_segment
+from fastdeploy_sync.testing.processes import reap
 from fastdeploy_sync.wire.endpoints import close_listeners
 from workers import wait_until
 
@@ -38,7 +38,7 @@ def shm_name():
     name = f"/fdsync.t{uuid.uuid4().hex[:12]}.sealed"
     yield name
     unlink_segment(name)
-    assert not os.path.exists("/dev/shm" + name)
+    assert not os.path.exists(names.shm_path(name))
 
 
 @pytest.fixture
@@ -67,15 +67,10 @@ def _token(shm_name):
 
 def _wait_child(pid, timeout=30):
     """The exit code of forked child ``pid``; killed (and a failure) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"forked child {pid} did not finish within {timeout} s")
+    status = reap(pid, timeout)
+    if status is None:
+        pytest.fail(f"forked child {pid} did not finish within {timeout} s")
+    return os.waitstatus_to_exitcode(status)
 
 
 def _lines(proc):
@@ -128,7 +123,7 @@ def test_what_a_process_maps_cannot_be_truncated(shm_name):
                 os.ftruncate(int(memfd), 0)
             with pytest.raises(PermissionError):
                 os.truncate(f"/proc/self/fd/{memfd}", 4096)
-        os.truncate("/dev/shm" + shm_name, 0)  # the anchor only
+        os.truncate(names.shm_path(shm_name), 0)  # the anchor only
         seen.view[(1 << 13) - 1] = 7  # the last word: still mapped, still there
         assert made.view[(1 << 13) - 1] == 7
         served = memfd_server.served()
@@ -490,7 +485,7 @@ def test_ranks_in_another_pid_namespace_take_every_batch_through_the_ring(name, 
                 assert report["ring"] is not None and report["no_ring"] == 0, report
             served = memfd_server.served()
             assert served is not None and len(served["memfds"]) == 2, served  # ring, pool
-            anchors = glob.glob(f"/dev/shm/fdsync.{name}.dp0.b*")
+            anchors = glob.glob(names.shm_path(names.payload_prefix(name, 0)) + "*")
             assert len(anchors) == 2, anchors
             for path in anchors:
                 os.truncate(path, 0)  # only the anchors: the memory is the memfds'

@@ -122,6 +122,15 @@ def fake_engine(name):
     os.unlink(ipc_path(endpoint))
 
 
+def _children(pid):
+    """The pids of ``pid``'s children ([] once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
 @pytest.mark.parametrize("kind", list(REPLIES))
 def test_status_against_a_hostile_endpoint_prints_one_safe_line(name, fake_engine, kind):
     """`[]`, `{}`, nesting 200 000 deep, wrong types, invalid UTF-8, 1000 frames: one line
@@ -309,19 +318,16 @@ def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
                               "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
         try:
-            deadline = time.monotonic() + 30
-            children = []
-            while time.monotonic() < deadline and not children:  # the asking child forked
-                time.sleep(0.05)
-                try:
-                    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
-                        children = [int(c) for c in f.read().split()]
-                except FileNotFoundError:
-                    break
-            assert children, "the CLI never forked its asking child"
-            time.sleep(0.3)
-            p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=15)
+            children = wait_until(lambda: _children(p.pid), timeout=30, interval=0.05,
+                                  what="the CLI to fork its asking child",
+                                  seen=lambda: f"no child; the CLI's exit status {p.poll()}")
+            silent.settimeout(30)
+            conn, _ = silent.accept()
+            with conn:  # the child has connected and spoken: it now waits for an answer
+                conn.settimeout(30)
+                assert conn.recv(1), "the asking child hung up without a word"
+                p.send_signal(signal.SIGINT)
+                out, err = p.communicate(timeout=15)
         finally:
             if p.poll() is None:
                 p.kill()

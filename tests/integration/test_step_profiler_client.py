@@ -3,12 +3,11 @@
 import glob
 import json
 import os
-import time
 
 import pytest
 
 from fastdeploy_sync import TaskClient, TaskQueue
-from workers import collect, profiled_rank
+from workers import collect, profiled_rank, wait_until
 
 
 def test_fd_sync_profile_times_every_step_of_a_real_group(name, procs, results, monkeypatch,
@@ -29,12 +28,11 @@ def test_fd_sync_profile_times_every_step_of_a_real_group(name, procs, results, 
         assert summary["step"]["p50_us"] > 0
         if rank != 0:  # only rank 0 checks
             assert summary["check"]["max_us"] == 0
-    dumped = []
-    for _ in range(100):  # the files appear when the children close their clients
-        dumped = glob.glob(str(tmp_path / f"fdsync-profile-{name}-dp0-r*.json"))
-        if len(dumped) == 2:
-            break
-        time.sleep(0.1)
+    pattern = str(tmp_path / f"fdsync-profile-{name}-dp0-r*.json")
+    # the files appear when the children close their clients
+    wait_until(lambda: len(glob.glob(pattern)) == 2, timeout=10, interval=0.1,
+               what="both ranks' profile files", seen=lambda: glob.glob(pattern))
+    dumped = glob.glob(pattern)
     assert sorted(os.path.basename(p).split("-")[4] for p in dumped) == ["r0", "r1"]
     assert {json.load(open(p))["count"] for p in dumped} == {s for s, _ in reports.values()}
 

@@ -13,7 +13,9 @@ import time
 import pytest
 
 from engine_peers import endless_peer
+from fastdeploy_sync import names
 from fastdeploy_sync.wire.endpoints import default_endpoint, ipc_path
+from workers import wait_until
 
 # An engine with a TP=1 rank in the same process: it puts a batch every 10 ms, the rank
 # takes them, and it prints "<anon RSS MiB> <batches taken>" every 0.1 s until killed.
@@ -52,10 +54,9 @@ def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, mon
                                               for line in engine.stdout], daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(samples) < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(samples) >= 5, engine.stderr.read() if engine.poll() is not None else ""
+        wait_until(lambda: len(samples) >= 5, timeout=30, interval=0.05,
+                   what="five heap samples from the engine",
+                   seen=lambda: (samples, engine.stderr.read() if engine.poll() is not None else ""))
         start_heap, start_taken = samples[-1]
         path = ipc_path(default_endpoint(name, 0, "put" if endpoint == "producers" else ""))
         began = time.monotonic()
@@ -82,6 +83,7 @@ def test_an_endless_message_is_cut_and_its_memory_given_back(name, endpoint, mon
         for path in [ipc_path(default_endpoint(name, 0)), ipc_path(default_endpoint(name, 0, "put"))]:
             if os.path.exists(path):
                 os.unlink(path)
-        for leftover in os.listdir("/dev/shm"):
-            if f"fdsync.{name}." in leftover:
-                os.unlink("/dev/shm/" + leftover)
+        for leftover in os.listdir(names.SHM_DIR):  # the killed engine's segments, semaphores
+            parsed = names.parse_shm_entry(leftover)
+            if parsed is not None and parsed.name == name:
+                os.unlink(os.path.join(names.SHM_DIR, leftover))

@@ -201,14 +201,15 @@ def test_the_barrier_waits_the_way_of_the_mode_however_it_was_chosen(
 
 
 def _first_error(client, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The first exception ``client.exist_tasks()`` raises (exceptions are truthy)."""
+    def raised():
         try:
             client.exist_tasks()
         except Exception as exc:
             return exc
-        time.sleep(0.01)
-    raise AssertionError("the client never raised")
+        return None
+
+    return wait_until(raised, timeout=timeout, interval=0.01, what="the client to raise")
 
 
 def test_importing_the_package_does_not_import_paddle(name):

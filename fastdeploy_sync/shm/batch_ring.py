@@ -145,7 +145,7 @@ _FREE, _WRITTEN, _KEPT, _CONSUMED = range(4)
 class RingWriter:
     """The engine's end of one worker group's ring.
 
-    Not thread-safe by itself: the caller (``engine.encoder.BatchEncoder``) serialises
+    Not thread-safe by itself: the caller (``engine.kept_batches.KeptBatches.lock``) serialises
     ``allocate``, ``kept``, ``discard``, ``consumed`` and ``close`` under its lock;
     ``write_*`` of a slot it handed out runs outside it (slots are disjoint), and
     ``publish`` runs under the engine's mutex, in sequence order."""

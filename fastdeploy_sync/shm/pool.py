@@ -109,8 +109,8 @@ class PayloadPool:
     creation, regions handed out in ring order and reused only once every rank released
     them (see the module docstring).
 
-    Not thread-safe: ``engine.encoder.BatchEncoder`` serialises every call under its lock,
-    except ``write`` and ``view`` of a region it handed out (regions are disjoint)."""
+    Not thread-safe: ``engine.kept_batches.LargeBatches`` serialises every call under its
+    lock, except ``write`` and ``view`` of a region it handed out (regions are disjoint)."""
 
     def __init__(self, segment, tp_size, entries, data_size, header):
         self.name, self.tp_size, self.entries, self.data_size = (segment.name, tp_size, entries,

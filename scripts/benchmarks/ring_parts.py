@@ -100,7 +100,7 @@ def main():
         if ring is None:
             raise SystemExit("no ring (FD_SYNC_SHM_RING_KB=off, or /dev/shm has no room)")
         wall = time.perf_counter_ns
-        for obj, attr, key in ((enc, "encode", "encode"), (enc, "wake", "wake"),
+        for obj, attr, key in ((enc, "encode", "encode"), (enc.kept, "wake", "wake"),
                                (queue._ledger, "put", "ledger"),
                                (ring, "allocate", "allocate"),
                                (ring, "write_inline", "copy"),

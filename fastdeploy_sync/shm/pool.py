@@ -28,9 +28,9 @@ import struct
 import numpy as np
 
 from ..errors import GroupLostError, ProtocolError
-from .order import fence, load_acquire, store_release
+from .order import load_acquire, store_release
 from .ownership import on_fork
-from .release import Holders
+from .release import Holders, all_released
 from .sealed import SealedSegment, open_sealed
 
 __all__ = ["PayloadPool", "PoolRegion", "PoolView", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
@@ -189,11 +189,9 @@ class PayloadPool:
         while live:
             region = live[0]
             if region.state == _CONSUMED:
-                entry = region.stamp % self.entries
-                if any(words[released_index(self.entries, rank, entry)] != region.stamp
-                       for rank in range(self.tp_size)):
+                first = released_index(self.entries, 0, region.stamp % self.entries)
+                if not all_released(words, first, self.entries, self.tp_size, region.stamp):
                     return
-                fence()  # acquire: every rank's reads of the region before our next write
             elif region.state != _DISCARDED:
                 return
             live.popleft()

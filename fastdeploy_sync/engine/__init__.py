@@ -3,7 +3,7 @@
 ``queue``              ``TaskQueue``: the public API; construction unwound by an ``ExitStack``
 ``ledger``             the batches in flight, what each rank consumed, the window's room
 ``encoder``            the put path in one call: ``BatchEncoder.encode(tasks)``
-``large_batches``      where a node-local engine keeps large batches' arrays: pool or own segment
+``kept_batches``       what the engine keeps of a batch until every rank released it: the ring, pool, own segment
 ``io_loop``            the I/O thread: it owns the workers' and the producers' sockets
 ``outbox``             every send to a worker rank, never blocking
 ``membership``         worker groups: HELLO, WELCOME, pings, retirement (``GroupLost``)

@@ -17,8 +17,8 @@ consumed, ``base``, the group being served and the previous one, the board (deta
 close), the lifecycle flags (``closed``, ``stopping``, ``finished``), the I/O thread's
 failure, and the metrics (put times, the delivery histogram, retirements); ``not_full`` is
 a condition on it, notified whenever the slowest rank's acknowledgement advances, a group
-is retired, the queue closes or the I/O thread fails. The encoder's own lock is always
-taken after ``mutex``, never before.
+is retired, the queue closes or the I/O thread fails. ``KeptBatches``' own locks are
+always taken after ``mutex``, never before.
 """
 
 import bisect
@@ -52,13 +52,13 @@ RETIREMENT_KINDS = (("is gone", "gone"), ("is hung", "hung"), ("restarted", "ran
 
 
 class Ledger:
-    """The batches in flight of one queue (module docstring). ``encoder``: the queue's
-    ``BatchEncoder``, told what becomes of each batch; ``board``: the ack board (None for a
+    """The batches in flight of one queue (module docstring). ``kept``: the queue's
+    ``kept_batches.KeptBatches``, told what becomes of each batch; ``board``: the ack board (None for a
     ``tcp://`` queue); ``counters``: the queue's ``stats()`` counters."""
 
-    def __init__(self, name, tp_size, max_inflight, encoder, board, counters):
+    def __init__(self, name, tp_size, max_inflight, kept, board, counters):
         self.name, self.tp_size, self.max_inflight = name, tp_size, max_inflight
-        self._encoder, self._board, self._counters = encoder, board, counters
+        self._kept, self._board, self._counters = kept, board, counters
         self.mutex = threading.Lock()
         self.not_full = threading.Condition(self.mutex)
         self._next_seq = 1
@@ -80,7 +80,7 @@ class Ledger:
     def put(self, batch, timeout):
         """Enqueue an encoded ``batch``: wait for room (``timeout`` seconds, None forever:
         ``TimeoutError`` naming the ranks behind), give it the next seq, publish it in the
-        group's ring (``encoder.enqueue``). Returns ``(seq, retained)``; ``retained[0]`` is
+        group's ring (``KeptBatches.enqueue``). Returns ``(seq, retained)``; ``retained[0]`` is
         None for a batch the ranks read from the ring. ``ClosedError`` after ``close()``,
         ``TaskSyncError`` (chained) if the I/O thread failed; the batch is then not
         enqueued (the caller discards it)."""
@@ -126,7 +126,7 @@ class Ledger:
         seq = self._next_seq
         self._next_seq += 1
         # published in the group's ring (node-local) before anyone can see the seq
-        retained = self._retained[seq] = self._encoder.enqueue(seq, seq - self.base, batch)
+        retained = self._retained[seq] = self._kept.enqueue(seq, seq - self.base, batch)
         self._put_times[seq] = time.monotonic()
         return seq, retained
 
@@ -188,7 +188,7 @@ class Ledger:
                     self._delivery[bisect.bisect_left(DELIVERY_BOUNDS_S, now - put_at)] += 1
                     self._delivery[-1] += now - put_at
                 self._retained.pop(s, None)
-                self._encoder.release(s)  # every rank mapped it when it received it
+                self._kept.release(s)  # every rank mapped it when it received it
             self.not_full.notify_all()
 
     def describe_backlog(self) -> str:
@@ -260,7 +260,7 @@ class Ledger:
             self._retirements[next((k for w, k in RETIREMENT_KINDS if w in reason), "other")] += 1
             # taken out now: batches put after this lock is released belong to the next group
             # (whose ring, epoch group.epoch + 1, exists before any of them is published)
-            dropped = self._encoder.drop_all(group.epoch + 1)
+            dropped = self._kept.drop_all(group.epoch + 1)
             self.base = self._next_seq - 1
             self._consumed = [self.base] * self.tp_size
             self.group, self._previous = None, group
@@ -269,7 +269,7 @@ class Ledger:
         try:
             for seq, frames, taken_by in unfinished:
                 try:
-                    tasks = self._encoder.decode_retained(frames, dropped.get(seq))
+                    tasks = self._kept.decode_retained(frames, dropped.get(seq))
                 except BaseException as exc:
                     # A producer's bytes (or an object whose unpickling raises, even
                     # SystemExit) must not end the I/O thread; never lose the seq either.
@@ -277,8 +277,8 @@ class Ledger:
                     tasks.__cause__ = exc
                 lost.append((seq, tasks, taken_by))
         finally:
-            # Nothing retained any more: free its shared memory (see BatchEncoder.forget).
-            self._encoder.forget(dropped)
+            # Nothing retained any more: free its shared memory (see KeptBatches.forget).
+            self._kept.forget(dropped)
         return lost
 
     # -- what the I/O thread reads -------------------------------------------------------

@@ -20,9 +20,10 @@ Node-local producers in other processes put through the queue's producer endpoin
 (``producer_endpoint``; ``producer.TaskProducer`` is their side).
 
 Made of: ``ledger`` (the batches in flight and the window), ``encoder`` (the put path's
-encoding and its shared memory), ``io_loop`` (the thread and its sockets), ``outbox``
-(every send to a rank), ``membership``, ``producer_endpoint``, ``flood_guard``,
-``peer_log`` and ``status``. This module wires them and is the public API over them.
+encoding), ``kept_batches`` (the ring and the shared memory batches hold), ``io_loop``
+(the thread and its sockets), ``outbox`` (every send to a rank), ``membership``,
+``producer_endpoint``, ``flood_guard``, ``peer_log`` and ``status``. This module wires
+them and is the public API over them.
 """
 
 import collections
@@ -202,7 +203,8 @@ class TaskQueue:
                                      node_local=bool(self._ipc_path), max_message_bytes=max_batch,
                                      encrypted_limit=self._encrypted_limit(),
                                      window=self.max_inflight)
-        undo.callback(self._encoder.close)
+        self._kept = self._encoder.kept  # the ring and every kept slot or region
+        undo.callback(self._kept.close)
         self._board = None
         if self._ipc_path:
             claim_ipc_path(self._ipc_path)
@@ -216,9 +218,9 @@ class TaskQueue:
             undo.callback(self._board.close)
             # no live engine holds the name (the board says so): what shared batches are
             # left of this name were a killed engine's
-            self._encoder.reclaim_stale()
+            self._kept.reclaim_stale()
             # the first worker group's ring (epoch 1: membership numbers groups from 1)
-            self._encoder.open_ring(1)
+            self._kept.open_ring(1)
         sock.bind(endpoint)
         if self._ipc_path:
             undo.callback(unlink_quietly, self._ipc_path)
@@ -246,7 +248,7 @@ class TaskQueue:
         secure_socket_file(self._put_path)
         self._peers = peers = PeerLog(self.name, self._counters)
         self._ledger = ledger = Ledger(self.name, self.tp_size, self.max_inflight,
-                                       self._encoder, self._board, self._counters)
+                                       self._kept, self._board, self._counters)
         outbox = Outbox(sock, self.name, self.tp_size, self.instance, peers, self._counters)
         status_reply = StatusReply(self.status)
         producers = ProducerEndpoint(
@@ -298,9 +300,9 @@ class TaskQueue:
         try:
             seq, retained = self._ledger.put(batch, timeout)
         except BaseException:
-            self._encoder.discard(batch)  # not enqueued: nobody will ever map it
+            self._kept.discard(batch)  # not enqueued: nobody will ever map it
             raise
-        self._encoder.wake()
+        self._kept.wake()
         if retained[0] is not None:  # it travels over the socket
             self._io.send_now()
         return seq
@@ -315,9 +317,9 @@ class TaskQueue:
         batch = self._encoder.place_payload(frames, check)
         status, seq = ledger.offer(batch, expired)
         if seq == 0:
-            self._encoder.discard(batch)  # filled meanwhile by put_tasks(), or closed
+            self._kept.discard(batch)  # filled meanwhile by put_tasks(), or closed
             return status, 0
-        self._encoder.wake()
+        self._kept.wake()
         return status, seq
 
     def num_tasks(self) -> int:
@@ -366,7 +368,7 @@ class TaskQueue:
         out, group = self._ledger.snapshot()
         out["group"] = id_tag(group.incarnation) if group else None
         out["ranks"] = self.ranks()
-        out.update(self._encoder.stats())  # shm_*: which path large batches took
+        out.update(self._kept.stats())  # shm_*: which path large batches took
         return out
 
     def status(self) -> dict:
@@ -419,7 +421,7 @@ class TaskQueue:
         board = self._ledger.finish()
         if board is not None:
             board.close()
-        self._encoder.close()  # the I/O thread has stopped: nothing sends them now
+        self._kept.close()  # the I/O thread has stopped: nothing sends them now
         unlink_quietly(self._ipc_path)
         unlink_quietly(self._put_path)
         self._finalizer.detach()

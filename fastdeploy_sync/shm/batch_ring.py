@@ -74,8 +74,8 @@ import xxhash
 from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
-from .order import fence, load_acquire, store_release
-from .release import Holders
+from .order import load_acquire, store_release
+from .release import Holders, all_released
 from .sealed import SealedSegment, read_sealed
 from .semaphores import create_fresh_semaphore, open_semaphore, sem_wait
 
@@ -145,7 +145,7 @@ _FREE, _WRITTEN, _KEPT, _CONSUMED = range(4)
 class RingWriter:
     """The engine's end of one worker group's ring.
 
-    Not thread-safe by itself: the caller (``engine.encoder.BatchEncoder``) serialises
+    Not thread-safe by itself: the caller (``engine.kept_batches.KeptBatches.lock``) serialises
     ``allocate``, ``kept``, ``discard``, ``consumed`` and ``close`` under its lock;
     ``write_*`` of a slot it handed out runs outside it (slots are disjoint), and
     ``publish`` runs under the engine's mutex, in sequence order."""
@@ -215,11 +215,9 @@ class RingWriter:
         for step in range(lay.slots):
             slot = (self._cursor + step) % lay.slots
             state = self._state[slot]
-            if state == _CONSUMED:
-                stamp = self._stamp[slot]
-                if all(words[lay.release_word(r, slot)] == stamp for r in range(lay.tp)):
-                    fence()  # acquire: every rank's reads of the slot before our writes
-                    state = self._state[slot] = _FREE
+            if state == _CONSUMED and all_released(words, lay.released + slot, lay.row,
+                                                   lay.tp, self._stamp[slot]):
+                state = self._state[slot] = _FREE
             if state == _FREE:
                 self._state[slot] = _WRITTEN
                 self._cursor = slot + 1

@@ -11,7 +11,7 @@ it (ranks on other nodes cannot map this node's memory).
 
 Where the bytes go, in order of preference (``engine.encoder`` decides):
 
-1. **The pool** (``shm.pool.PayloadPool``): one segment per queue and worker group,
+1. **The pool** (``shm.pool``: ``PayloadPool`` writes, ``PoolView`` reads): one segment per queue and worker group,
    created at the queue's first shared batch, ``FD_SYNC_SHM_POOL_MB`` of data used as a
    ring, every page reserved and mapped in when it is created (in each rank when the
    rank first sees it), so that neither the engine's copy nor a rank's read takes a page
@@ -65,16 +65,12 @@ import struct
 import threading
 from typing import Optional
 
-import numpy as np
 import xxhash
 
 from .. import names
 from ..errors import GroupLostError, ProtocolError
 from ..wire import codec
-from . import pool as pool_layout
-from .order import load_acquire
-from .release import Holders
-from .sealed import open_sealed
+from .pool import PoolView
 from .segment import create_exclusive, open_checked, reserve, unlink_segment
 from .segment import reclaim_stale as reclaim_segment
 from .semaphores import unlink_semaphore
@@ -248,24 +244,6 @@ def _open_checked(name: str, prefix: str, read_only: bool):
         raise ProtocolError(f"shared batch {name}: not mapped: {exc}") from exc
 
 
-def _open_sealed_pool(name: str, prefix: str) -> int:
-    """The checked descriptor of pool ``name``'s sealed memory (``shm.sealed.open_sealed``)
-    after the name checks of ``_open_checked``; ``GroupLostError`` if it is gone,
-    ``ProtocolError`` if it is not ours or cannot be reached (neither through ``/proc`` nor
-    over the engine's socket: ``shm.sealed.open_sealed``)."""
-    if not name.startswith(prefix) or "/" in name[1:]:
-        raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
-                            f"batches ({prefix}*)")
-    try:
-        return open_sealed(name, os.O_RDWR)
-    except FileNotFoundError:
-        raise GroupLostError(
-            f"shared batch pool {name} is gone before this rank mapped it: the engine retired "
-            f"this worker group or closed the queue; restart the group") from None
-    except PermissionError as exc:
-        raise ProtocolError(f"shared batch pool {name}: not mapped: {exc}") from exc
-
-
 def map_payload(name: str, size: int, prefix: str) -> MappedPayload:
     """Map batch segment ``name`` read-only, zero-copy. Never blocks beyond the system
     calls.
@@ -287,83 +265,20 @@ def map_payload(name: str, size: int, prefix: str) -> MappedPayload:
     return MappedPayload(name, memoryview(mapping))
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use
-
-
-class _PoolView:
-    """A rank's mapping of one pool's sealed memory (``shm.sealed``: it cannot shrink under
-    the arrays that view it): the data read-only (populated once), the header read-write
-    (its release row)."""
-
-    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_holders",
-                 "__weakref__")
-
-    def __init__(self, name, entries, data_size, rank, words, data):
-        self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
-        self._words, self._data = words, data
-        self._holders = Holders(words)
-
-    @classmethod
-    def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "_PoolView":
-        fd = _open_sealed_pool(name, prefix)
-        try:
-            st = os.fstat(fd)
-            raw = os.pread(fd, pool_layout.HEADER_FIELDS * 8, 0)
-            if len(raw) != pool_layout.HEADER_FIELDS * 8:
-                raise ProtocolError(f"pool {name} holds {st.st_size} bytes, less than its header")
-            magic, version, tp, entries, data_offset, data_size, ready = (
-                pool_layout.parse_header(raw))
-            if magic != pool_layout.MAGIC or version != pool_layout.VERSION or ready != 1:
-                raise ProtocolError(f"pool {name}: not a ready pool of this layout (magic "
-                                    f"{magic:#x}, version {version}, ready {ready})")
-            if (tp != tp_size or not 0 < entries <= pool_layout.MAX_ENTRIES
-                    or not 0 < tp <= pool_layout.MAX_TP):
-                raise ProtocolError(f"pool {name} is laid out for tp_size {tp} and {entries} "
-                                    f"entries; this rank's group has tp_size {tp_size}")
-            if (data_offset != pool_layout.header_bytes(tp, entries) or data_size <= 0
-                    or data_offset + data_size != st.st_size):
-                raise ProtocolError(f"pool {name}: header says data at {data_offset}, "
-                                    f"{data_size} bytes; the segment holds {st.st_size}")
-            header = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED)
-            data = mmap.mmap(fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
-                             prot=mmap.PROT_READ, offset=data_offset)
-        finally:
-            os.close(fd)  # the mappings hold the memory
-        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)
-
-    def region(self, start: int, size: int, stamp: int):
-        """The batch ``stamp``'s bytes as a read-only numpy array of ``size`` bytes, after
-        checking by arithmetic that they lie in the pool and that the engine recorded this
-        stamp as the region's last fill. When the array and every view derived from it
-        (the decoded arrays) are freed, this rank's release of ``stamp`` is published."""
-        if not 0 <= start <= self.data_size - size or stamp <= 0:
-            raise ProtocolError(f"pool {self.name}: region of {size} bytes at {start} "
-                                f"(stamp {stamp}) outside its {self.data_size} bytes")
-        entry = stamp % self.entries
-        filled = load_acquire(self._words, pool_layout.FILLED + entry)  # then the bytes
-        if filled != stamp:
-            raise ProtocolError(f"pool {self.name}: the region of batch stamp {stamp} holds "
-                                f"stamp {filled}: reused before this rank read it")
-        return self._holders.holder(
-            entry, stamp, lambda: np.frombuffer(self._data, dtype=np.uint8, count=size,
-                                                offset=start),
-            pool_layout.released_index(self.entries, self.rank, entry))
-
-
 class PayloadReader:
     """A rank's decoder of shared batches of queue ``name``/``dp_id``: maps each pool once
     (the two most recent stay mapped) and each batch's own segment per batch.
 
     ``decode`` may run in several threads at once (the socket's receiver, the ring's
     prefetch thread, the event loop), also for one batch: its decodes share the region's
-    release (``_PoolView.region``)."""
+    release (``shm.pool.PoolView.region``)."""
 
     _KEEP_POOLS = 2
 
     def __init__(self, name: str, dp_id: int, tp_size: int, tp_rank: int):
         self.prefix = names.payload_prefix(name, dp_id)
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        self._pools: collections.OrderedDict = collections.OrderedDict()  # name -> _PoolView
+        self._pools: collections.OrderedDict = collections.OrderedDict()  # name -> pool.PoolView
         self._pools_lock = threading.Lock()
 
     def decode(self, body, ref, check: int):
@@ -413,7 +328,7 @@ class PayloadReader:
         with self._pools_lock:
             pool = self._pools.get(name)
             if pool is None:
-                pool = _PoolView.open(name, self.prefix, self.tp_size, self.tp_rank)
+                pool = PoolView.open(name, self.prefix, self.tp_size, self.tp_rank)
                 self._pools[name] = pool
                 while len(self._pools) > self._KEEP_POOLS:  # views keep an evicted one mapped
                     self._pools.popitem(last=False)

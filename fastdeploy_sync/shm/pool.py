@@ -1,4 +1,5 @@
-"""The engine's pool of reused shared memory for large batches (one per worker group).
+"""The pool of reused shared memory for large batches (one per worker group), both sides:
+the engine's ``PayloadPool`` writes it, each rank's ``PoolView`` reads it.
 
 Why a pool: writing a large batch into fresh tmpfs pages costs a page fault per page;
 the pool's pages are reserved and mapped in once, when it is created, and reused by
@@ -6,7 +7,8 @@ every batch after (``docs/large-batches.md`` has the costs). Regions are handed
 out in ring order and a region is written again only once *every* rank has released it:
 each batch's arrays keep one small object per rank alive (a numpy view of the region),
 whose finalizer stores the batch's stamp in that rank's row of the pool's header when
-the last array is freed (``shm.payload``, the ranks' side). A rank that holds arrays for
+the last array is freed (``PoolView``, the ranks' side; ``shm.payload.PayloadReader``
+decodes through it). A rank that holds arrays for
 long holds its region: the ring cannot pass it, and batches take a segment of their own
 or the socket meanwhile. A pool is never reused across worker groups: when a group is
 retired its pool is retired with it.
@@ -20,14 +22,18 @@ judge a leftover as every other segment.
 
 import collections
 import mmap
+import os
 import struct
 
-from ..errors import ProtocolError
-from .order import fence, store_release
-from .ownership import on_fork
-from .sealed import SealedSegment
+import numpy as np
 
-__all__ = ["PayloadPool", "PoolRegion", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
+from ..errors import GroupLostError, ProtocolError
+from .order import load_acquire, store_release
+from .ownership import on_fork
+from .release import Holders, all_released
+from .sealed import SealedSegment, open_sealed
+
+__all__ = ["PayloadPool", "PoolRegion", "PoolView", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
            "FILLED", "HEADER_FIELDS", "MAX_ENTRIES", "MAX_TP", "header_bytes",
            "released_index", "parse_header"]
 
@@ -103,8 +109,8 @@ class PayloadPool:
     creation, regions handed out in ring order and reused only once every rank released
     them (see the module docstring).
 
-    Not thread-safe: ``engine.encoder.BatchEncoder`` serialises every call under its lock,
-    except ``write`` and ``view`` of a region it handed out (regions are disjoint)."""
+    Not thread-safe: ``engine.kept_batches.LargeBatches`` serialises every call under its
+    lock, except ``write`` and ``view`` of a region it handed out (regions are disjoint)."""
 
     def __init__(self, segment, tp_size, entries, data_size, header):
         self.name, self.tp_size, self.entries, self.data_size = (segment.name, tp_size, entries,
@@ -183,11 +189,9 @@ class PayloadPool:
         while live:
             region = live[0]
             if region.state == _CONSUMED:
-                entry = region.stamp % self.entries
-                if any(words[released_index(self.entries, rank, entry)] != region.stamp
-                       for rank in range(self.tp_size)):
+                first = released_index(self.entries, 0, region.stamp % self.entries)
+                if not all_released(words, first, self.entries, self.tp_size, region.stamp):
                     return
-                fence()  # acquire: every rank's reads of the region before our next write
             elif region.state != _DISCARDED:
                 return
             live.popleft()
@@ -261,6 +265,92 @@ class PayloadPool:
         unlinks it (its segment dropped the inherited lock descriptor itself)."""
         self.closed = self.retired = True
 
+
+# -- the ranks' side ------------------------------------------------------------------
+
+
+def _open_sealed_pool(name: str, prefix: str) -> int:
+    """The checked descriptor of pool ``name``'s sealed memory (``shm.sealed.open_sealed``)
+    after the name checks every rank makes (as ``shm.payload.map_payload``);
+    ``GroupLostError`` if it is gone, ``ProtocolError`` if it is not ours or cannot be
+    reached (neither through ``/proc`` nor over the engine's socket:
+    ``shm.sealed.open_sealed``)."""
+    if not name.startswith(prefix) or "/" in name[1:]:
+        raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
+                            f"batches ({prefix}*)")
+    try:
+        return open_sealed(name, os.O_RDWR)
+    except FileNotFoundError:
+        raise GroupLostError(
+            f"shared batch pool {name} is gone before this rank mapped it: the engine retired "
+            f"this worker group or closed the queue; restart the group") from None
+    except PermissionError as exc:
+        raise ProtocolError(f"shared batch pool {name}: not mapped: {exc}") from exc
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use
+
+
+class PoolView:
+    """A rank's mapping of one pool's sealed memory (``shm.sealed``: it cannot shrink under
+    the arrays that view it): the data read-only (populated once), the header read-write
+    (its release row)."""
+
+    __slots__ = ("name", "entries", "data_size", "rank", "_words", "_data", "_holders",
+                 "__weakref__")
+
+    def __init__(self, name, entries, data_size, rank, words, data):
+        self.name, self.entries, self.data_size, self.rank = name, entries, data_size, rank
+        self._words, self._data = words, data
+        self._holders = Holders(words)
+
+    @classmethod
+    def open(cls, name: str, prefix: str, tp_size: int, rank: int) -> "PoolView":
+        """Map pool ``name`` for rank ``rank`` of a ``tp_size`` group, after checking its
+        name (``prefix``), owner, header and size. ``ProtocolError`` for a failed check,
+        ``GroupLostError`` when it is gone. Blocks only on system calls (the data's pages
+        are mapped in here, once per pool)."""
+        fd = _open_sealed_pool(name, prefix)
+        try:
+            st = os.fstat(fd)
+            raw = os.pread(fd, HEADER_FIELDS * 8, 0)
+            if len(raw) != HEADER_FIELDS * 8:
+                raise ProtocolError(f"pool {name} holds {st.st_size} bytes, less than its header")
+            magic, version, tp, entries, data_offset, data_size, ready = parse_header(raw)
+            if magic != MAGIC or version != VERSION or ready != 1:
+                raise ProtocolError(f"pool {name}: not a ready pool of this layout (magic "
+                                    f"{magic:#x}, version {version}, ready {ready})")
+            if tp != tp_size or not 0 < entries <= MAX_ENTRIES or not 0 < tp <= MAX_TP:
+                raise ProtocolError(f"pool {name} is laid out for tp_size {tp} and {entries} "
+                                    f"entries; this rank's group has tp_size {tp_size}")
+            if (data_offset != header_bytes(tp, entries) or data_size <= 0
+                    or data_offset + data_size != st.st_size):
+                raise ProtocolError(f"pool {name}: header says data at {data_offset}, "
+                                    f"{data_size} bytes; the segment holds {st.st_size}")
+            header = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED)
+            data = mmap.mmap(fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
+                             prot=mmap.PROT_READ, offset=data_offset)
+        finally:
+            os.close(fd)  # the mappings hold the memory
+        return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)
+
+    def region(self, start: int, size: int, stamp: int):
+        """The batch ``stamp``'s bytes as a read-only numpy array of ``size`` bytes, after
+        checking by arithmetic that they lie in the pool and that the engine recorded this
+        stamp as the region's last fill. When the array and every view derived from it
+        (the decoded arrays) are freed, this rank's release of ``stamp`` is published."""
+        if not 0 <= start <= self.data_size - size or stamp <= 0:
+            raise ProtocolError(f"pool {self.name}: region of {size} bytes at {start} "
+                                f"(stamp {stamp}) outside its {self.data_size} bytes")
+        entry = stamp % self.entries
+        filled = load_acquire(self._words, FILLED + entry)  # then the bytes
+        if filled != stamp:
+            raise ProtocolError(f"pool {self.name}: the region of batch stamp {stamp} holds "
+                                f"stamp {filled}: reused before this rank read it")
+        return self._holders.holder(
+            entry, stamp, lambda: np.frombuffer(self._data, dtype=np.uint8, count=size,
+                                                offset=start),
+            released_index(self.entries, self.rank, entry))
 
 
 class PoolTruncated(ProtocolError):

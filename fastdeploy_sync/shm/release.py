@@ -18,9 +18,22 @@ import os
 import threading
 import weakref
 
-from .order import store_release
+from .order import fence, store_release
 
-__all__ = ["Holders"]
+__all__ = ["Holders", "all_released"]
+
+
+def all_released(words, first: int, stride: int, ranks: int, stamp: int) -> bool:
+    """The engine's side of the rule "a slot or region is written again only once every
+    rank released it": True when each of the ``ranks`` release words ``words[first + r *
+    stride]`` holds ``stamp`` (the ring and the pool lay them out so); then a fence
+    (acquire: every rank's reads of the batch's bytes happen before the caller's next
+    write). Never blocks."""
+    for index in range(first, first + ranks * stride, stride):
+        if words[index] != stamp:
+            return False
+    fence()
+    return True
 
 
 class Holders:

@@ -96,13 +96,14 @@ def main():
             out.get(timeout=120)
         time.sleep(0.3)
         enc = queue._encoder
-        if enc._ring is None:
+        ring = enc.kept.ring
+        if ring is None:
             raise SystemExit("no ring (FD_SYNC_SHM_RING_KB=off, or /dev/shm has no room)")
         wall = time.perf_counter_ns
-        for obj, attr, key in ((enc, "encode", "encode"), (enc, "wake", "wake"),
+        for obj, attr, key in ((enc, "encode", "encode"), (enc.kept, "wake", "wake"),
                                (queue._ledger, "put", "ledger"),
-                               (enc._ring, "allocate", "allocate"),
-                               (enc._ring, "write_inline", "copy"),
+                               (ring, "allocate", "allocate"),
+                               (ring, "write_inline", "copy"),
                                (encoder_module.codec, "encode_parts", "pickle")):
             _timed(obj, attr, put[key], wall)
         batch = bench_sync.make_requests()

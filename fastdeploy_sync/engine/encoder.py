@@ -74,8 +74,9 @@ class BatchEncoder:
         a node-local batch whose arrays take at least the threshold, into shared memory
         (the pool; else a segment of its own; else, when ``/dev/shm`` has no room, the
         data frame after all). Any thread. Blocks for the copy, and, at the first shared
-        batch of a worker group, while the pool is created (0.17 s for 256 MiB here; only
-        this call waits for it: see the module docstring).
+        batch of a worker group, while the pool is created (every page of it reserved and
+        mapped in: a time proportional to ``FD_SYNC_SHM_POOL_MB``; only this call waits
+        for it: see the module docstring).
 
         Raises ``TypeError`` if ``tasks`` cannot be pickled and ``ValueError`` if the
         message would exceed the workers' limit (or a codec bound); nothing is held then.

@@ -68,9 +68,9 @@ from typing import Optional
 import xxhash
 
 from .. import names
-from ..errors import GroupLostError, ProtocolError
+from ..errors import ProtocolError
 from ..wire import codec
-from .pool import PoolView
+from .pool import PoolView, open_reference
 from .segment import create_exclusive, open_checked, reserve, unlink_segment
 from .segment import reclaim_stale as reclaim_segment
 from .semaphores import unlink_semaphore
@@ -228,20 +228,11 @@ class MappedPayload:
 
 
 def _open_checked(name: str, prefix: str, read_only: bool):
-    """``(posix_ipc.SharedMemory, os.stat_result)`` of shared batch or pool ``name`` after
-    the checks every rank makes before mapping anything: the name has this queue's
-    prefix, the object exists and is owned by this uid."""
-    if not name.startswith(prefix) or "/" in name[1:]:
-        raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
-                            f"batches ({prefix}*)")
-    try:
-        return open_checked(name, read_only=read_only)
-    except FileNotFoundError:
-        raise GroupLostError(
-            f"shared batch {name} is gone before this rank mapped it: the engine retired "
-            f"this worker group or closed the queue; restart the group") from None
-    except PermissionError as exc:
-        raise ProtocolError(f"shared batch {name}: not mapped: {exc}") from exc
+    """``(posix_ipc.SharedMemory, os.stat_result)`` of shared batch ``name`` after the
+    checks every rank makes before mapping anything (``pool.open_reference``): the name
+    has this queue's prefix, the object exists and is owned by this uid."""
+    return open_reference(name, prefix, "shared batch",
+                          lambda n: open_checked(n, read_only=read_only))
 
 
 def map_payload(name: str, size: int, prefix: str) -> MappedPayload:

@@ -24,6 +24,7 @@ import collections
 import mmap
 import os
 import struct
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from .order import load_acquire, store_release
 from .ownership import on_fork
 from .release import Holders, all_released
 from .sealed import SealedSegment, open_sealed
+
+T = TypeVar("T")
 
 __all__ = ["PayloadPool", "PoolRegion", "PoolView", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
            "FILLED", "HEADER_FIELDS", "MAX_ENTRIES", "MAX_TP", "header_bytes",
@@ -269,23 +272,31 @@ class PayloadPool:
 # -- the ranks' side ------------------------------------------------------------------
 
 
-def _open_sealed_pool(name: str, prefix: str) -> int:
-    """The checked descriptor of pool ``name``'s sealed memory (``shm.sealed.open_sealed``)
-    after the name checks every rank makes (as ``shm.payload.map_payload``);
-    ``GroupLostError`` if it is gone, ``ProtocolError`` if it is not ours or cannot be
-    reached (neither through ``/proc`` nor over the engine's socket:
-    ``shm.sealed.open_sealed``)."""
+def open_reference(name: str, prefix: str, what: str, opener: Callable[[str], T]) -> T:
+    """``opener(name)`` once ``name`` passed the checks every rank makes before it maps
+    a reference an engine sent (this queue's ``prefix``, no path); ``what`` names the
+    object in messages ("shared batch", "shared batch pool"). ``ProtocolError`` for a
+    name outside the queue's and for what ``opener`` raises as ``PermissionError`` (not
+    ours, or not reachable); ``GroupLostError`` for ``FileNotFoundError`` (gone: the group
+    was retired). Blocks as long as ``opener`` does."""
     if not name.startswith(prefix) or "/" in name[1:]:
         raise ProtocolError(f"shared-memory reference to {name!r}, outside this queue's "
                             f"batches ({prefix}*)")
     try:
-        return open_sealed(name, os.O_RDWR)
+        return opener(name)
     except FileNotFoundError:
         raise GroupLostError(
-            f"shared batch pool {name} is gone before this rank mapped it: the engine retired "
+            f"{what} {name} is gone before this rank mapped it: the engine retired "
             f"this worker group or closed the queue; restart the group") from None
     except PermissionError as exc:
-        raise ProtocolError(f"shared batch pool {name}: not mapped: {exc}") from exc
+        raise ProtocolError(f"{what} {name}: not mapped: {exc}") from exc
+
+
+def _open_sealed_pool(name: str, prefix: str) -> int:
+    """The checked descriptor of pool ``name``'s sealed memory (``open_reference``, then
+    ``shm.sealed.open_sealed``: through ``/proc`` or over the engine's socket)."""
+    return open_reference(name, prefix, "shared batch pool",
+                          lambda n: open_sealed(n, os.O_RDWR))
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use

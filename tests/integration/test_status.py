@@ -314,9 +314,13 @@ def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
     os.chmod(path, 0o600)
     silent.listen(4)
     try:
+        # Ctrl-C's default disposition, as in a terminal: a test run started in the
+        # background (nohup, '&' without job control) hands its children SIGINT ignored,
+        # and Python then installs no KeyboardInterrupt handler
         p = subprocess.Popen([sys.executable, "-m", "fastdeploy_sync.cli", "status", name,
                               "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             children = wait_until(lambda: _children(p.pid), timeout=30, interval=0.05,
                                   what="the CLI to fork its asking child",

@@ -498,7 +498,7 @@ def attach_when_ready(name: str, usable, timeout: float, poll_s: float = 0.01) -
     ``SegmentNotReady`` with the last reason. What ``usable`` raises ends the wait (the
     segment is closed first); a segment it rejects is closed before the next try."""
     deadline = time.monotonic() + timeout
-    why = "it does not exist yet"
+    why = "it does not exist: not made yet, or removed by its creator"
     while True:
         try:
             seg = Segment.attach(name)

@@ -149,7 +149,8 @@ class GroupSegment:
         except SegmentNotReady as exc:
             raise TimeoutError(
                 f"rank {self.tp_rank}: TP group {self.shm_name} not ready after {timeout:.1f}s "
-                f"({exc.why}); is rank 0 of this group running? (FD_SYNC_ATTACH_TIMEOUT)"
+                f"({exc.why}); is rank 0 of this group running, or did it fail already (its log "
+                f"says)? (FD_SYNC_ATTACH_TIMEOUT)"
             ) from None
 
     def _join(self, seg):

@@ -112,13 +112,15 @@ def _gil_wait_with_and_without_a_holder():
 
 
 def _meter_does_not_release_the_gil():
-    """A thread that re-takes the GIL whenever it is released: while the main thread runs
-    only the meter, it gets a turn only when the interpreter forces a switch (every
-    switch interval, 5 ms); while the main thread calls os.pread, which releases the GIL,
-    it gets hundreds."""
-    seconds = 0.15
+    """A thread that re-takes the GIL whenever it is released. With the switch interval at
+    1 s the interpreter forces no switch inside a 0.3 s window, so while the main thread
+    runs only the meter the spinner gets a turn only if the meter releases the GIL; while
+    the main thread calls os.pread, which releases it, the spinner gets a turn per call.
+    Counts of what the code does, not of what the scheduler allows: a busy machine only
+    makes the second part take longer."""
+    turns_wanted = 100
 
-    def turns_while(body):
+    def turns_while(body, until):
         stop, count = threading.Event(), [0]
 
         def spinner():
@@ -127,10 +129,10 @@ def _meter_does_not_release_the_gil():
                 time.sleep(0)  # releases the GIL; running again needs it back
         t = threading.Thread(target=spinner, daemon=True)
         t.start()
-        time.sleep(0.01)
+        time.sleep(0.01)  # the spinner runs, then waits for the GIL from here on
         count[0] = 0
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        end = time.perf_counter() + until
+        while time.perf_counter() < end and count[0] < turns_wanted:
             body()
         n = count[0]
         stop.set()
@@ -139,15 +141,19 @@ def _meter_does_not_release_the_gil():
 
     meter = ThreadInterruption(0)
     fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
     try:
-        with_meter = turns_while(lambda: (meter.begin(), meter.end()))
-        with_os_pread = turns_while(lambda: os.pread(fd, 64, 0))
+        with_meter = turns_while(lambda: (meter.begin(), meter.end()), 0.3)
+        with_os_pread = turns_while(lambda: os.pread(fd, 64, 0), 60.0)
     finally:
+        sys.setswitchinterval(previous)
         os.close(fd)
         meter.close()
-    # Forced switches come every switch interval (5 ms: ~30 in 0.15 s), more when the OS
-    # deschedules the main thread on a loaded machine; a GIL-releasing call gives a turn
-    # per call (hundreds to thousands). An ordering with a wide margin, not a timing.
-    assert with_meter * 4 < with_os_pread, (with_meter, with_os_pread)
+    # A forced switch needs the spinner to have waited a whole second: none fits in the
+    # 0.3 s window (one, should the OS stall the main thread for most of a second).
+    assert with_meter <= 1, (with_meter, with_os_pread)
+    # The control: the same spinner does get turns from a call that releases the GIL.
+    assert with_os_pread >= turns_wanted, (with_meter, with_os_pread)
 
 

@@ -69,7 +69,6 @@ import time
 
 import numpy as np
 import posix_ipc
-import xxhash
 
 from .. import names
 from ..errors import ProtocolError
@@ -512,17 +511,10 @@ class RingReader:
             frames = [body, offsets, data]
         else:
             frames = [view[l2:l2 + l0]]
-        actual = codec.payload_checksum(frames[:2])
-        if actual != check:
-            raise ProtocolError(
-                f"ring {self.name}: payload checksum mismatch for seq {seq}: expected "
-                f"{check:#018x}, computed {actual:#018x} over the body and offsets in shared "
-                f"memory: the batch was corrupted between the engine's write and this decode")
-        if data_hash:
-            found = xxhash.xxh3_64(frames[2]).intdigest() or 1
-            if found != data_hash:
-                raise ProtocolError(f"ring {self.name}: the arrays of seq {seq} hash to "
-                                    f"{found:#018x}, the engine wrote {data_hash:#018x}")
+        what = f"ring {self.name}: seq {seq}"
+        codec.verify_checksum(frames[:2], check, what)
+        if len(frames) == 3:
+            codec.verify_data_hash(frames[2], data_hash, what)
         return codec.decode_payload(frames, None)
 
     def _holder(self, slot, stamp, size):

@@ -65,8 +65,6 @@ import struct
 import threading
 from typing import Optional
 
-import xxhash
-
 from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
@@ -288,23 +286,13 @@ class PayloadReader:
         or closed). Blocks only on system calls; the first batch of a pool maps it (once
         per pool).
         """
-        actual = codec.payload_checksum([body, ref])
-        if actual != check:
-            raise ProtocolError(
-                f"payload checksum mismatch: expected {check:#018x} (sent with the batch), "
-                f"computed {actual:#018x} over the body and shared-memory reference "
-                f"received: the batch was corrupted between the engine's encode and this "
-                f"decode")
+        codec.verify_checksum([body, ref], check, "shared batch")
         r = unpack_ref(ref)
         if r.stamp:
             data = self._pool(r.name).region(r.start, r.size, r.stamp)
         else:
             data = map_payload(r.name, r.size, self.prefix).view
-        if r.data_hash:
-            found = xxhash.xxh3_64(data).intdigest() or 1
-            if found != r.data_hash:
-                raise ProtocolError(f"shared batch {r.name}: its {r.size} bytes hash to "
-                                    f"{found:#018x}, the engine wrote {r.data_hash:#018x}")
+        codec.verify_data_hash(data, r.data_hash, f"shared batch {r.name}")
         return codec.decode_payload([body, r.offsets, data], None)
 
     def close(self) -> None:

@@ -75,6 +75,8 @@ __all__ = [
     "E_TOO_MANY",
     "HEADER_SIZE",
     "payload_checksum",
+    "verify_checksum",
+    "verify_data_hash",
     "pack_header",
     "unpack_header",
     "encode_payload",
@@ -595,6 +597,32 @@ def decode_payload(frames, checksum=None) -> object:
         return pickle.loads(body, buffers=buffers)
     except Exception as exc:
         raise ProtocolError(f"task batch does not decode: {exc!r}") from exc
+
+
+def verify_checksum(covered, check: int, what: str) -> None:
+    """Raise ``ProtocolError`` (naming ``what``, the expected and the computed value) unless
+    ``payload_checksum(covered) == check``. For a batch in shared memory, which the
+    checksum covers by its body and its offsets or reference, not by its arrays' bytes:
+    the first check of every shared store's read, before anything it names is read, mapped
+    or unpickled (then ``verify_data_hash``, then ``decode_payload``). Never blocks."""
+    actual = payload_checksum(covered)
+    if actual != check:
+        raise ProtocolError(
+            f"{what}: payload checksum mismatch: expected {check:#018x}, computed "
+            f"{actual:#018x} over the body and its offsets or reference: the batch was "
+            f"corrupted between the engine's write and this decode")
+
+
+def verify_data_hash(data, data_hash: int, what: str) -> None:
+    """Raise ``ProtocolError`` unless ``data`` (a shared batch's array bytes) hashes to
+    ``data_hash`` (xxh3_64, 0 counted as 1); nothing is checked when ``data_hash`` is 0
+    (the engine hashed nothing). Never blocks; one pass over the bytes."""
+    if not data_hash:
+        return
+    found = xxhash.xxh3_64(data).intdigest() or 1
+    if found != data_hash:
+        raise ProtocolError(f"{what}: its {_buffer(data).nbytes} bytes of arrays hash to "
+                            f"{found:#018x}, the engine wrote {data_hash:#018x}")
 
 
 def check_payload(frames, checksum=None) -> None:

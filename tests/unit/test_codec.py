@@ -4,6 +4,7 @@ import pickle
 
 import numpy as np
 import pytest
+import xxhash
 
 from fastdeploy_sync.errors import ProtocolError
 from fastdeploy_sync.wire import codec
@@ -109,6 +110,24 @@ def test_checksum_mismatch_names_both_values_and_stops_before_unpickling():
     with pytest.raises(ProtocolError, match="checksum mismatch"):
         codec.decode_payload([body], 0)  # 0 ("no checksum" on the wire) never matches
     assert calls_made == []  # neither body was unpickled
+
+
+def test_a_shared_stores_checks_name_the_batch_and_what_they_found():
+    """The rule both shared-memory readers check by (``verify_checksum`` over the frames
+    the engine hashed, then ``verify_data_hash`` over the arrays' bytes)."""
+    frames = codec.encode_payload(fastdeploy_batch())
+    covered, data = frames[:2], frames[2]
+    check = codec.payload_checksum(covered)
+    codec.verify_checksum(covered, check, "ring r: seq 7")  # passes, returns nothing
+    with pytest.raises(ProtocolError, match=f"ring r: seq 7: payload checksum mismatch: "
+                                            f"expected {check ^ 1:#018x}"):
+        codec.verify_checksum(covered, check ^ 1, "ring r: seq 7")
+    codec.verify_data_hash(data, 0, "x")  # 0: the engine hashed nothing, nothing checked
+    good = xxhash.xxh3_64(data).intdigest() or 1
+    codec.verify_data_hash(data, good, "x")
+    with pytest.raises(ProtocolError, match=f"shared batch s: its {len(data)} bytes of arrays "
+                                            f"hash to {good:#018x}, the engine wrote"):
+        codec.verify_data_hash(data, good ^ 1, "shared batch s")
 
 
 calls_made = []

@@ -20,7 +20,7 @@ import weakref
 
 from .. import names
 from ..errors import ProtocolError, TaskSyncError
-from ..shm.order import load_acquire, store_release
+from ..shm.header import SegmentHeader
 from ..shm.segment import (
     SegmentInUse,
     SegmentNotReady,
@@ -36,14 +36,14 @@ __all__ = ["GroupBoard", "PaddleBoard", "SoloBoard", "EARLY"]
 EARLY = None
 
 # word OWNER_PID (1) holds rank 0's pid (shm.segment)
-_B_MAGIC, _B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = 0, 2, 3, 4, 5, 6
+_B_READY, _B_FLAG, _B_NEXT_CALL, _B_SEALED, _B_CLEAR = 2, 3, 4, 5, 6
 # rank 0 saw the engine's CLOSE having taken everything: the call and barrier generation
 # from which every rank raises (see WorkerSide.check)
 _B_CLOSED_CALL, _B_CLOSED_GEN = 7, 8
 _B_RING = 8  # calls in flight at once: the caller's barrier bounds the skew to one
 _B_SLOT = 6  # call, readers, for_gen, first, last, drop
 _B_RING_BASE = 9
-_B_MAGIC_VALUE = 0x46445359_4E43465A  # "FDSYNCFZ": this layout
+_HEADER = SegmentHeader(0x46445359_4E43465A, _B_READY)  # "FDSYNCFZ": this layout
 _B_CALLS_BASE = _B_RING_BASE + _B_SLOT * _B_RING  # then one word per rank: its calls
 _LOCK_TIMEOUT_S = 5.0
 _ATTACH_POLL_S = 0.01
@@ -92,9 +92,7 @@ class GroupBoard:
             raise TaskSyncError(f"{exc}: another rank 0 of this address and DP group is "
                                 f"running") from None
         create_fresh_semaphore(self.sem_name, initial_value=1).close()
-        v = seg.view
-        v[_B_MAGIC] = _B_MAGIC_VALUE
-        store_release(v, _B_READY, 1)  # last: an attacher that sees READY sees the rest
+        _HEADER.publish(seg.view, {})
         return seg
 
     def _attach(self, timeout):
@@ -108,8 +106,7 @@ class GroupBoard:
     def _usable(self, seg):
         # a board whose rank 0 is gone (killed with its group) is a leftover that the new
         # rank 0 is about to replace: wait for that one
-        if (seg.size == self._size and load_acquire(seg.view, _B_READY) == 1
-                and seg.view[_B_MAGIC] == _B_MAGIC_VALUE and seg.owner_alive()):
+        if seg.size == self._size and _HEADER.ready(seg.view) and seg.owner_alive():
             return None
         return "not ready"
 

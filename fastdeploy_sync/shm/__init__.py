@@ -4,6 +4,7 @@
 ``segment``       ``Segment``: the one way a segment is created, attached, proven owned, reclaimed
 ``semaphores``    named semaphores: created 0600, owner-checked, waited on through signals
 ``order``         release stores and acquire loads: every publication between processes
+``header``        a segment's MAGIC, VERSION and READY: written last, checked first
 ``sealed``        memory nobody can shrink: a sealed memfd found through a named anchor
 ``memfd_server``  this process's sealed memfds, handed over a unix socket to another pid namespace
 ``room``          what ``/dev/shm`` may give a pool, a large batch or a ring now

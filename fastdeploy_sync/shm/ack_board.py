@@ -24,7 +24,7 @@ would count them (and the ring it names would be the other engine's).
 from typing import Any
 
 from .. import names
-from .order import load_acquire, store_release
+from .header import SegmentHeader
 from .segment import OWNER_PID, Segment, create_reclaiming, unlink_segment
 
 __all__ = ["AckBoard", "EPOCH_SHIFT"]
@@ -33,7 +33,8 @@ EPOCH_SHIFT = 40  # seqs below 2**40 (a trillion batches), epochs below 2**23
 _SEQ_MASK = (1 << EPOCH_SHIFT) - 1
 
 MAGIC = 0x46445359_41434B01  # "FDSY" "ACK" layout 1
-B_MAGIC, B_TP_SIZE, B_READY, B_ENGINE = 0, 2, 3, 4  # word OWNER_PID (1): the engine's pid
+B_TP_SIZE, B_READY, B_ENGINE = 2, 3, 4  # word OWNER_PID (1): the engine's pid
+_HEADER = SegmentHeader(MAGIC, B_READY)  # no VERSION word: MAGIC carries the layout
 BASE = 8
 STRIDE = 8  # one 64-byte cache line per rank
 
@@ -55,9 +56,7 @@ class AckBoard:
         leftover. Raises ``FileExistsError`` if a live process owns a board of this name."""
         size = (BASE + tp_size * STRIDE) * 8
         seg = create_reclaiming(names.ack_board(name, dp_id), size)  # SegmentInUse: FileExistsError
-        v = seg.view
-        v[B_MAGIC], v[B_TP_SIZE], v[B_ENGINE] = MAGIC, tp_size, engine
-        store_release(v, B_READY, 1)  # last: a rank that sees it sees the rest
+        _HEADER.publish(seg.view, {B_TP_SIZE: tp_size, B_ENGINE: engine})
         return cls(seg, tp_size, owner=True)
 
     @classmethod
@@ -70,8 +69,8 @@ class AckBoard:
         except FileNotFoundError:
             return None
         v = seg.view
-        if (seg.size != (BASE + tp_size * STRIDE) * 8 or load_acquire(v, B_READY) != 1
-                or v[B_MAGIC] != MAGIC or v[B_TP_SIZE] != tp_size or v[B_ENGINE] != engine
+        if (seg.size != (BASE + tp_size * STRIDE) * 8 or not _HEADER.ready(v)
+                or v[B_TP_SIZE] != tp_size or v[B_ENGINE] != engine
                 or not seg.owner_alive()):
             seg.close()
             return None

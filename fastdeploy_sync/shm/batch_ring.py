@@ -73,6 +73,7 @@ import posix_ipc
 from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
+from .header import SegmentHeader
 from .order import load_acquire, store_release
 from .release import Holders, all_released
 from .sealed import SealedSegment, read_sealed
@@ -89,8 +90,9 @@ _KINDS = (INLINE, SHARED, SOCKET)
 _MAGIC = int.from_bytes(b"FDSYRING", "little")
 _VERSION = 2
 # Header words (word OWNER_PID, 1, holds the engine's pid).
-(_H_MAGIC, _H_VERSION, _H_TP, _H_SLOTS, _H_SLOT_BYTES, _H_DESCS, _H_EPOCH, _H_READY,
- _H_PUBLISHED, _H_DATA_OFFSET) = 0, 2, 3, 4, 5, 6, 7, 8, 9, 10
+(_H_VERSION, _H_TP, _H_SLOTS, _H_SLOT_BYTES, _H_DESCS, _H_EPOCH, _H_READY, _H_PUBLISHED,
+ _H_DATA_OFFSET) = 2, 3, 4, 5, 6, 7, 8, 9, 10
+_HEADER = SegmentHeader(_MAGIC, _H_READY, _VERSION, _H_VERSION)
 # The index of PUBLISHED in ``RingReader.words``: a rank's step reads it directly (~40 ns;
 # a method call would triple the cost of a check that finds nothing new).
 PUBLISHED = _H_PUBLISHED
@@ -192,11 +194,9 @@ class RingWriter:
             seg.unlink_if_mine()
             seg.close()
             raise
-        w = seg.view
-        w[_H_VERSION], w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES] = _VERSION, tp_size, slots, slot_bytes
-        w[_H_DESCS], w[_H_EPOCH], w[_H_DATA_OFFSET] = descs, epoch, layout.data_offset
-        w[_H_MAGIC] = _MAGIC
-        store_release(w, _H_READY, 1)  # last: a rank that sees it sees the rest
+        _HEADER.publish(seg.view, {_H_TP: tp_size, _H_SLOTS: slots, _H_SLOT_BYTES: slot_bytes,
+                                   _H_DESCS: descs, _H_EPOCH: epoch,
+                                   _H_DATA_OFFSET: layout.data_offset})
         return cls(seg, layout, epoch, shm_name, sems)
 
     @property
@@ -409,9 +409,9 @@ class RingReader:
             w = seg.view
             if seg.size < _HEADER_WORDS * 8:
                 raise ProtocolError(f"ring {shm_name} holds {seg.size} bytes, less than a header")
-            if (load_acquire(w, _H_READY) != 1 or w[_H_MAGIC] != _MAGIC
-                    or w[_H_VERSION] != _VERSION):
-                raise ProtocolError(f"ring {shm_name}: not a ready ring of layout {_VERSION}")
+            if not _HEADER.ready(w):
+                raise ProtocolError(f"ring {shm_name}: not a ready ring of layout {_VERSION} "
+                                    f"({_HEADER.describe(w)})")
             tp, slots, slot_bytes, descs = w[_H_TP], w[_H_SLOTS], w[_H_SLOT_BYTES], w[_H_DESCS]
             if (tp != tp_size or w[_H_EPOCH] != epoch or not 0 < slots <= _MAX_SLOTS
                     or not 0 < descs <= _MAX_DESCS or slot_bytes < _SLOT_BYTES_MIN
@@ -601,6 +601,6 @@ def published_rings(name: str, dp_id: int) -> list:
         if raw is None or len(raw) < _HEADER_WORDS * 8:
             continue
         words = memoryview(raw).cast("q")
-        if words[_H_MAGIC] == _MAGIC and words[_H_READY] == 1:
+        if _HEADER.ready(words):
             found.append(("/" + entry, words[_H_EPOCH], words[_H_PUBLISHED]))
     return found

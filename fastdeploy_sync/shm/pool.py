@@ -23,12 +23,12 @@ judge a leftover as every other segment.
 import collections
 import mmap
 import os
-import struct
 from typing import Callable, TypeVar
 
 import numpy as np
 
 from ..errors import GroupLostError, ProtocolError
+from .header import SegmentHeader
 from .order import load_acquire, store_release
 from .ownership import on_fork
 from .release import Holders, all_released
@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 __all__ = ["PayloadPool", "PoolRegion", "PoolView", "PoolTruncated", "POOL_ENTRIES", "MAGIC", "VERSION",
            "FILLED", "HEADER_FIELDS", "MAX_ENTRIES", "MAX_TP", "header_bytes",
-           "released_index", "parse_header"]
+           "released_index"]
 
 
 # Header, int64 words: magic, owner pid (OWNER_PID: for people), layout version, tp_size,
@@ -49,7 +49,8 @@ __all__ = ["PayloadPool", "PoolRegion", "PoolView", "PoolTruncated", "POOL_ENTRI
 # apart, so ranks never share a cache line. The data starts at the next page.
 MAGIC = int.from_bytes(b"FDSYPOOL", "little")
 VERSION = 2
-_H_MAGIC, _H_VERSION, _H_TP, _H_ENTRIES, _H_DATA_OFFSET, _H_DATA_SIZE, _H_READY = 0, 2, 3, 4, 5, 6, 7
+_H_VERSION, _H_TP, _H_ENTRIES, _H_DATA_OFFSET, _H_DATA_SIZE, _H_READY = 2, 3, 4, 5, 6, 7
+_HEADER = SegmentHeader(MAGIC, _H_READY, VERSION, _H_VERSION)
 FILLED = 8  # the first FILLED word
 HEADER_FIELDS = 8  # the words before FILLED
 POOL_ENTRIES = 256  # batches a pool holds at most at once
@@ -67,14 +68,6 @@ def header_bytes(tp_size: int, entries: int) -> int:
 def released_index(entries: int, rank: int, entry: int) -> int:
     """The word where rank ``rank`` publishes its release of entry ``entry``."""
     return FILLED + entries * (rank + 1) + entry
-
-
-def parse_header(raw: bytes):
-    """``(magic, version, tp_size, entries, data_offset, data_size, ready)`` from the first
-    ``HEADER_FIELDS`` words of a pool."""
-    words = struct.unpack(f"<{HEADER_FIELDS}q", raw)
-    return tuple(words[i] for i in (_H_MAGIC, _H_VERSION, _H_TP, _H_ENTRIES, _H_DATA_OFFSET,
-                                    _H_DATA_SIZE, _H_READY))
 
 
 # region states (engine side)
@@ -149,9 +142,8 @@ class PayloadPool:
             raise
         pool = cls(seg, tp_size, entries, data_size, header)
         words = pool._words
-        words[_H_MAGIC], words[_H_VERSION], words[_H_TP] = MAGIC, VERSION, tp_size
-        words[_H_ENTRIES], words[_H_DATA_OFFSET], words[_H_DATA_SIZE] = entries, header, data_size
-        store_release(words, _H_READY, 1)  # last: a rank that sees it sees the rest
+        _HEADER.publish(words, {_H_TP: tp_size, _H_ENTRIES: entries, _H_DATA_OFFSET: header,
+                                _H_DATA_SIZE: data_size})
         return pool
 
     # -- regions -----------------------------------------------------------------------
@@ -327,10 +319,12 @@ class PoolView:
             raw = os.pread(fd, HEADER_FIELDS * 8, 0)
             if len(raw) != HEADER_FIELDS * 8:
                 raise ProtocolError(f"pool {name} holds {st.st_size} bytes, less than its header")
-            magic, version, tp, entries, data_offset, data_size, ready = parse_header(raw)
-            if magic != MAGIC or version != VERSION or ready != 1:
-                raise ProtocolError(f"pool {name}: not a ready pool of this layout (magic "
-                                    f"{magic:#x}, version {version}, ready {ready})")
+            words = memoryview(raw).cast("q")  # pread: the kernel's copy orders it
+            if not _HEADER.ready(words):
+                raise ProtocolError(f"pool {name}: not a ready pool of this layout "
+                                    f"({_HEADER.describe(words)})")
+            tp, entries = words[_H_TP], words[_H_ENTRIES]
+            data_offset, data_size = words[_H_DATA_OFFSET], words[_H_DATA_SIZE]
             if tp != tp_size or not 0 < entries <= MAX_ENTRIES or not 0 < tp <= MAX_TP:
                 raise ProtocolError(f"pool {name} is laid out for tp_size {tp} and {entries} "
                                     f"entries; this rank's group has tp_size {tp_size}")

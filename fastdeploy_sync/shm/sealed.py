@@ -40,6 +40,7 @@ import os
 
 from ..errors import ProtocolError
 from . import memfd_server
+from .header import SegmentHeader
 from .ownership import close_quietly, on_fork
 from .segment import OWNER_PID, Segment, populate, reserve
 
@@ -53,6 +54,9 @@ _MAGIC = int.from_bytes(b"FDSYSEAL", "little")
 # Anchor words (word OWNER_PID, 1, holds the creator's pid): READY and MAGIC written last.
 # SERVER: the token of the creator's descriptor server (memfd_server), 0 if none.
 _A_MAGIC, _A_FD, _A_INO, _A_DEV, _A_SIZE, _A_READY, _A_SERVER = 0, 2, 3, 4, 5, 6, 7
+# The anchor is written with pwrite (system calls, each ordered by the kernel), READY and
+# MAGIC last; read with pread: SegmentHeader's check, not its mapped-memory publish.
+_ANCHOR = SegmentHeader(_MAGIC, _A_READY)
 _A_WORDS = 8
 _ANCHOR_BYTES = mmap.PAGESIZE
 
@@ -206,7 +210,7 @@ def open_memfd(anchor, flags: int) -> int:
     creator's server (``memfd_server.fetch``: at most ``FETCH_TIMEOUT_S``).
     ``SealedUnreachable`` naming both attempts when neither gives the recorded memfd."""
     words = anchor.read_words(0, _A_WORDS)
-    if words[_A_MAGIC] != _MAGIC or words[_A_READY] != 1:
+    if not _ANCHOR.ready(words):
         raise SealedUnreachable(f"shared memory {anchor.name} is not a ready sealed-memory "
                                 f"anchor")
     pid, number = words[OWNER_PID], words[_A_FD]

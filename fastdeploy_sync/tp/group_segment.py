@@ -32,7 +32,6 @@ import posix_ipc
 
 from .. import names
 from ..errors import ClosedError, GroupInUseError, GroupLostError
-from ..shm.order import load_acquire, store_release
 from ..shm.segment import (
     SegmentInUse,
     SegmentNotReady,
@@ -45,15 +44,13 @@ from .layout import (
     H_INCARNATION,
     H_MAGIC,
     H_OWNER_PID,
-    H_READY,
     H_TP_SIZE,
-    H_VERSION,
+    HEADER,
     MAGIC,
     MAX_TP,
     R_PID,
     RANK_BASE,
     RANK_STRIDE,
-    VERSION,
     new_incarnation,
     rank_lock,
     segment_bytes,
@@ -128,10 +125,8 @@ class GroupSegment:
                 create_fresh_semaphore(sem_name).close()
             seg.try_lock(rank_lock(0))  # our own new file: nobody else can hold it
             v = seg.view
-            v[H_MAGIC], v[H_VERSION], v[H_TP_SIZE] = MAGIC, VERSION, self.tp_size
-            v[H_INCARNATION] = new_incarnation()
-            v[RANK_BASE + R_PID] = os.getpid()
-            store_release(v, H_READY, 1)  # last: an attacher that sees READY sees the rest
+            HEADER.publish(v, {H_TP_SIZE: self.tp_size, H_INCARNATION: new_incarnation(),
+                               RANK_BASE + R_PID: os.getpid()})
         except BaseException:
             for sem_name in self._sem_names:
                 unlink_semaphore(sem_name)
@@ -201,7 +196,7 @@ class GroupSegment:
         if seg.size < RANK_BASE * 8:
             return "rank 0 is creating it"
         v = seg.view
-        if load_acquire(v, H_READY) != 1 or v[H_MAGIC] != MAGIC:
+        if not HEADER.ready(v):
             return "rank 0 is creating it"
         # Rank 0 holds both the owner lock and its rank lock for its life. A new rank 0
         # reclaiming a dead group's segment holds the owner lock alone, for a moment before

@@ -28,11 +28,11 @@ rank holds the lock of its own rank byte (``rank_lock``) for its life.
 import secrets
 
 from .. import names
-from ..shm.order import load_acquire
+from ..shm.header import SegmentHeader
 from ..shm.ownership import OWNER_LOCK
 from ..shm.segment import OWNER_PID, Segment
 
-__all__ = ["MAGIC", "VERSION", "H_MAGIC", "H_OWNER_PID", "H_VERSION", "H_TP_SIZE", "H_READY",
+__all__ = ["MAGIC", "VERSION", "HEADER", "H_MAGIC", "H_OWNER_PID", "H_VERSION", "H_TP_SIZE", "H_READY",
            "H_INCARNATION", "RANK_BASE", "RANK_STRIDE", "R_RECEIVED", "R_CONSUMED",
            "R_ARRIVED", "R_SLEEPING", "R_PID", "R_FAULT", "R_WAITING", "R_ARRIVED_AT",
            "DECISION_RING", "D_GEN", "D_FROM", "D_TO", "D_STRIDE", "FAULT_LEFT", "MAX_TP",
@@ -42,6 +42,7 @@ __all__ = ["MAGIC", "VERSION", "H_MAGIC", "H_OWNER_PID", "H_VERSION", "H_TP_SIZE
 MAGIC = 0x46445359_4E430003  # "FDSYNC", layout 3 (the owner pid at shm.segment.OWNER_PID)
 VERSION = 3
 H_MAGIC, H_OWNER_PID, H_VERSION, H_TP_SIZE, H_READY, H_INCARNATION = 0, OWNER_PID, 2, 3, 4, 5
+HEADER = SegmentHeader(MAGIC, H_READY, VERSION, H_VERSION)
 RANK_BASE = 8
 RANK_STRIDE = 8  # 64 bytes: one cache line per rank
 R_RECEIVED, R_CONSUMED, R_ARRIVED, R_SLEEPING, R_PID, R_FAULT, R_WAITING, R_ARRIVED_AT = range(8)
@@ -103,7 +104,7 @@ def read_group(name: str, dp_id: int):
     seg = Segment.attach(shm_name)
     try:
         v = seg.view
-        if seg.size < RANK_BASE * 8 or load_acquire(v, H_READY) != 1 or v[H_MAGIC] != MAGIC:
+        if seg.size < RANK_BASE * 8 or not HEADER.ready(v):
             raise ValueError(f"{shm_name}: not a ready fastdeploy_sync group")
         tp = v[H_TP_SIZE]
         if not 0 < tp <= MAX_TP or seg.size < (RANK_BASE + tp * RANK_STRIDE) * 8:

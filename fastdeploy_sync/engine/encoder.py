@@ -49,6 +49,10 @@ class BatchEncoder:
     ``counters`` (for ``TaskQueue.stats()``): ``shm_ring_batches``, ``shm_pool_batches``,
     ``shm_segment_batches``, ``shm_socket_fallbacks`` (batches above the threshold that
     went over the socket: no room in shared memory), ``shm_pools_created``.
+
+    ``kept`` (``engine.kept_batches.KeptBatches``) owns what the batches are written into
+    and everything after the write (enqueue, discard, retirement, ``close()``, ``stats()``):
+    its owner calls it directly; this class only encodes.
     """
 
     def __init__(self, name: str, dp_id: int, tp_size: int, *, node_local: bool,
@@ -211,31 +215,3 @@ class BatchEncoder:
             raise ValueError(f"TaskQueue {self.name}: the batch encodes to {size} bytes, above "
                              f"the {self._max_message_bytes}-byte limit workers accept "
                              f"(FD_SYNC_MAX_MESSAGE_MB, set it on the engine and the workers)")
-
-    # -- what becomes of a batch: KeptBatches' (the engine calls ``kept`` directly) -------
-
-    def enqueue(self, seq: int, rel_seq: int, batch: EncodedBatch):
-        """``KeptBatches.enqueue``."""
-        return self.kept.enqueue(seq, rel_seq, batch)
-
-    def discard(self, batch: EncodedBatch) -> None:
-        """``KeptBatches.discard``."""
-        self.kept.discard(batch)
-
-    def drop_all(self, next_epoch: int) -> dict:
-        """``KeptBatches.drop_all``."""
-        return self.kept.drop_all(next_epoch)
-
-    def forget(self, dropped: dict) -> None:
-        """``KeptBatches.forget``."""
-        self.kept.forget(dropped)
-
-    decode_retained = staticmethod(KeptBatches.decode_retained)
-
-    def close(self) -> None:
-        """Unlink every shared name (``KeptBatches.close``)."""
-        self.kept.close()
-
-    def stats(self) -> dict:
-        """``KeptBatches.stats``: the shared-memory counters, the pool and the ring."""
-        return self.kept.stats()

@@ -220,7 +220,7 @@ def test_close_during_the_pools_creation_leaves_no_name(name, monkeypatch):
     put, out = in_thread(lambda: encoder.encode(make_batch(0)))
     try:
         assert creating.wait(10)
-        closer, _ = in_thread(encoder.close)
+        closer, _ = in_thread(encoder.kept.close)
         closer.join(10)
         assert not closer.is_alive(), "close() waited for the pool's creation"
         assert put.is_alive()
@@ -735,15 +735,15 @@ def test_a_retired_pool_closed_by_a_discard_still_decodes_its_lost_batches(name,
     encoder = BatchEncoder(name, 0, 2, node_local=True, max_message_bytes=1 << 30)
     try:
         kept = encoder.encode(make_batch(0))
-        frames, _ = encoder.enqueue(1, 1, kept)
+        frames, _ = encoder.kept.enqueue(1, 1, kept)
         pending = encoder.encode(make_batch(2))  # a put still waiting for room
-        dropped = encoder.drop_all(2)  # the group is retired
-        encoder.discard(pending)  # the waiting put times out: the retired pool is idle
+        dropped = encoder.kept.drop_all(2)  # the group is retired
+        encoder.kept.discard(pending)  # the waiting put times out: the retired pool is idle
         assert pool_names(name) == []  # ... and unlinked
-        assert describe(encoder.decode_retained(frames, dropped[1])) == expected(0)
-        encoder.forget(dropped)
+        assert describe(encoder.kept.decode_retained(frames, dropped[1])) == expected(0)
+        encoder.kept.forget(dropped)
     finally:
-        encoder.close()
+        encoder.kept.close()
 
 
 def test_the_engine_writes_into_a_new_pool_without_page_faults(name):

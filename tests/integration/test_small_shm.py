@@ -134,6 +134,6 @@ def test_the_encoder_sends_over_the_socket_when_shared_memory_fails(name, monkey
 
         decoded = codec.decode_payload(batch.frames, batch.checksum)
         np.testing.assert_array_equal(decoded["features"], tasks["features"])
-        assert encoder.stats()["shm_socket_fallbacks"] == 1
+        assert encoder.kept.stats()["shm_socket_fallbacks"] == 1
     finally:
-        encoder.close()
+        encoder.kept.close()

@@ -37,7 +37,7 @@ def test_the_budget_check_names_the_budget_to_review(tmp_path):
     _write(tmp_path, "fastdeploy_sync/b.py", f"class Kept:\n{body}")
     mods = layout_check.modules(str(tmp_path))
     budgets = {"fastdeploy_sync.b.Kept": 10, "fastdeploy_sync.c.Gone": 20}
-    over = layout_check.over_budget(mods, budgets, default=9)
+    over = layout_check.over_budget(mods, budgets, default=9, floor=5)
     assert over == [("fastdeploy_sync.a.Big", 10, 9), ("fastdeploy_sync.c.Gone", None, 20)]
     big, gone = layout_check.budget_faults(over)
     assert "fastdeploy_sync.a.Big: 10 lines, past its budget of 9" in big
@@ -45,7 +45,13 @@ def test_the_budget_check_names_the_budget_to_review(tmp_path):
     assert gone.startswith("fastdeploy_sync.c.Gone: gone or renamed")
     # a reviewed budget at its size passes
     assert layout_check.over_budget(mods, {"fastdeploy_sync.a.Big": 10, "fastdeploy_sync.b.Kept": 10},
-                                    default=9) == []
+                                    default=9, floor=5) == []
+    # a budget whose class shrank back under the floor is stale: the entry must go
+    shrunk = layout_check.over_budget(mods, {"fastdeploy_sync.b.Kept": 30}, default=20, floor=11)
+    assert shrunk == [("fastdeploy_sync.b.Kept", 10, 30)]
+    (stale,) = layout_check.budget_faults(shrunk)
+    assert stale.startswith("fastdeploy_sync.b.Kept: 10 lines, back under")
+    assert "remove its budget entry" in stale
 
 
 def _write(root, rel, text):

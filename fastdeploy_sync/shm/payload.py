@@ -59,7 +59,6 @@ start (``reclaim_stale``).
 
 import collections
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -69,7 +68,7 @@ from .. import names
 from ..errors import ProtocolError
 from ..wire import codec
 from .pool import PoolView, open_reference
-from .segment import create_exclusive, open_checked, reserve, unlink_segment
+from .segment import create_exclusive, map_shared, open_checked, reserve, unlink_segment
 from .segment import reclaim_stale as reclaim_segment
 from .semaphores import unlink_semaphore
 
@@ -248,7 +247,7 @@ def map_payload(name: str, size: int, prefix: str) -> MappedPayload:
         if st.st_size != size or size <= 0:
             raise ProtocolError(f"shared batch {name} holds {st.st_size} bytes, its "
                                 f"reference says {size}")
-        mapping = mmap.mmap(shm.fd, size, access=mmap.ACCESS_READ)
+        mapping = map_shared(shm.fd, size, writable=False)
     finally:
         shm.close_fd()  # the mapping does not need the fd
     return MappedPayload(name, memoryview(mapping))

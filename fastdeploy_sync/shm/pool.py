@@ -33,6 +33,7 @@ from .order import load_acquire, store_release
 from .ownership import on_fork
 from .release import Holders, all_released
 from .sealed import SealedSegment, open_sealed
+from .segment import map_shared
 
 T = TypeVar("T")
 
@@ -291,7 +292,6 @@ def _open_sealed_pool(name: str, prefix: str) -> int:
                           lambda n: open_sealed(n, os.O_RDWR))
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first use
 
 
 class PoolView:
@@ -332,9 +332,8 @@ class PoolView:
                     or data_offset + data_size != st.st_size):
                 raise ProtocolError(f"pool {name}: header says data at {data_offset}, "
                                     f"{data_size} bytes; the segment holds {st.st_size}")
-            header = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED)
-            data = mmap.mmap(fd, data_size, flags=mmap.MAP_SHARED | _POPULATE,
-                             prot=mmap.PROT_READ, offset=data_offset)
+            header = map_shared(fd, data_offset)
+            data = map_shared(fd, data_size, offset=data_offset, writable=False, populate=True)
         finally:
             os.close(fd)  # the mappings hold the memory
         return cls(name, entries, data_size, rank, memoryview(header).cast("q"), data)

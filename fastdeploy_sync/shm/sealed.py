@@ -42,7 +42,7 @@ from ..errors import ProtocolError
 from . import memfd_server
 from .header import SegmentHeader
 from .ownership import close_quietly, on_fork
-from .segment import OWNER_PID, Segment, populate, reserve
+from .segment import OWNER_PID, Segment, map_shared, populate, reserve
 
 __all__ = ["SealedSegment", "SealedUnreachable", "SEALS", "open_sealed", "read_sealed"]
 
@@ -103,7 +103,7 @@ class SealedSegment:
             os.ftruncate(fd, size)
             reserve(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mapping = mmap.mmap(fd, size)
+            mapping = map_shared(fd, size)
             st = os.fstat(fd)
             ino = st.st_ino
             token = memfd_server.serve(name, fd, ino)
@@ -136,7 +136,7 @@ class SealedSegment:
         fd = open_sealed(name, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size)
+            mapping = map_shared(fd, size)
         finally:
             os.close(fd)  # the mapping holds the memory
         return cls(_Detached(name), -1, mapping, size)

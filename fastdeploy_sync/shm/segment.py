@@ -52,6 +52,7 @@ OWNER_PID = 1
 
 # madvise(2) advice values (Linux 5.14+; not in Python 3.11's mmap module)
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 # A creator waits this long at most for a reclaimer that is probing its brand-new name.
 _CREATE_LOCK_WAIT_S = 1.0
 
@@ -159,7 +160,7 @@ class Segment:
             if size == 0:
                 mapping = mmap.mmap(-1, 8)  # placeholder: reads as "not ready"
             else:
-                mapping = mmap.mmap(shm.fd, size)
+                mapping = map_shared(shm.fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -268,6 +269,19 @@ class Segment:
         self.view.release()
         self._mmap.close()
         self._mmap = None
+
+
+def map_shared(fd: int, length: int, *, offset: int = 0, writable: bool = True,
+               populate: bool = False) -> mmap.mmap:
+    """The one way this package maps shared memory: ``length`` bytes of ``fd`` from
+    ``offset`` (a multiple of ``mmap.ALLOCATIONGRANULARITY``), ``MAP_SHARED``, read-write
+    or read-only (``writable``); ``populate``: every page mapped in by the call
+    (``MAP_POPULATE``, Linux; elsewhere pages fault in on first use). The mapping does not
+    need ``fd`` afterwards. ``OSError`` as ``mmap.mmap``. Never blocks beyond the kernel's
+    work."""
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
 
 
 def populate(mapping: mmap.mmap, write: bool) -> None:

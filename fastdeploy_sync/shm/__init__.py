@@ -1,7 +1,8 @@
 """Node-local shared memory. Every name is made by ``fastdeploy_sync.names``. Modules:
 
 ``ownership``     who owns a name in ``/dev/shm``: owner locks, own-uid checks, fork
-``segment``       ``Segment``: the one way a segment is created, attached, proven owned, reclaimed; ``map_shared``, the one way memory is mapped
+``segment``       ``Segment``: the one way a segment is created, attached, proven owned, reclaimed;
+                  ``map_shared``: the one way memory is mapped
 ``semaphores``    named semaphores: created 0600, owner-checked, waited on through signals
 ``order``         release stores and acquire loads: every publication between processes
 ``header``        a segment's MAGIC, VERSION and READY: written last, checked first

@@ -279,6 +279,18 @@ class EngineWorkerQueue(ChannelMethods):
                     raise late_rank0_error(self._where())
             return self._worker
 
+    def _count_elsewhere(self, what: str, undecided: Any) -> Any:
+        """``exist_tasks()``/``num_tasks()`` (``what``) of a client that is not (yet) a TP
+        rank: the engine side's answer, or, while the role is undecided, the rank's it
+        joined as, else ``undecided``."""
+        engine = self._engine
+        if engine is not None:
+            if self._server is not None:
+                self._server.usable()
+            return getattr(engine, what)()
+        worker = self._undecided_poll(what)
+        return getattr(worker, what)() if worker is not None else undecided
+
     def _undecided_poll(self, what: str) -> Optional[WorkerSide]:
         """``exist_tasks()``/``num_tasks()`` on a client whose role is not decided: the
         ``WorkerSide`` it joined as when a role hint says it is a TP rank (``roles``), or
@@ -371,15 +383,9 @@ class EngineWorkerQueue(ChannelMethods):
         role hint says it is one (then as above; joining blocks as the constructor with
         ``role="worker"``), else False."""
         worker = self._worker
-        if worker is not None:
+        if worker is not None:  # the step's path: one attribute read, one call
             return worker.exist_tasks()
-        engine = self._engine
-        if engine is not None:
-            if self._server is not None:
-                self._server.usable()
-            return engine.exist_tasks()
-        worker = self._undecided_poll("exist_tasks")
-        return worker.exist_tasks() if worker is not None else False
+        return self._count_elsewhere("exist_tasks", False)
 
     def num_tasks(self) -> int:
         """Engine side: batches not yet taken by every rank, those ``clear_data()`` retired
@@ -394,13 +400,7 @@ class EngineWorkerQueue(ChannelMethods):
         worker = self._worker
         if worker is not None:
             return worker.num_tasks()
-        engine = self._engine
-        if engine is not None:
-            if self._server is not None:
-                self._server.usable()
-            return engine.num_tasks()
-        worker = self._undecided_poll("num_tasks")
-        return worker.num_tasks() if worker is not None else 0
+        return self._count_elsewhere("num_tasks", 0)
 
     def set_exist_tasks(self, flag: bool) -> None:
         """Engine side: ``False`` makes ``exist_tasks()`` read False until the next put

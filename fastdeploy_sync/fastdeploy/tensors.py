@@ -26,6 +26,19 @@ def _requests(batch):
     return batch
 
 
+def _inputs(batch):
+    """``(inputs, key, value)`` for every key of ``TENSOR_KEYS`` present in the
+    ``multimodal_inputs`` of each request of ``batch``."""
+    for request in _requests(batch):
+        inputs = getattr(request, "multimodal_inputs", None)
+        if not inputs:
+            continue
+        for key in TENSOR_KEYS:
+            value = inputs.get(key)
+            if value is not None:
+                yield inputs, key, value
+
+
 def to_tensor(tasks) -> None:
     """When ``FD_ENABLE_MAX_PREFILL`` or ``FD_ENABLE_E2W_TENSOR_CONVERT`` is set (FastDeploy's
     switches, read from the environment): in each request of ``tasks`` (a ``(requests,
@@ -35,16 +48,11 @@ def to_tensor(tasks) -> None:
     if not _enabled():
         return
     paddle: Any = None  # imported at the first array
-    for request in _requests(tasks):
-        inputs = getattr(request, "multimodal_inputs", None)
-        if not inputs:
-            continue
-        for key in TENSOR_KEYS:
-            value = inputs.get(key)
-            if isinstance(value, np.ndarray):
-                if paddle is None:
-                    import paddle
-                inputs[key] = paddle.to_tensor(value)
+    for inputs, key, value in _inputs(tasks):
+        if isinstance(value, np.ndarray):
+            if paddle is None:
+                import paddle
+            inputs[key] = paddle.to_tensor(value)
 
 
 def to_numpy(tasks) -> None:
@@ -55,11 +63,6 @@ def to_numpy(tasks) -> None:
     if paddle is None:
         return
     for batch in tasks:
-        for request in _requests(batch):
-            inputs = getattr(request, "multimodal_inputs", None)
-            if not inputs:
-                continue
-            for key in TENSOR_KEYS:
-                value = inputs.get(key)
-                if isinstance(value, paddle.Tensor):
-                    inputs[key] = value.numpy()
+        for inputs, key, value in _inputs(batch):
+            if isinstance(value, paddle.Tensor):
+                inputs[key] = value.numpy()

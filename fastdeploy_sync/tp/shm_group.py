@@ -103,6 +103,15 @@ _PEER_FALLBACK_WAIT_S = 0.0005
 _LIVENESS_CHECK_S = 0.1
 
 
+def _all_at_least(view, slots, value: int) -> bool:
+    """True if every word of ``view`` at ``slots`` is at least ``value`` (each rank's
+    watermark or arrival has reached it). A plain loop: it runs in every barrier."""
+    for s in slots:
+        if view[s] < value:
+            return False
+    return True
+
+
 class ShmTPGroup:
     """One rank's handle on the node-local coordination of a TP group (``tp.protocol``).
 
@@ -187,11 +196,7 @@ class ShmTPGroup:
         self._view[self._my + R_CONSUMED] = seq
 
     def all_consumed(self, seq: int) -> bool:
-        v = self._view
-        for s in self._consumed_slots:
-            if v[s] < seq:
-                return False
-        return True
+        return _all_at_least(self._view, self._consumed_slots, seq)
 
     # -- rank 0's waits ------------------------------------------------------------------
 
@@ -410,11 +415,7 @@ class ShmTPGroup:
         return max(int(v[s]) for s in self._arrived_at_slots)
 
     def _all_arrived(self, gen: int) -> bool:
-        v = self._view
-        for s in self._arrived_slots:
-            if v[s] < gen:
-                return False
-        return True
+        return _all_at_least(self._view, self._arrived_slots, gen)
 
     def _partner_lateness(self, gen, arrived_at) -> int:
         """ns between this rank's arrival at ``gen`` and the last partner's."""

@@ -16,7 +16,7 @@ import pytest
 from conftest import TESTS
 from fastdeploy_sync import names
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
-from workers import collect, hold_group_rank
+from workers import collect, hold_group_rank, wait_until
 
 PROCS = os.path.join(TESTS, "signal_procs.py")
 
@@ -166,6 +166,12 @@ def test_a_group_takes_every_batch_while_its_ranks_are_signalled(name, how):
         _finish(ranks + [engine])
 
 
+def _main_thread_state(pid):
+    """The scheduler state of ``pid``'s main thread (``S``: blocked, ``R``: running)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_sigterm_with_the_cleanup_handler_exits_143_from_a_blocked_wait(name):
     """Under install_signal_cleanup(), SIGTERM ends a rank blocked in wait_for_tasks()
     (rank 0) or in the async barrier (rank 1) with status 143 and no traceback, and its
@@ -177,7 +183,10 @@ def test_sigterm_with_the_cleanup_handler_exits_143_from_a_blocked_wait(name):
         ranks = [_start(f"idle{r}", name) for r in range(2)]
         for p in ranks:
             _expect_ready(p)
-        time.sleep(0.3)  # both well inside their blocking waits
+        for p in ranks:  # each main thread asleep: inside its blocking wait, not before it
+            wait_until(lambda p=p: _main_thread_state(p.pid) == "S", 30,
+                       f"rank pid {p.pid} blocked in its wait",
+                       seen=lambda p=p: _main_thread_state(p.pid))
         for p in ranks:
             p.send_signal(signal.SIGTERM)
         for r, p in enumerate(ranks):

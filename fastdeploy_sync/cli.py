@@ -292,6 +292,12 @@ def _add_profile_parser(sub):
     add_parser(sub)
 
 
+def _add_queue_arguments(parser, name_help: str, dp_default, dp_help: str) -> None:
+    """The optional NAME and --dp-id that name one queue (status, clean)."""
+    parser.add_argument("name", metavar="NAME", type=_queue_name, nargs="?", help=name_help)
+    parser.add_argument("--dp-id", type=_dp_id, default=dp_default, metavar="N", help=dp_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fastdeploy-sync",
                      description="Operate fastdeploy_sync task queues: inspect a TP group "
@@ -317,11 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "Without NAME: list every process of this user on this node that uses the "
                     "drop-in (pid, whether it took the swap, each queue's role, command line); "
                     "exit status 1 if there is none.")
-    status.add_argument("name", metavar="NAME", type=_queue_name, nargs="?",
-                        help="the queue name given to TaskQueue/TaskClient (FastDeploy drop-in: "
-                             "fdq<port>); omit it to list the drop-in's processes")
-    status.add_argument("--dp-id", type=_dp_id, default=0, metavar="N",
-                        help=f"data-parallel group id, 0..{MAX_DP_ID} (default 0)")
+    _add_queue_arguments(
+        status, "the queue name given to TaskQueue/TaskClient (FastDeploy drop-in: fdq<port>); "
+                "omit it to list the drop-in's processes",
+        0, f"data-parallel group id, 0..{MAX_DP_ID} (default 0)")
     status.add_argument("--endpoint", help="the engine's endpoint, e.g. tcp://10.0.0.1:5555 "
                                            "(default: the node-local ipc endpoint of NAME and "
                                            "--dp-id)")
@@ -341,11 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "owner exited (a process killed by SIGKILL or SIGTERM leaves them). Names "
                     "whose owner is alive, and names of other users, are listed and never "
                     "touched.")
-    clean.add_argument("name", metavar="NAME", type=_queue_name, nargs="?",
-                       help="only this queue's names (default: every fastdeploy_sync name of "
-                            "this user)")
-    clean.add_argument("--dp-id", type=_dp_id, default=None, metavar="N",
-                       help="only this data-parallel group (default: all)")
+    _add_queue_arguments(
+        clean, "only this queue's names (default: every fastdeploy_sync name of this user)",
+        None, "only this data-parallel group (default: all)")
     clean.add_argument("--dry-run", action="store_true",
                        help="list what would be removed, remove nothing")
     clean.set_defaults(run=_clean)

@@ -69,6 +69,7 @@ posix_ipc (through ``fastdeploy_sync.shm``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -165,34 +166,6 @@ def _state(name: str) -> Any:
     return _server_state[name]
 
 
-def _get_tasks() -> list:
-    return _state("tasks")
-
-
-def _get_client_read_flag() -> list:
-    return _state("client_read_flag")
-
-
-def _get_lock() -> threading.Lock:
-    return _state("lock")
-
-
-def _get_read_finish_flag() -> Any:
-    return _state("read_finish_flag")
-
-
-def _get_exist_tasks_inter_signal() -> Any:
-    return _state("exist_tasks_inter_signal")
-
-
-def _get_connected_client_counter() -> Any:
-    return _state("connected_client_counter")
-
-
-def _get_barrier() -> threading.Barrier:
-    return _state("barrier")
-
-
 class _FDQueueManager(BaseManager):
     """Manager class for the queue.
 
@@ -203,17 +176,14 @@ class _FDQueueManager(BaseManager):
     """
 
 
-_FDQueueManager.register("get_tasks", callable=_get_tasks, proxytype=ListProxy)
-_FDQueueManager.register("get_client_read_flag", callable=_get_client_read_flag, proxytype=ListProxy)
-_FDQueueManager.register("get_lock", callable=_get_lock, proxytype=AcquirerProxy)
-_FDQueueManager.register("get_read_finish_flag", callable=_get_read_finish_flag, proxytype=ValueProxy)
-_FDQueueManager.register(
-    "get_exist_tasks_inter_signal", callable=_get_exist_tasks_inter_signal, proxytype=ValueProxy
-)
-_FDQueueManager.register(
-    "get_connected_client_counter", callable=_get_connected_client_counter, proxytype=ValueProxy
-)
-_FDQueueManager.register("get_barrier", callable=_get_barrier, proxytype=BarrierProxy)
+# get_<name> hands out the shared object <name>; functools.partial of a top-level function
+# pickles by reference, as the "spawn" start method needs (see above).
+for _name, _proxy in (("tasks", ListProxy), ("client_read_flag", ListProxy),
+                      ("lock", AcquirerProxy), ("read_finish_flag", ValueProxy),
+                      ("exist_tasks_inter_signal", ValueProxy),
+                      ("connected_client_counter", ValueProxy), ("barrier", BarrierProxy)):
+    _FDQueueManager.register(f"get_{_name}", callable=functools.partial(_state, _name),
+                             proxytype=_proxy)
 
 
 class FDManagerQueue:

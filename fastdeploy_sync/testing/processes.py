@@ -18,7 +18,8 @@ from ..errors import PrefetchError
 from ..worker.client import TaskClient
 
 __all__ = ["report_errors", "collect", "make_batch", "take_checked", "consistency_rank",
-           "put_with_pauses", "check_consistency", "engine_cause", "reap"]
+           "put_with_pauses", "check_consistency", "engine_cause", "reap", "children",
+           "main_thread_state"]
 
 
 def report_errors(fn):
@@ -184,3 +185,19 @@ def reap(pid: int, timeout: float) -> "int | None":
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None
+
+
+def children(pid: int) -> list:
+    """The pids of ``pid``'s children, from ``/proc`` ([] once it is gone). Never blocks."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def main_thread_state(pid: int) -> str:
+    """The scheduler state of ``pid``'s main thread, from ``/proc`` (``S``: blocked,
+    ``R``: running). ``FileNotFoundError`` once it is gone. Never blocks."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

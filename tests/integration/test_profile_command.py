@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from fastdeploy_sync.envs import ipc_dir
+from fastdeploy_sync.testing.processes import children
 
 PROFILE = [sys.executable, "-m", "fastdeploy_sync.cli", "profile", "--no-progress"]
 
@@ -195,14 +196,6 @@ def test_profile_cpus_pins_the_engine_and_each_rank(tmp_path):
     assert "pinned: engine cpu" in out.stdout
 
 
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="needs /proc/<pid>/task/<tid>/children")
 @pytest.mark.serial
@@ -247,7 +240,7 @@ def test_a_worker_stuck_at_exit_leaves_no_shared_memory(monkeypatch, foreign_nam
         [(_, port)] = opened
         flags = f"/dev/shm/fdsync-fdq-exist-{port}"
         assert os.path.exists(flags)
-        stopped = _children(procs.procs[procs.engine].pid)  # the manager's server process
+        stopped = children(procs.procs[procs.engine].pid)  # the manager's server process
         assert stopped, "the engine has no manager process"
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)

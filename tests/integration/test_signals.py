@@ -15,6 +15,7 @@ import pytest
 
 from conftest import TESTS
 from fastdeploy_sync import names
+from fastdeploy_sync.testing.processes import main_thread_state
 from fastdeploy_sync.tp.shm_group import ShmTPGroup
 from workers import collect, hold_group_rank, wait_until
 
@@ -166,12 +167,6 @@ def test_a_group_takes_every_batch_while_its_ranks_are_signalled(name, how):
         _finish(ranks + [engine])
 
 
-def _main_thread_state(pid):
-    """The scheduler state of ``pid``'s main thread (``S``: blocked, ``R``: running)."""
-    with open(f"/proc/{pid}/task/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_sigterm_with_the_cleanup_handler_exits_143_from_a_blocked_wait(name):
     """Under install_signal_cleanup(), SIGTERM ends a rank blocked in wait_for_tasks()
     (rank 0) or in the async barrier (rank 1) with status 143 and no traceback, and its
@@ -184,9 +179,9 @@ def test_sigterm_with_the_cleanup_handler_exits_143_from_a_blocked_wait(name):
         for p in ranks:
             _expect_ready(p)
         for p in ranks:  # each main thread asleep: inside its blocking wait, not before it
-            wait_until(lambda p=p: _main_thread_state(p.pid) == "S", 30,
+            wait_until(lambda p=p: main_thread_state(p.pid) == "S", 30,
                        f"rank pid {p.pid} blocked in its wait",
-                       seen=lambda p=p: _main_thread_state(p.pid))
+                       seen=lambda p=p: main_thread_state(p.pid))
         for p in ranks:
             p.send_signal(signal.SIGTERM)
         for r, p in enumerate(ranks):

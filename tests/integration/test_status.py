@@ -7,7 +7,7 @@ import time
 from conftest import SPAWN, needs_pid_namespace
 from fastdeploy_sync import TaskClient, TaskQueue
 from fastdeploy_sync.engine.queue import query_status
-from fastdeploy_sync.testing.processes import report_errors
+from fastdeploy_sync.testing.processes import children, report_errors
 from workers import collect, wait_until
 
 
@@ -120,15 +120,6 @@ def fake_engine(name):
     sock.close()
     ctx.term()
     os.unlink(ipc_path(endpoint))
-
-
-def _children(pid):
-    """The pids of ``pid``'s children ([] once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 @pytest.mark.parametrize("kind", list(REPLIES))
@@ -322,9 +313,9 @@ def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
                              text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
-            children = wait_until(lambda: _children(p.pid), timeout=30, interval=0.05,
-                                  what="the CLI to fork its asking child",
-                                  seen=lambda: f"no child; the CLI's exit status {p.poll()}")
+            asking = wait_until(lambda: children(p.pid), timeout=30, interval=0.05,
+                                what="the CLI to fork its asking child",
+                                seen=lambda: f"no child; the CLI's exit status {p.poll()}")
             silent.settimeout(30)
             conn, _ = silent.accept()
             with conn:  # the child has connected and spoken: it now waits for an answer
@@ -341,7 +332,7 @@ def test_status_interrupted_while_asking_exits_130_and_reaps_its_child(name):
         os.unlink(path)
     assert p.returncode == 130, out + err
     assert "Traceback" not in err, err
-    for child in children:
+    for child in asking:
         assert not os.path.exists(f"/proc/{child}"), f"asking child {child} outlived the CLI"
 
 

@@ -292,8 +292,6 @@ def _open_sealed_pool(name: str, prefix: str) -> int:
                           lambda n: open_sealed(n, os.O_RDWR))
 
 
-
-
 class PoolView:
     """A rank's mapping of one pool's sealed memory (``shm.sealed``: it cannot shrink under
     the arrays that view it): the data read-only (populated once), the header read-write

@@ -265,7 +265,11 @@ def test_a_producer_in_another_process_puts_through_the_queue(name, procs, resul
         TaskProducer(name, timeout=0.3)
     queue = TaskQueue(name, 1, max_inflight=2)
     try:
-        with TaskProducer(name, timeout=1.0) as producer:
+        # producer's replies are bounded for a hang only (a 1 s bound failed in CI: the
+        # queue's I/O thread got no core in time to say "not enqueued"); after_close, with
+        # the default bound, asks the closed queue, which answers nothing: the bound ends
+        # that wait, and both outcomes (ClosedError, TaskSyncError) are right
+        with TaskProducer(name, timeout=30.0) as producer, TaskProducer(name) as after_close:
             assert [producer.put_tasks(i, timeout=5) for i in range(2)] == [1, 2]
             assert producer.num_tasks() == 2 and queue.num_tasks() == 2
             with pytest.raises(TimeoutError, match="not enqueued"):
@@ -286,7 +290,7 @@ def test_a_producer_in_another_process_puts_through_the_queue(name, procs, resul
             assert collect(results, "taken", 1)[0] == [0, 1, 2]
             queue.close(timeout=5)
             with pytest.raises((ClosedError, TaskSyncError)):
-                producer.put_tasks(3, timeout=0.2)
+                after_close.put_tasks(3, timeout=0.2)
     finally:
         queue.close(timeout=0)
 
